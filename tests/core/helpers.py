@@ -1,0 +1,89 @@
+"""Test doubles for driving the core without a model: a manual clock and a fake executor."""
+
+from __future__ import annotations
+
+from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
+from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.plan import SampledToken, StepPlan, StepResult
+from tokenflow.core.policies import make_policy
+from tokenflow.core.request import Request, SamplingParams
+from tokenflow.core.scheduler import Scheduler
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class FakeExecutor:
+    """Each step takes `step_s` (+ per-token cost); token ids derive from the position."""
+
+    def __init__(self, clock: ManualClock, step_s: float = 0.01, eos_at: dict[str, int] | None = None):
+        self.clock = clock
+        self.step_s = step_s
+        self.eos_at = eos_at or {}
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        if not plan.is_empty:
+            self.clock.t += self.step_s + 1e-5 * plan.num_prefill_tokens
+        sampled = []
+        for chunk in plan.chunks:
+            if chunk.samples_token:
+                position = chunk.start_position + chunk.num_tokens
+                token = 2 if self.eos_at.get(chunk.request_id) == chunk.num_output_tokens else 100 + position % 50
+                sampled.append(SampledToken(chunk.request_id, token))
+        return StepResult(tuple(sampled))
+
+
+def make_request(
+    request_id: str,
+    num_prompt: int = 20,
+    max_tokens: int = 10,
+    rate: float = 20.0,
+    arrival: float = 0.0,
+    **sampling: object,
+) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=tuple(range(3, 3 + num_prompt)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+        rate_tps=rate,
+        arrival_s=arrival,
+        eos_token_id=2,
+    )
+
+
+def make_core(
+    policy: str = "fcfs",
+    num_device_blocks: int = 64,
+    num_host_blocks: int = 256,
+    block_size: int = 4,
+    step_s: float = 0.01,
+    scheduler_config: SchedulerConfig | None = None,
+    tokenflow_config: TokenFlowConfig | None = None,
+) -> tuple[EngineCore, ManualClock, FakeExecutor]:
+    clock = ManualClock()
+    executor = FakeExecutor(clock, step_s)
+    config = scheduler_config or SchedulerConfig(
+        link_bytes_per_s=1e6, initial_decode_step_s=step_s, chunk_tokens=32
+    )
+    kv = KVConfig(num_device_blocks, num_host_blocks, block_size, block_bytes=1000)
+    scheduler = Scheduler(config, kv, make_policy(policy, config, tokenflow_config))
+    return EngineCore(scheduler, executor, clock, check_integrity=True), clock, executor
+
+
+def run_to_completion(core: EngineCore, clock: ManualClock, max_steps: int = 20_000) -> int:
+    steps = 0
+    while core.has_work:
+        plan, _ = core.step()
+        if plan.is_empty:
+            clock.t += 0.005
+        steps += 1
+        assert steps < max_steps, "the engine made no progress"
+    return steps

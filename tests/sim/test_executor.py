@@ -1,0 +1,198 @@
+"""The simulated executor, and the simulated clock it drives."""
+
+import time
+
+import pytest
+
+from tokenflow.core.plan import BlockCopy, CopyKind, ScheduledChunk, StepPlan
+from tokenflow.core.request import SamplingParams
+from tokenflow.sim.clock import SimClock, WallClock
+from tokenflow.sim.cost_model import CostModel, attention_pairs
+from tokenflow.sim.executor import SimExecutor
+from tokenflow.sim.hardware import get_gpu, get_model
+
+BLOCK_SIZE = 16
+PARAMS = SamplingParams(max_tokens=100)
+
+
+def make_executor(overlap_load_evict: bool = True, seed: int = 0) -> SimExecutor:
+    cost = CostModel(get_gpu("h200"), get_model("llama3-8b"))
+    return SimExecutor(
+        cost, SimClock(), BLOCK_SIZE, seed=seed, overlap_load_evict=overlap_load_evict
+    )
+
+
+def prefill(request_id: str, start: int, n: int, samples: bool) -> ScheduledChunk:
+    return ScheduledChunk(
+        request_id=request_id,
+        token_ids=tuple(range(5, 5 + n)),
+        start_position=start,
+        block_ids=tuple(range(-(-(start + n) // BLOCK_SIZE))),
+        samples_token=samples,
+        sampling_params=PARAMS,
+        num_output_tokens=0,
+    )
+
+
+def decode(
+    request_id: str, position: int, num_output: int = 3, params: SamplingParams = PARAMS
+) -> ScheduledChunk:
+    return ScheduledChunk(
+        request_id=request_id,
+        token_ids=(7,),
+        start_position=position,
+        block_ids=tuple(range(position // BLOCK_SIZE + 1)),
+        samples_token=True,
+        sampling_params=params,
+        num_output_tokens=num_output,
+    )
+
+
+def copies(kind: CopyKind, n: int) -> tuple[BlockCopy, ...]:
+    return tuple(BlockCopy(f"c{i}", kind, i, i) for i in range(n))
+
+
+def make_plan(
+    chunks: tuple[ScheduledChunk, ...] = (), num_d2h: int = 0, num_h2d: int = 0, step: int = 0
+) -> StepPlan:
+    return StepPlan(
+        step_index=step,
+        chunks=chunks,
+        device_to_host=copies(CopyKind.WRITE_THROUGH, num_d2h),
+        host_to_device=copies(CopyKind.LOAD, num_h2d),
+        released_request_ids=(),
+    )
+
+
+# -- clock ------------------------------------------------------------------------------------
+def test_sim_clock_advances() -> None:
+    clock = SimClock()
+    clock.advance(0.5)
+    clock.advance_to(2.0)
+    clock.advance_to(2.0)
+    clock.advance(0.0)
+    assert clock.now() == 2.0
+
+
+@pytest.mark.parametrize("bad", [1.0, float("nan"), float("inf")])
+def test_sim_clock_never_goes_backwards(bad: float) -> None:
+    clock = SimClock(start_s=1.5)
+    with pytest.raises(ValueError, match="backwards"):
+        clock.advance_to(bad)
+    assert clock.now() == 1.5
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_sim_clock_rejects_bad_increments(bad: float) -> None:
+    clock = SimClock()
+    with pytest.raises(ValueError):
+        clock.advance(bad)
+    assert clock.now() == 0.0
+
+
+def test_wall_clock_starts_near_zero_and_is_monotonic() -> None:
+    clock = WallClock()
+    first = clock.now()
+    assert 0.0 <= first < 1.0
+    assert clock.now() >= first
+
+
+# -- executor ---------------------------------------------------------------------------------
+def test_samples_exactly_the_chunks_that_ask() -> None:
+    executor = make_executor()
+    chunks = (prefill("a", 0, 64, samples=False), decode("b", 40), prefill("c", 128, 32, True))
+    result = executor.execute(make_plan(chunks))
+    assert [s.request_id for s in result.sampled] == ["b", "c"]
+
+
+def test_token_ids_are_deterministic_and_never_eos() -> None:
+    chunks = tuple(decode(f"r{i}", 100 + i, num_output=i) for i in range(50))
+    first = make_executor(seed=7).execute(make_plan(chunks)).sampled
+    again = make_executor(seed=7).execute(make_plan(chunks)).sampled
+    assert first == again
+    assert all(1 <= s.token_id < 1000 for s in first)
+
+
+def test_token_ids_skip_stop_token_ids() -> None:
+    executor = make_executor()
+    plain = executor.execute(make_plan((decode("a", 10),))).sampled[0].token_id
+    params = SamplingParams(max_tokens=100, stop_token_ids=(plain, plain + 1))
+    stopped = executor.execute(make_plan((decode("a", 10, params=params),))).sampled[0]
+    assert stopped.token_id not in (plain, plain + 1)
+
+
+def test_compute_time_follows_the_cost_model() -> None:
+    executor = make_executor()
+    chunks = (prefill("a", 100, 50, samples=True), decode("b", 40), decode("c", 9))
+    executor.execute(make_plan(chunks))
+    expected = CostModel(get_gpu("h200"), get_model("llama3-8b")).compute_time_s(
+        num_prefill_tokens=50,
+        prefill_attention_pairs=attention_pairs(100, 50),
+        decode_context_tokens=41 + 10,
+        num_decode_seqs=2,
+        num_prefill_samples=1,
+    )
+    assert executor.last_step_duration_s == pytest.approx(expected)
+    assert executor.total_compute_s == pytest.approx(expected)
+
+
+def test_clock_advances_by_the_step_duration() -> None:
+    clock = SimClock(start_s=10.0)
+    executor = SimExecutor(CostModel(get_gpu("h200"), get_model("llama3-8b")), clock, BLOCK_SIZE)
+    executor.execute(make_plan((decode("a", 100),)))
+    executor.execute(make_plan((decode("a", 101),)))
+    assert executor.num_steps == 2
+    assert clock.now() > 10.0
+    assert executor.last_step_duration_s > 0
+
+
+def test_copies_overlap_each_other_and_compute_by_default() -> None:
+    executor = make_executor()
+    block_s = executor.block_bytes / get_gpu("h200").pcie_bytes_per_s
+    executor.execute(make_plan((decode("a", 100),), num_d2h=2000, num_h2d=1000))
+    assert executor.last_step_duration_s == pytest.approx(2000 * block_s)
+    assert executor.total_d2h_bytes == 2000 * executor.block_bytes
+    assert executor.total_h2d_bytes == 1000 * executor.block_bytes
+
+
+def test_without_load_evict_overlap_copies_add_up() -> None:
+    executor = make_executor(overlap_load_evict=False)
+    block_s = executor.block_bytes / get_gpu("h200").pcie_bytes_per_s
+    executor.execute(make_plan((decode("a", 100),), num_d2h=2000, num_h2d=1000))
+    assert executor.last_step_duration_s == pytest.approx(3000 * block_s)
+
+
+def test_small_copies_hide_behind_compute() -> None:
+    with_copies, without = make_executor(), make_executor()
+    chunks = (prefill("a", 0, 2048, samples=True),)
+    with_copies.execute(make_plan(chunks, num_d2h=3, num_h2d=3))
+    without.execute(make_plan(chunks))
+    assert with_copies.last_step_duration_s == without.last_step_duration_s
+
+
+def test_block_bytes() -> None:
+    assert make_executor().block_bytes == BLOCK_SIZE * 131072
+
+
+def test_empty_plan_takes_no_time() -> None:
+    executor = make_executor()
+    result = executor.execute(make_plan())
+    assert result.sampled == ()
+    assert executor.last_step_duration_s == 0.0
+
+
+def test_rejects_bad_block_size() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        SimExecutor(CostModel(get_gpu("h200"), get_model("llama3-8b")), SimClock(), 0)
+
+
+def test_step_is_fast() -> None:
+    executor = make_executor()
+    plan = make_plan(tuple(decode(f"r{i}", 1000 + i) for i in range(300)), num_d2h=20)
+    executor.execute(plan)
+    num_steps = 50
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        executor.execute(plan)
+    per_step_s = (time.perf_counter() - start) / num_steps
+    assert per_step_s < 0.002  # ~300 chunks: generous bound for a shared CI core

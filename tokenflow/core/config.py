@@ -1,0 +1,86 @@
+"""Configuration of the scheduler and its policies: one frozen, validated dataclass per concern.
+
+Field comments double as CLI help; defaults are documented with their reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+
+def _check_positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits shared by every policy (SGLang-like defaults)."""
+
+    max_num_seqs: int = 256  # most requests resident on the device at once
+    max_prefill_tokens: int = 16384  # prefill tokens in one step (one longer prompt runs alone)
+    chunk_tokens: int = 2048  # token budget of a step under chunked prefill
+    max_model_len: int = 1 << 20  # prompt + output tokens of one request
+    init_new_token_ratio: float = 0.7  # admission reserves this share of each running
+    min_new_token_ratio: float = 0.1  # request's remaining max_tokens; it decays to the minimum
+    new_token_ratio_decay_steps: int = 600  # over this many steps, and resets on an OOM retraction
+    link_bytes_per_s: float = 25e9  # host <-> device copy bandwidth, each direction
+    initial_decode_step_s: float = 0.02  # step-time guesses until measurements arrive
+    initial_prefill_token_s: float = 2e-4
+
+    def __post_init__(self) -> None:
+        _check_positive(self, *(f.name for f in fields(self)))
+        if self.min_new_token_ratio > self.init_new_token_ratio:
+            raise ValueError("min_new_token_ratio must not exceed init_new_token_ratio")
+
+
+@dataclass(frozen=True)
+class TokenFlowConfig:
+    """Parameters of the buffer-aware policy (SPEC section 3)."""
+
+    schedule_interval_s: float = 0.5  # delta-t between scheduling decisions under stress
+    buffer_conservativeness: float = 2.0  # mu: pause j only if b_j >= mu*r_j*(evict+load+sched)
+    working_set_smoothing: float = 0.5  # lambda: W_sched = W_static - lambda*(W_static - N_run)
+    critical_slack_s: float = 2.0  # T_critical: a buffer this close to dry means stress
+    stall_penalty: float = 1.0  # gamma: weight of the empty-buffer term in a stream's priority
+    value_horizon_s: float = 8.0  # a token's value falls to 0 when this much reading is buffered
+    switch_penalty: float = 0.2  # utility lost by bringing a stream back to the device
+    local_search_passes: int = 2  # passes of adjacent swaps after the greedy pick
+    write_through: bool = True  # copy KV to the host continuously (ablation: False)
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            self, "schedule_interval_s", "buffer_conservativeness", "value_horizon_s"
+        )
+        if self.buffer_conservativeness < 1.0:
+            raise ValueError("buffer_conservativeness (mu) must be >= 1")
+        if not 0.0 <= self.working_set_smoothing <= 1.0:
+            raise ValueError("working_set_smoothing (lambda) must be in [0, 1]")
+        if self.critical_slack_s < 0 or self.stall_penalty < 0 or self.switch_penalty < 0:
+            raise ValueError("critical_slack_s, stall_penalty and switch_penalty must be >= 0")
+        if self.local_search_passes < 0:
+            raise ValueError("local_search_passes must be >= 0")
+
+
+@dataclass(frozen=True)
+class AndesConfig:
+    """Parameters of the Andes QoE-aware policy (arXiv 2404.16283)."""
+
+    kv_usage_threshold: float = 0.9  # act only above this device KV use (or when waiting grows)
+    horizon_s: float = 1.0  # QoE is predicted this far ahead
+    ttft_target_s: float = 1.0  # ideal first token at arrival + target
+    max_preemptions_per_request: float = 1.0  # P: anti-thrashing budget, on average
+    num_batch_candidates: int = 6  # batch sizes tried between the smallest and largest
+    decision_interval_s: float = 0.1  # re-plan at most this often (bounds the knapsack's cost)
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            self, "horizon_s", "ttft_target_s", "num_batch_candidates", "decision_interval_s"
+        )
+        if not 0.0 < self.kv_usage_threshold <= 1.0:
+            raise ValueError("kv_usage_threshold must be in (0, 1]")
+        if self.max_preemptions_per_request < 0:
+            raise ValueError("max_preemptions_per_request must be >= 0")

@@ -1,0 +1,249 @@
+"""Paged KV blocks in two tiers: the device (accelerator) and the host (CPU memory).
+
+The manager owns block ids, never memory: it returns `BlockCopy` plans that an executor performs.
+
+Per request it keeps a device block table, a host block table and `synced_tokens`, the number of
+leading tokens whose KV has a current copy in the host tier.  The host tier is a write-through
+cache behind the device: full blocks of running requests are copied as the write budget allows,
+so an eviction only has to copy the unsynced tail, and frees the synced blocks at once.
+
+Invariants (`check_integrity`): per tier free + owned == total; no block owned twice or both free
+and owned; synced_tokens never exceeds what the host table covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenflow.core.plan import BlockCopy, CopyKind
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Sizes of the two tiers, in blocks of `block_size` tokens."""
+
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int = 16
+    block_bytes: int = 1  # bytes of one block, all layers, K and V (copy budgets are in bytes)
+
+    def __post_init__(self) -> None:
+        if self.num_device_blocks < 1:
+            raise ValueError(f"num_device_blocks must be >= 1, got {self.num_device_blocks}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
+        if self.block_size < 1 or self.block_bytes < 1:
+            raise ValueError("block_size and block_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    """What offloading a request takes: copies to run now and blocks freed after the step."""
+
+    copies: tuple[BlockCopy, ...]
+    num_freed_now_blocks: int
+    num_freed_after_step_blocks: int
+
+
+class KVTierManager:
+    """Block accounting for the device and host tiers (pure bookkeeping)."""
+
+    def __init__(self, config: KVConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        # Free lists are stacks popped from the end; initial order makes low ids go first.
+        self._free_device = list(range(config.num_device_blocks - 1, -1, -1))
+        self._free_host = list(range(config.num_host_blocks - 1, -1, -1))
+        self._device_tables: dict[str, list[int]] = {}
+        self._host_tables: dict[str, list[int]] = {}
+        self._synced_tokens: dict[str, int] = {}
+        self._loaded_blocks: dict[str, int] = {}  # request -> leading blocks already loaded
+        self._release_after_step: list[int] = []  # device blocks whose eviction copy is in flight
+
+    # -- queries -----------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        return len(self._free_device)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_host)
+
+    @property
+    def device_usage(self) -> float:
+        """Fraction of device blocks not free (including blocks of evictions in flight)."""
+        return 1.0 - len(self._free_device) / self.config.num_device_blocks
+
+    @property
+    def host_usage(self) -> float:
+        total = self.config.num_host_blocks
+        return 0.0 if total == 0 else 1.0 - len(self._free_host) / total
+
+    def device_block_ids(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._device_tables.get(request_id, ()))
+
+    def num_device_blocks_of(self, request_id: str) -> int:
+        return len(self._device_tables.get(request_id, ()))
+
+    def synced_tokens(self, request_id: str) -> int:
+        return self._synced_tokens.get(request_id, 0)
+
+    def has_host_copy(self, request_id: str, num_tokens: int) -> bool:
+        """True when the host tier holds the KV of the first `num_tokens` tokens."""
+        return num_tokens > 0 and self._synced_tokens.get(request_id, 0) >= num_tokens
+
+    def unsynced_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Blocks an eviction of a request with `num_tokens` computed tokens would copy."""
+        synced = self._synced_tokens.get(request_id, 0)
+        return self.blocks_for(num_tokens) - synced // self.block_size
+
+    # -- device allocation ------------------------------------------------------------------------
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        """True when the device table can grow to cover `num_tokens` tokens."""
+        missing = self.blocks_for(num_tokens) - len(self._device_tables.get(request_id, ()))
+        return missing <= len(self._free_device)
+
+    def allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the device table to cover `num_tokens` tokens; False (and no change) if full."""
+        table = self._device_tables.setdefault(request_id, [])
+        missing = self.blocks_for(num_tokens) - len(table)
+        if missing > len(self._free_device):
+            if not table:
+                del self._device_tables[request_id]
+            return False
+        for _ in range(missing):
+            table.append(self._free_device.pop())
+        return True
+
+    # -- write-through -------------------------------------------------------------------------------
+    def plan_write_through(
+        self, candidates: list[tuple[str, int]], budget_blocks: int
+    ) -> list[BlockCopy]:
+        """Copy full, unsynced device blocks to the host, in the candidates' order.
+
+        `candidates` are (request id, computed tokens) pairs, most-likely-to-be-preempted first.
+        Only full blocks are written: the partial tail changes every step and is copied by an
+        eviction instead.  Stops at `budget_blocks` copies or when the host tier is full.
+        """
+        copies: list[BlockCopy] = []
+        bs = self.block_size
+        for request_id, num_tokens in candidates:
+            if len(copies) >= budget_blocks:
+                break
+            first = self._synced_tokens.get(request_id, 0) // bs
+            last = num_tokens // bs  # exclusive: number of full blocks
+            device = self._device_tables.get(request_id)
+            if device is None or first >= last:
+                continue
+            host = self._host_tables.setdefault(request_id, [])
+            index = first
+            while index < last and len(copies) < budget_blocks:
+                if index >= len(host):
+                    if not self._free_host:
+                        break
+                    host.append(self._free_host.pop())
+                copies.append(
+                    BlockCopy(request_id, CopyKind.WRITE_THROUGH, device[index], host[index])
+                )
+                index += 1
+            if index > first:
+                self._synced_tokens[request_id] = index * bs
+            if not host:
+                del self._host_tables[request_id]
+        return copies
+
+    # -- eviction, loading, release ---------------------------------------------------------------
+    def evict(self, request_id: str, num_tokens: int) -> EvictionPlan | None:
+        """Offload a request: free its synced device blocks now, copy the unsynced rest.
+
+        Returns None, changing nothing, when the host tier cannot take the rest (the caller then
+        drops the KV for recompute).  Copied device blocks are released at `end_step()`.
+        """
+        device = self._device_tables.get(request_id, [])
+        host = self._host_tables.get(request_id, [])
+        needed = self.blocks_for(num_tokens)
+        if needed - len(host) > len(self._free_host) or len(device) < needed:
+            return None
+        host = self._host_tables.setdefault(request_id, host)
+        while len(host) < needed:
+            host.append(self._free_host.pop())
+        first_unsynced = min(self._synced_tokens.get(request_id, 0) // self.block_size, needed)
+        copies = tuple(
+            BlockCopy(request_id, CopyKind.EVICT, device[i], host[i])
+            for i in range(first_unsynced, needed)
+        )
+        self._free_device.extend(reversed(device[:first_unsynced]))
+        self._free_device.extend(reversed(device[needed:]))
+        self._release_after_step.extend(device[first_unsynced:needed])
+        self._device_tables.pop(request_id, None)
+        self._loaded_blocks.pop(request_id, None)
+        self._synced_tokens[request_id] = num_tokens
+        return EvictionPlan(copies, first_unsynced + len(device) - needed, needed - first_unsynced)
+
+    def begin_load(self, request_id: str, num_tokens: int) -> bool:
+        """Reserve device blocks for a resumed request whose KV is in the host tier."""
+        if not self.has_host_copy(request_id, num_tokens) or request_id in self._device_tables:
+            raise ValueError(f"request {request_id} has no host copy to load or is on the device")
+        if not self.allocate(request_id, num_tokens):
+            return False
+        self._loaded_blocks[request_id] = 0
+        return True
+
+    def plan_load(self, request_id: str, num_tokens: int, budget_blocks: int) -> list[BlockCopy]:
+        """Next host -> device copies of a loading request, at most `budget_blocks` of them."""
+        start = self._loaded_blocks[request_id]
+        end = min(self.blocks_for(num_tokens), start + budget_blocks)
+        device, host = self._device_tables[request_id], self._host_tables[request_id]
+        self._loaded_blocks[request_id] = end
+        return [BlockCopy(request_id, CopyKind.LOAD, host[i], device[i]) for i in range(start, end)]
+
+    def is_loaded(self, request_id: str, num_tokens: int) -> bool:
+        """True once every block of a loading request has been planned for copying."""
+        return self._loaded_blocks.get(request_id, 0) >= self.blocks_for(num_tokens)
+
+    def free_device(self, request_id: str) -> int:
+        """Release a request's device blocks, keeping its host copy; returns blocks freed."""
+        device = self._device_tables.pop(request_id, [])
+        self._loaded_blocks.pop(request_id, None)
+        self._free_device.extend(reversed(device))
+        return len(device)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request in both tiers (finish, abort, or preemption by recompute)."""
+        self.free_device(request_id)
+        self._free_host.extend(reversed(self._host_tables.pop(request_id, [])))
+        self._synced_tokens.pop(request_id, None)
+
+    def end_step(self) -> None:
+        """The step's copies are done: release the device blocks of finished evictions."""
+        self._free_device.extend(reversed(self._release_after_step))
+        self._release_after_step.clear()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any tier's bookkeeping is inconsistent."""
+        self._check_tier(
+            "device",
+            self.config.num_device_blocks,
+            self._free_device + self._release_after_step,
+            self._device_tables,
+        )
+        self._check_tier("host", self.config.num_host_blocks, self._free_host, self._host_tables)
+        for request_id, synced in self._synced_tokens.items():
+            covered = len(self._host_tables.get(request_id, ())) * self.block_size
+            assert synced <= covered, f"{request_id}: {synced} synced tokens, host holds {covered}"
+        for request_id in self._loaded_blocks:
+            assert request_id in self._device_tables, f"{request_id}: loading without blocks"
+
+    @staticmethod
+    def _check_tier(
+        name: str, total: int, free: list[int], tables: dict[str, list[int]]
+    ) -> None:
+        owned = [block for table in tables.values() for block in table]
+        everything = free + owned
+        assert len(everything) == total, f"{name}: free {len(free)} + owned {len(owned)} != {total}"
+        assert len(set(everything)) == total, f"{name}: a block is owned twice or free and owned"
+        assert all(0 <= b < total for b in everything), f"{name}: block id out of range"

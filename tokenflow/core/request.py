@@ -1,0 +1,169 @@
+"""A request's life in the core: tokens, lifecycle state and the reader's virtual buffer.
+
+Lifecycle::
+
+    WAITING --start--> RUNNING <--preempt/resume--> PREEMPTED
+       |                  |  ^                          |
+       |                  v  | (load finished)          |
+       |               LOADING <------------------------+
+       +--------------> FINISHED / ABORTED <------------+
+
+The virtual buffer models the client: the reader starts at the first token and consumes one
+token every 1/r seconds, pausing (a stall) when the buffer is empty.  With g_j the time token j
+was generated, its consumption time is c_1 = g_1 and c_j = max(g_j, c_(j-1) + 1/r).  Only the last
+consumption time needs to be kept: every token still buffered at time t >= g_n satisfies
+c_j = c_(j-1) + 1/r, so the buffer is ceil((c_n - t) * r) clipped to [0, n].
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, never started
+    RUNNING = "running"  # KV on the device tier; prefilling or decoding
+    LOADING = "loading"  # KV being copied host -> device; runs once the load is done
+    PREEMPTED = "preempted"  # off the device; KV kept in the host tier or dropped for recompute
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token (or, at the engine layer, a stop string)
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+class PreemptMode(enum.Enum):
+    OFFLOAD = "offload"  # keep the KV in the host tier and load it back later
+    RECOMPUTE = "recompute"  # drop the KV; prefill prompt + outputs again on resume
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when a request stops (the vLLM names and meanings)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclass(eq=False)
+class Request:
+    """One stream: its tokens, where its KV lives, and its reader's buffer.
+
+    `arrival_index` breaks ties between equal arrival times, so every order is deterministic.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    rate_tps: float
+    arrival_s: float
+    arrival_index: int = 0
+    eos_token_id: int | None = None
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0  # leading tokens whose KV is valid (device or host copy)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    last_consume_s: float = 0.0  # reader's consumption time of the newest token
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if not math.isfinite(self.rate_tps) or self.rate_tps <= 0:
+            raise ValueError(
+                f"request {self.request_id}: rate must be a finite number > 0 tokens/s, "
+                f"got {self.rate_tps!r}"
+            )
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the sequence the model has seen or will see."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while some known tokens still need their KV computed before a token is sampled."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    def token_ids_from(self, position: int, count: int) -> tuple[int, ...]:
+        """Tokens [position, position + count) of prompt + outputs."""
+        num_prompt = len(self.prompt_token_ids)
+        end = position + count
+        if end <= num_prompt:
+            return self.prompt_token_ids[position:end]
+        head = self.prompt_token_ids[position:num_prompt] if position < num_prompt else ()
+        tail_start = max(position - num_prompt, 0)
+        return tuple(head) + tuple(self.output_token_ids[tail_start : end - num_prompt])
+
+    # -- the reader's buffer --------------------------------------------------------------------
+    def append_token(self, token_id: int, now_s: float) -> None:
+        """Record a generated token and advance the reader's consumption model."""
+        if self.output_token_ids:
+            self.last_consume_s = max(now_s, self.last_consume_s + 1.0 / self.rate_tps)
+        else:
+            self.last_consume_s = now_s
+        self.output_token_ids.append(token_id)
+        self.token_times_s.append(now_s)
+
+    def buffer_tokens(self, now_s: float) -> int:
+        """Tokens generated but not yet consumed by the reader at `now_s` (0 before the first)."""
+        ahead_s = self.last_consume_s - now_s
+        if not self.output_token_ids or ahead_s <= 0:
+            return 0
+        return min(self.num_output_tokens, math.ceil(ahead_s * self.rate_tps - 1e-9))
+
+    def slack_s(self, now_s: float) -> float:
+        """Seconds until the reader asks for a token that does not exist yet (<= 0: stalling).
+
+        A request without its first token has no slack: it counts as an empty buffer.
+        """
+        if not self.output_token_ids:
+            return 0.0
+        return self.last_consume_s + 1.0 / self.rate_tps - now_s
+
+    @property
+    def sort_key(self) -> tuple[float, int]:
+        """First come, first served: arrival time, then arrival order."""
+        return (self.arrival_s, self.arrival_index)

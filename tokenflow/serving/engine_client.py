@@ -1,0 +1,94 @@
+"""The one interface the HTTP server depends on.
+
+The server never touches the scheduler, the model or the KV cache: it tokenizes with
+`EngineClient.tokenizer`, submits with `generate()`, streams `GenerationDelta`s, and calls
+`abort()` when its client goes away.  The real implementation wraps the core's step loop in a
+background thread; tests use a fake with the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenflow.core.request import SamplingParams
+
+
+class EngineOverloaded(Exception):
+    """Raised by `generate()` when the waiting queue is at its cap (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineRequestError(ValueError):
+    """Raised by `generate()` for a request the engine cannot serve (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """New output of one request since its previous delta.
+
+    `text` is already detokenized and cut at a stop string; `finish_reason` is "stop", "length"
+    or "abort" on the last delta and None before it.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics; counters are totals since start."""
+
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+    device_kv_usage: float  # fraction of device blocks in use, 0..1
+    host_kv_usage: float  # fraction of host blocks in use, 0..1
+    num_preemptions_total: int
+    num_loads_total: int
+    num_recomputes_total: int
+    buffer_slack_s: tuple[float, ...]  # per running stream: seconds of reading left in its buffer
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Render OpenAI-style messages with the model's chat template and tokenize them."""
+        ...
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int  # prompt + output tokens
+    default_rate_tps: float
+    tokenizer: Tokenizer
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        rate_tps: float,
+    ) -> AsyncIterator[GenerationDelta]:
+        """Submit a request and stream its deltas; raises EngineOverloaded/EngineRequestError
+        before the first delta if it cannot be accepted."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request and free its KV in both tiers; a no-op if it already ended."""
+        ...
+
+    def stats(self) -> EngineStats: ...

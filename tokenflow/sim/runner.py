@@ -1,0 +1,163 @@
+"""Runs the core against the cost model on a simulated clock: `tokenflow simulate`."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from tokenflow.core.config import AndesConfig, SchedulerConfig, TokenFlowConfig
+from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.policies import make_policy
+from tokenflow.core.request import Request, SamplingParams
+from tokenflow.core.scheduler import Scheduler
+from tokenflow.metrics import MetricsConfig, RequestTrace, Summary, summarize
+from tokenflow.sim.clock import SimClock
+from tokenflow.sim.cost_model import CostModel
+from tokenflow.sim.executor import SimExecutor
+from tokenflow.sim.hardware import get_gpu, get_model
+from tokenflow.workload import WorkloadRequest
+
+_GIB = 2**30
+
+
+class SimulationStalled(RuntimeError):
+    """The simulated engine made no progress for too long (a scheduling bug, never expected)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated deployment: hardware, memory split and policy parameters."""
+
+    gpu: str = "h200"
+    model: str = "llama3-8b"
+    memory_fraction: float = 0.3  # of GPU memory for weights + device KV pool
+    host_memory_gib: float = 128.0  # host KV tier
+    block_size: int = 16
+    overlap_load_evict: bool = True
+    check_integrity: bool = False
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tokenflow: TokenFlowConfig = field(default_factory=TokenFlowConfig)
+    andes: AndesConfig = field(default_factory=AndesConfig)
+    idle_tick_s: float = 0.005  # clock advance when nothing can run (waiting on a decision)
+    stall_limit_steps: int = 200_000  # consecutive steps without a token before giving up
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    summary: Summary
+    traces: tuple[RequestTrace, ...]
+    num_steps: int
+    num_loads: int
+    num_recomputes: int
+    d2h_gib: float
+    h2d_gib: float
+    wall_s: float
+
+
+def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecutor]:
+    """The core wired to a cost-model executor and a simulated clock."""
+    cost_model = CostModel(get_gpu(config.gpu), get_model(config.model))
+    block_bytes = config.block_size * cost_model.model.kv_bytes_per_token
+    kv_config = KVConfig(
+        num_device_blocks=cost_model.kv_pool_bytes(config.memory_fraction) // block_bytes,
+        num_host_blocks=int(config.host_memory_gib * _GIB) // block_bytes,
+        block_size=config.block_size,
+        block_bytes=block_bytes,
+    )
+    scheduler_config = SchedulerConfig(
+        **{
+            **config.scheduler.__dict__,
+            "link_bytes_per_s": cost_model.gpu.pcie_bytes_per_s,
+            "initial_decode_step_s": 1.0 / cost_model.decode_tokens_per_s(1, 1024),
+            "initial_prefill_token_s": 1.0 / cost_model.prefill_tokens_per_s(2048),
+        }
+    )
+    policy_obj = make_policy(policy, scheduler_config, config.tokenflow, config.andes)
+    scheduler = Scheduler(scheduler_config, kv_config, policy_obj)
+    clock = SimClock()
+    executor = SimExecutor(
+        cost_model, clock, config.block_size, overlap_load_evict=config.overlap_load_evict
+    )
+    return EngineCore(scheduler, executor, clock, config.check_integrity), executor
+
+
+def make_request(item: WorkloadRequest) -> Request:
+    """A core request for a workload item; output length fixed by ignore_eos + max_tokens."""
+    return Request(
+        request_id=item.request_id,
+        prompt_token_ids=(1,) * item.num_prompt_tokens,
+        sampling_params=SamplingParams(max_tokens=item.num_output_tokens, ignore_eos=True),
+        rate_tps=item.rate_tps,
+        arrival_s=item.arrival_s,
+    )
+
+
+def run_simulation(
+    workload: list[WorkloadRequest],
+    policy: str,
+    config: SimConfig,
+    metrics_config: MetricsConfig | None = None,
+    progress: bool = False,
+) -> SimResult:
+    """Serve `workload` with `policy` on the simulated deployment and measure it."""
+    started = time.perf_counter()
+    core, executor = build_engine(config, policy)
+    clock = executor_clock(core)
+    pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    requests: list[Request] = []
+    bar = tqdm(total=len(workload), desc=policy, disable=not progress, unit="req", leave=False)
+    idle_steps = 0
+    while pending or core.has_work:
+        now = clock.now()
+        while pending and pending[0].arrival_s <= now:
+            request = make_request(pending.popleft())
+            core.add_request(request)
+            requests.append(request)
+        if not core.has_work:
+            clock.advance_to(pending[0].arrival_s)
+            continue
+        plan, outputs = core.step()
+        bar.update(sum(1 for o in outputs if o.is_finished))
+        idle_steps = 0 if outputs else idle_steps + 1
+        if idle_steps > config.stall_limit_steps:
+            raise SimulationStalled(f"{policy}: no token for {idle_steps} steps at t={now:.2f}s")
+        if plan.is_empty:
+            next_arrival = pending[0].arrival_s if pending else float("inf")
+            clock.advance_to(min(next_arrival, now + config.idle_tick_s))
+    bar.close()
+    traces = tuple(_trace(r) for r in requests)
+    scheduler = core.scheduler
+    return SimResult(
+        policy=policy,
+        summary=summarize(traces, metrics_config or MetricsConfig()),
+        traces=traces,
+        num_steps=core.num_steps,
+        num_loads=scheduler.num_loads_total,
+        num_recomputes=scheduler.num_recomputes_total,
+        d2h_gib=executor.total_d2h_bytes / _GIB,
+        h2d_gib=executor.total_h2d_bytes / _GIB,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def executor_clock(core: EngineCore) -> SimClock:
+    clock = core.clock
+    assert isinstance(clock, SimClock)
+    return clock
+
+
+def _trace(request: Request) -> RequestTrace:
+    return RequestTrace(
+        request_id=request.request_id,
+        arrival_s=request.arrival_s,
+        rate_tps=request.rate_tps,
+        num_prompt_tokens=request.num_prompt_tokens,
+        token_times_s=tuple(request.token_times_s),
+        num_preemptions=request.num_preemptions,
+        finish_reason=request.finish_reason.value if request.finish_reason else None,
+    )
