@@ -1,0 +1,109 @@
+import pytest
+
+from tokenflow.core.kv_manager import KVConfig, KVTierManager
+from tokenflow.core.plan import CopyKind
+
+
+def manager(device=8, host=8, block_size=4) -> KVTierManager:
+    return KVTierManager(KVConfig(device, host, block_size, block_bytes=100))
+
+
+def test_allocate_grows_and_refuses_without_side_effects():
+    kv = manager(device=4)
+    assert kv.allocate("a", 9)  # 3 blocks
+    assert kv.num_device_blocks_of("a") == 3
+    assert not kv.allocate("b", 8)  # needs 2, 1 free
+    assert kv.num_device_blocks_of("b") == 0 and kv.num_free_device_blocks == 1
+    kv.check_integrity()
+
+
+def test_write_through_copies_only_full_blocks_in_candidate_order():
+    kv = manager()
+    kv.allocate("a", 10)  # blocks 0,1 full; 2 partial
+    kv.allocate("b", 8)
+    copies = kv.plan_write_through([("b", 8), ("a", 10)], budget_blocks=3)
+    assert [(c.request_id, c.kind) for c in copies] == [
+        ("b", CopyKind.WRITE_THROUGH),
+        ("b", CopyKind.WRITE_THROUGH),
+        ("a", CopyKind.WRITE_THROUGH),
+    ]
+    assert kv.synced_tokens("b") == 8 and kv.synced_tokens("a") == 4
+    assert kv.plan_write_through([("b", 8)], budget_blocks=5) == []  # nothing new
+    kv.check_integrity()
+
+
+def test_evict_frees_synced_blocks_now_and_the_rest_after_the_step():
+    kv = manager(device=6)
+    kv.allocate("a", 10)
+    kv.plan_write_through([("a", 10)], budget_blocks=1)  # block 0 synced
+    free_before = kv.num_free_device_blocks
+    plan = kv.evict("a", 10)
+    assert plan is not None
+    assert [c.kind for c in plan.copies] == [CopyKind.EVICT, CopyKind.EVICT]  # blocks 1 and 2
+    assert kv.num_free_device_blocks == free_before + 1
+    kv.check_integrity()
+    kv.end_step()
+    assert kv.num_free_device_blocks == 6
+    assert kv.has_host_copy("a", 10)
+    kv.check_integrity()
+
+
+def test_evict_refuses_when_the_host_is_full():
+    kv = manager(device=8, host=1)
+    kv.allocate("a", 12)
+    assert kv.evict("a", 12) is None
+    assert kv.num_device_blocks_of("a") == 3
+    kv.check_integrity()
+
+
+def test_load_round_trip_keeps_block_mapping():
+    kv = manager()
+    kv.allocate("a", 12)
+    evicted = kv.evict("a", 12)
+    kv.end_step()
+    host_of = {c.src_block_id: c.dst_block_id for c in evicted.copies}
+    kv.allocate("other", 4)  # the device ids the request gets back differ
+    assert kv.begin_load("a", 12)
+    first = kv.plan_load("a", 12, budget_blocks=2)
+    assert not kv.is_loaded("a", 12)
+    rest = kv.plan_load("a", 12, budget_blocks=2)
+    assert kv.is_loaded("a", 12)
+    loads = first + rest
+    assert [c.src_block_id for c in loads] == list(host_of.values())
+    assert [c.dst_block_id for c in loads] == list(kv.device_block_ids("a"))
+    kv.check_integrity()
+
+
+def test_partial_tail_is_rewritten_after_resume():
+    kv = manager()
+    kv.allocate("a", 6)
+    kv.evict("a", 6)  # host holds tokens 0..5, block 1 partial
+    kv.end_step()
+    kv.begin_load("a", 6)
+    kv.plan_load("a", 6, 10)
+    kv.allocate("a", 8)  # grows to fill block 1
+    copies = kv.plan_write_through([("a", 8)], budget_blocks=4)
+    assert len(copies) == 1 and kv.synced_tokens("a") == 8
+
+
+def test_drop_releases_both_tiers():
+    kv = manager()
+    kv.allocate("a", 16)
+    kv.plan_write_through([("a", 16)], budget_blocks=4)
+    kv.drop("a")
+    assert kv.num_free_device_blocks == 8 and kv.num_free_host_blocks == 8
+    kv.check_integrity()
+
+
+def test_integrity_check_catches_a_double_owned_block():
+    kv = manager()
+    kv.allocate("a", 4)
+    kv._device_tables["b"] = list(kv._device_tables["a"])  # corrupt on purpose
+    with pytest.raises(AssertionError):
+        kv.check_integrity()
+
+
+def test_begin_load_without_host_copy_is_an_error():
+    kv = manager()
+    with pytest.raises(ValueError):
+        kv.begin_load("nobody", 4)
