@@ -22,7 +22,9 @@ class ManualClock:
 class FakeExecutor:
     """Each step takes `step_s` (+ per-token cost); token ids derive from the position."""
 
-    def __init__(self, clock: ManualClock, step_s: float = 0.01, eos_at: dict[str, int] | None = None):
+    def __init__(
+        self, clock: ManualClock, step_s: float = 0.01, eos_at: dict[str, int] | None = None
+    ):
         self.clock = clock
         self.step_s = step_s
         self.eos_at = eos_at or {}
@@ -36,7 +38,11 @@ class FakeExecutor:
         for chunk in plan.chunks:
             if chunk.samples_token:
                 position = chunk.start_position + chunk.num_tokens
-                token = 2 if self.eos_at.get(chunk.request_id) == chunk.num_output_tokens else 100 + position % 50
+                token = (
+                    2
+                    if self.eos_at.get(chunk.request_id) == chunk.num_output_tokens
+                    else 100 + position % 50
+                )
                 sampled.append(SampledToken(chunk.request_id, token))
         return StepResult(tuple(sampled))
 

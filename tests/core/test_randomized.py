@@ -25,7 +25,11 @@ def drive(policy: str, seed: int, with_aborts: bool = True):
     Returns the decision trace (every plan) and the requests."""
     rng = random.Random(seed)
     core, clock, ex = make_core(
-        policy, num_device_blocks=40, num_host_blocks=60, block_size=4, step_s=0.02,
+        policy,
+        num_device_blocks=40,
+        num_host_blocks=60,
+        block_size=4,
+        step_s=0.02,
         scheduler_config=TIGHT,
     )
     requests = []
@@ -67,7 +71,9 @@ def test_invariants_hold_and_every_request_ends(policy, seed):
         if request.state is RequestState.FINISHED:
             assert request.num_output_tokens == request.sampling_params.max_tokens
             # tokens depend only on position (the fake model): preemption lost nothing
-            expected = [100 + (request.num_prompt_tokens + j) % 50 for j in range(request.num_output_tokens)]
+            expected = [
+                100 + (request.num_prompt_tokens + j) % 50 for j in range(request.num_output_tokens)
+            ]
             assert request.output_token_ids == expected
     kv = core.scheduler.kv
     assert kv.num_free_device_blocks == kv.config.num_device_blocks

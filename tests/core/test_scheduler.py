@@ -42,7 +42,9 @@ def test_finish_reasons_length_stop_and_min_tokens():
     finished = {}
     while core.has_work:
         _, outputs = core.step()
-        finished.update({o.request_id: (o.finish_reason, o.num_output_tokens) for o in outputs if o.is_finished})
+        finished.update(
+            {o.request_id: (o.finish_reason, o.num_output_tokens) for o in outputs if o.is_finished}
+        )
     assert finished["len"] == (FinishReason.LENGTH, 3)
     assert finished["eos"] == (FinishReason.STOP, 3)
     assert finished["early"][1] == 10  # eos at output 0 came before min_tokens: ignored

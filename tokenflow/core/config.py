@@ -43,7 +43,7 @@ class TokenFlowConfig:
 
     schedule_interval_s: float = 0.5  # delta-t between scheduling decisions under stress
     buffer_conservativeness: float = 2.0  # mu: pause j only if b_j >= mu*r_j*(evict+load+sched)
-    working_set_smoothing: float = 0.5  # lambda: W_sched = W_static - lambda*(W_static - N_run)
+    working_set_smoothing: float = 0.2  # lambda: W_sched = W_static - lambda*(W_static - N_run)
     critical_slack_s: float = 2.0  # T_critical: a buffer this close to dry means stress
     stall_penalty: float = 1.0  # gamma: weight of the empty-buffer term in a stream's priority
     value_horizon_s: float = 8.0  # a token's value falls to 0 when this much reading is buffered
@@ -52,9 +52,7 @@ class TokenFlowConfig:
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
 
     def __post_init__(self) -> None:
-        _check_positive(
-            self, "schedule_interval_s", "buffer_conservativeness", "value_horizon_s"
-        )
+        _check_positive(self, "schedule_interval_s", "buffer_conservativeness", "value_horizon_s")
         if self.buffer_conservativeness < 1.0:
             raise ValueError("buffer_conservativeness (mu) must be >= 1")
         if not 0.0 <= self.working_set_smoothing <= 1.0:

@@ -119,7 +119,7 @@ class KVTierManager:
             table.append(self._free_device.pop())
         return True
 
-    # -- write-through -------------------------------------------------------------------------------
+    # -- write-through --------------------------------------------------------------------------
     def plan_write_through(
         self, candidates: list[tuple[str, int]], budget_blocks: int
     ) -> list[BlockCopy]:
@@ -239,9 +239,7 @@ class KVTierManager:
             assert request_id in self._device_tables, f"{request_id}: loading without blocks"
 
     @staticmethod
-    def _check_tier(
-        name: str, total: int, free: list[int], tables: dict[str, list[int]]
-    ) -> None:
+    def _check_tier(name: str, total: int, free: list[int], tables: dict[str, list[int]]) -> None:
         owned = [block for table in tables.values() for block in table]
         everything = free + owned
         assert len(everything) == total, f"{name}: free {len(free)} + owned {len(owned)} != {total}"

@@ -29,7 +29,9 @@ class Scheduler:
         self.config = config
         self.kv = KVTierManager(kv_config)
         self.policy = policy
-        self.estimator = StepTimeEstimator(config.initial_decode_step_s, config.initial_prefill_token_s)
+        self.estimator = StepTimeEstimator(
+            config.initial_decode_step_s, config.initial_prefill_token_s
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -79,7 +81,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
-        request.state = RequestState.ABORTED if reason is FinishReason.ABORT else RequestState.FINISHED
+        request.state = (
+            RequestState.ABORTED if reason is FinishReason.ABORT else RequestState.FINISHED
+        )
         for queue in (self.waiting, self.running, self.preempted):
             if request in queue:
                 queue.remove(request)
@@ -314,5 +318,7 @@ class Scheduler:
 
     def _decay_new_token_ratio(self) -> None:
         cfg = self.config
-        step = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
+        step = (
+            cfg.init_new_token_ratio - cfg.min_new_token_ratio
+        ) / cfg.new_token_ratio_decay_steps
         self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)

@@ -56,6 +56,7 @@ class SimResult:
     num_recomputes: int
     d2h_gib: float
     h2d_gib: float
+    compute_s: float  # simulated time the device spent computing (the rest: copies, idle)
     wall_s: float
 
 
@@ -141,6 +142,7 @@ def run_simulation(
         num_recomputes=scheduler.num_recomputes_total,
         d2h_gib=executor.total_d2h_bytes / _GIB,
         h2d_gib=executor.total_h2d_bytes / _GIB,
+        compute_s=executor.total_compute_s,
         wall_s=time.perf_counter() - started,
     )
 

@@ -57,7 +57,9 @@ class SchedulingView:
 
     def start_blocks(self, request: Request) -> int:
         """Device blocks a start needs (a decode's next block comes later)."""
-        tokens = request.num_computed_tokens if self.start_for(request).by_load else request.num_tokens
+        tokens = (
+            request.num_computed_tokens if self.start_for(request).by_load else request.num_tokens
+        )
         return self.kv.blocks_for(tokens)
 
     def reserve_blocks(self, request: Request) -> int:
@@ -81,7 +83,12 @@ class Policy:
         fewest generated tokens, then longest prompt, then latest arrival), by recompute."""
         victim = min(
             candidates,
-            key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens, -r.arrival_s, -r.arrival_index),
+            key=lambda r: (
+                r.num_output_tokens,
+                -r.num_prompt_tokens,
+                -r.arrival_s,
+                -r.arrival_index,
+            ),
         )
         return Preemption(victim.request_id, PreemptMode.RECOMPUTE)
 

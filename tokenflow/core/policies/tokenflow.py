@@ -4,7 +4,8 @@ Every `schedule_interval_s`, and only under stress (a request waits, or some str
 within `critical_slack_s` of running dry), one decision runs in named phases:
 
 1. `check_schedulable`  - if the working set's reading rates exceed the engine's capacity,
-                          degrade to FCFS and admit no one new;
+                          admit no one by preemption until they fit again: new requests start
+                          only in free memory, FCFS (the members keep being balanced);
 2. `admit`              - grow the working set while it is below W_sched and some running stream
                           can be paused safely (its buffer covers mu x an evict/load round trip);
 3. `balance`            - pick who is on the device: greedy by utility under device memory,
@@ -79,9 +80,7 @@ class TokenFlowPolicy(Policy):
         self._degraded = not self.check_schedulable(view, extra_rate_tps=0.0)
         if self._degraded:
             self.num_degraded_decisions += 1
-            self._targets = []
-            return Moves(starts=tuple(fcfs_starts(view, include_waiting=False)))
-        admitted = self.admit(view)
+        admitted = [] if self._degraded else self.admit(view)
         members = list(view.running) + list(view.preempted) + admitted
         selected = self.balance(view, [self.candidate(view, r) for r in members])
         chosen = {c.request.request_id for c in selected}
@@ -98,19 +97,20 @@ class TokenFlowPolicy(Policy):
         if self._targets:
             return list(self._targets)
         # Work-conserving: free memory goes to the preempted streams nearest to stalling, then
-        # (unless degraded) to waiting ones; a later decision can pause them again.
+        # to waiting ones (memory-aware FCFS admission, also when degraded).
         now = view.now_s
         preempted = sorted(view.preempted, key=lambda r: (r.slack_s(now), r.sort_key))
-        waiting = [] if self._degraded else list(view.waiting)
-        return fcfs_starts(view, candidates=preempted + waiting)
+        return fcfs_starts(view, candidates=preempted + list(view.waiting))
 
     # -- phase 1: schedulability ----------------------------------------------------------------
     def capacity_tps(self, view: SchedulingView) -> float:
-        """Gamma: tokens/s the engine generates with as many streams as the device holds."""
-        resident = [r for r in view.running] or list(view.preempted) or list(view.waiting)
-        mean_blocks = _mean(view.kv.blocks_for(r.num_tokens + 1) for r in resident) or 1.0
+        """Gamma: tokens/s the engine generates at the current batch (SPEC section 3), taken as
+        the device-resident count, or the count that fits at current contexts when smaller."""
+        members = list(view.running) + list(view.preempted) or list(view.waiting)
+        mean_blocks = _mean(view.kv.blocks_for(r.num_tokens + 1) for r in members) or 1.0
         fit = int(view.kv.config.num_device_blocks / mean_blocks)
-        return view.estimator.capacity_tps(max(1, min(view.config.max_num_seqs, fit)))
+        batch = max(1, min(view.config.max_num_seqs, fit, max(len(view.running), 1)))
+        return view.estimator.capacity_tps(batch)
 
     def check_schedulable(self, view: SchedulingView, extra_rate_tps: float) -> bool:
         """True when the working set's total reading rate stays within capacity."""
@@ -123,10 +123,8 @@ class TokenFlowPolicy(Policy):
 
         M counts both tiers: members that are not selected live in host memory.
         """
-        members = list(view.running) + list(view.preempted)
-        beta = _mean(view.kv.blocks_for(r.num_tokens + 1) for r in members)
-        if not beta:
-            beta = _mean(view.kv.blocks_for(r.num_tokens + 1) for r in view.waiting) or 1.0
+        members = list(view.running) + list(view.preempted) or list(view.waiting)
+        beta = _mean(view.kv.blocks_for(_lifetime_tokens(r)) for r in members) or 1.0
         total = view.kv.config.num_device_blocks + view.kv.config.num_host_blocks
         w_static = max(1, int(total / beta))
         num_running = len(view.running)
@@ -145,11 +143,14 @@ class TokenFlowPolicy(Policy):
         return evict_s + load_s + self.config.schedule_interval_s
 
     def can_pause(self, view: SchedulingView, request: Request) -> bool:
-        """b_j >= mu * r_j * (tau_evict + tau_load + tau_schedule), in seconds of reading."""
+        """b_j >= mu * r_j * (tau_evict + tau_load + tau_schedule), in seconds of reading, on
+        top of the critical slack: a paused stream must not be critical the moment it stops,
+        or it would be resumed at once (thrashing)."""
         if request.state is not RequestState.RUNNING or request.is_prefilling:
             return False
         buffered_s = request.buffer_tokens(view.now_s) / request.rate_tps
-        return buffered_s >= self.config.buffer_conservativeness * self.round_trip_s(view, request)
+        round_trip_s = self.config.buffer_conservativeness * self.round_trip_s(view, request)
+        return buffered_s >= round_trip_s + self.config.critical_slack_s
 
     def admit(self, view: SchedulingView) -> list[Request]:
         """Waiting requests that join the working set, in arrival order."""
@@ -192,7 +193,8 @@ class TokenFlowPolicy(Policy):
     def candidate(self, view: SchedulingView, request: Request) -> Candidate:
         """Utility, device footprint over the next interval, and pinning of one member."""
         is_resident = request.state in (RequestState.RUNNING, RequestState.LOADING)
-        growth = int(self.config.schedule_interval_s / view.estimator.decode_time_s(len(view.running) or 1))
+        step_s = view.estimator.decode_time_s(len(view.running) or 1)
+        growth = int(self.config.schedule_interval_s / step_s)
         remaining = request.sampling_params.max_tokens - request.num_output_tokens
         tokens = request.num_tokens + max(1, min(growth, remaining))
         pinned = is_resident and (
@@ -288,6 +290,13 @@ class TokenFlowPolicy(Policy):
         now = view.now_s
         running = [r for r in view.running if r.state is RequestState.RUNNING]
         return sorted(running, key=lambda r: (-r.slack_s(now), r.sort_key))
+
+
+def _lifetime_tokens(request: Request) -> int:
+    """Mean KV footprint over a request's life: its prompt plus half its output budget (the
+    footprint grows linearly while it decodes), or its current size if already larger."""
+    half_output = request.sampling_params.max_tokens // 2
+    return max(request.num_tokens, request.num_prompt_tokens + half_output)
 
 
 def _mean(values: object) -> float:

@@ -1,0 +1,185 @@
+"""A deterministic `EngineClient` for server and benchmark tests (no model, no scheduler).
+
+Tokenizer: whitespace words, one token each, ids assigned on first sight (per instance).
+Output: token i of every request is the word `t{i}`; each token takes `token_delay_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from tokenflow.core.request import SamplingParams
+from tokenflow.serving.engine_client import (
+    EngineOverloaded,
+    EngineRequestError,
+    EngineStats,
+    GenerationDelta,
+)
+
+EOS = "<eos>"
+
+
+class WordTokenizer:
+    """Splits on whitespace; decodes each token as `" " + word`."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {EOS: 0}
+        self._words: list[str] = [EOS]
+        self.eos_token_id: int | None = 0
+
+    def token_id(self, word: str) -> int:
+        if word not in self._ids:
+            self._ids[word] = len(self._words)
+            self._words.append(word)
+        return self._ids[word]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.token_id(word) for word in text.split()]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(" " + self._words[i] for i in token_ids if i != self.eos_token_id)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        parts = [f"<|{m['role']}|> {m['content']}" for m in messages]
+        return self.encode(" ".join([*parts, "<|assistant|>"]))
+
+
+@dataclass
+class FakeEngine:
+    """Implements `EngineClient`.
+
+    eos_after: the EOS token comes at this output position (None: never), unless ignore_eos or
+        min_tokens says otherwise.
+    tokens_per_delta: tokens batched into one delta.
+    max_num_requests: in-flight cap; beyond it `generate()` raises EngineOverloaded.
+    fail_after_tokens: raise RuntimeError mid-stream after this many tokens (None: never).
+    reject_prompts_longer_than: raise EngineRequestError for longer prompts (None: never).
+    """
+
+    model_name: str = "fake-model"
+    max_model_len: int = 256
+    default_rate_tps: float = 20.0
+    token_delay_s: float = 0.0
+    first_token_delay_s: float = 0.0
+    eos_after: int | None = None
+    tokens_per_delta: int = 1
+    max_num_requests: int | None = None
+    retry_after_s: float = 1.5
+    fail_after_tokens: int | None = None
+    reject_prompts_longer_than: int | None = None
+    tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
+    active_ids: list[str] = field(default_factory=list)
+    aborted_ids: list[str] = field(default_factory=list)
+    submitted: list[tuple[str, SamplingParams, float]] = field(default_factory=list)
+    num_finished: int = 0
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        rate_tps: float,
+    ) -> AsyncIterator[GenerationDelta]:
+        if self.max_num_requests is not None and len(self.active_ids) >= self.max_num_requests:
+            raise EngineOverloaded("too many requests waiting", retry_after_s=self.retry_after_s)
+        limit = self.reject_prompts_longer_than
+        if limit is not None and len(prompt_token_ids) > limit:
+            raise EngineRequestError(f"prompt longer than {limit} tokens")
+        self.submitted.append((request_id, sampling_params, rate_tps))
+        self.active_ids.append(request_id)
+        try:
+            await asyncio.sleep(self.first_token_delay_s)
+            async for delta in self._deltas(request_id, len(prompt_token_ids), sampling_params):
+                if delta.finish_reason in ("stop", "length"):
+                    self.num_finished += 1
+                yield delta
+        finally:
+            self.active_ids.remove(request_id)
+
+    async def _deltas(
+        self, request_id: str, num_prompt: int, params: SamplingParams
+    ) -> AsyncIterator[GenerationDelta]:
+        stream = _TextStream(params.stop)
+        token_ids: list[int] = []
+        num_output = 0
+        finish_reason: str | None = None
+        while finish_reason is None:
+            if request_id in self.aborted_ids:
+                finish_reason = "abort"
+                break
+            if num_output and self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            if self.fail_after_tokens is not None and num_output >= self.fail_after_tokens:
+                raise RuntimeError("fake engine failure")
+            token_id, finish_reason = self._next_token(num_output, params)
+            num_output += 1
+            token_ids.append(token_id)
+            if token_id != self.tokenizer.eos_token_id and stream.push(
+                self.tokenizer.decode([token_id])
+            ):
+                finish_reason = "stop"
+            if finish_reason is None and len(token_ids) < self.tokens_per_delta:
+                continue
+            text = stream.flush() if finish_reason else stream.take()
+            yield GenerationDelta(
+                request_id, tuple(token_ids), text, num_prompt, num_output, finish_reason
+            )
+            token_ids = []
+        if finish_reason == "abort":
+            yield GenerationDelta(request_id, tuple(token_ids), "", num_prompt, num_output, "abort")
+
+    def _next_token(self, position: int, params: SamplingParams) -> tuple[int, str | None]:
+        """The token at output `position` and the finish reason it causes (if any)."""
+        can_stop = not params.ignore_eos and position >= params.min_tokens
+        if self.eos_after is not None and position >= self.eos_after and can_stop:
+            return 0, "stop"
+        token_id = self.tokenizer.token_id(f"t{position}")
+        if token_id in params.stop_token_ids and position >= params.min_tokens:
+            return token_id, "stop"
+        return token_id, "length" if position + 1 >= params.max_tokens else None
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted_ids.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=0,
+            num_running=len(self.active_ids),
+            num_preempted=0,
+            device_kv_usage=0.25,
+            host_kv_usage=0.5,
+            num_preemptions_total=3,
+            num_loads_total=2,
+            num_recomputes_total=1,
+            buffer_slack_s=tuple(1.5 for _ in self.active_ids),
+        )
+
+
+class _TextStream:
+    """Detokenized text with stop strings: holds back a possible stop prefix, cuts at a stop."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = tuple(s for s in stop if s)
+        self._holdback = max((len(s) - 1 for s in self._stop), default=0)
+        self._text = ""
+        self._emitted = 0
+
+    def push(self, text: str) -> bool:
+        """Append text; True when a stop string appeared (the text is cut before it)."""
+        self._text += text
+        hits = [i for i in (self._text.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self._text = self._text[: min(hits)]
+            return True
+        return False
+
+    def take(self) -> str:
+        end = max(self._emitted, len(self._text) - self._holdback)
+        out, self._emitted = self._text[self._emitted : end], end
+        return out
+
+    def flush(self) -> str:
+        out, self._emitted = self._text[self._emitted :], len(self._text)
+        return out

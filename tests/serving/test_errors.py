@@ -1,0 +1,210 @@
+"""Every bad input is an OpenAI-shaped error: 400 (never 422), 404, 429, 401."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.serving.fake_engine import FakeEngine
+from tokenflow.serving.app import build_app
+
+pytestmark = pytest.mark.anyio
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        (COMPLETIONS, b"{not json"),
+        (CHAT, b'{"messages": [}'),
+        (COMPLETIONS, b""),
+        (COMPLETIONS, b"[1, 2]"),
+    ],
+)
+async def test_malformed_json(client: httpx.AsyncClient, path: str, raw: bytes) -> None:
+    headers = {"content-type": "application/json"}
+    assert_error(await client.post(path, content=raw, headers=headers), 400)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (COMPLETIONS, {"prompt": 5}, "prompt"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
+        (COMPLETIONS, {"prompt": "x", "stream_rate": "fast"}, "stream_rate"),
+        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+        (CHAT, {"messages": "hi"}, "messages"),
+        (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": MESSAGES, "stream_options": {"include_usage": 1}}, "stream_options"),
+        (COMPLETIONS, {"max_tokens": 3}, "prompt"),
+    ],
+)
+async def test_wrong_types_are_400(
+    client: httpx.AsyncClient, path: str, body: dict, param: str
+) -> None:
+    assert_error(await client.post(path, json=body), 400, param)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_unknown_field_rejected(client: httpx.AsyncClient, path: str) -> None:
+    body = {"prompt": "x", "messages": MESSAGES, "frobnicate": 1}
+    body.pop("messages" if path == COMPLETIONS else "prompt")
+    error = assert_error(await client.post(path, json=body), 400, "frobnicate")
+    assert "frobnicate" in error["message"]
+
+
+@pytest.mark.parametrize("rate", ["-1", "0", "NaN", "Infinity", "-Infinity"])
+async def test_bad_rate_in_body(client: httpx.AsyncClient, rate: str) -> None:
+    raw = f'{{"prompt": "x", "max_tokens": 1, "stream_rate": {rate}}}'
+    response = await client.post(
+        COMPLETIONS, content=raw, headers={"content-type": "application/json"}
+    )
+    assert_error(response, 400, "stream_rate")
+
+
+@pytest.mark.parametrize("rate", ["-3", "0", "nan", "inf", "fast", ""])
+async def test_bad_rate_in_header(client: httpx.AsyncClient, rate: str) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 1}
+    response = await client.post(CHAT, json=body, headers={"X-Stream-Rate": rate})
+    assert_error(response, 400, "X-Stream-Rate")
+
+
+async def test_lengths(engine: FakeEngine) -> None:
+    engine.max_model_len = 10
+    transport = httpx.ASGITransport(app=build_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for max_tokens in (0, -5):
+            body = {"prompt": "a b", "max_tokens": max_tokens}
+            assert_error(await http.post(COMPLETIONS, json=body), 400, "max_tokens")
+        body = {"prompt": "a b c", "max_tokens": 8}
+        error = assert_error(await http.post(COMPLETIONS, json=body), 400, "max_tokens")
+        assert all(str(n) in error["message"] for n in (10, 3, 8, 11))
+        body = {"messages": MESSAGES, "max_completion_tokens": 9}
+        assert_error(await http.post(CHAT, json=body), 400, "max_tokens")
+        body = {"prompt": " ".join("w" * 10)}
+        error = assert_error(await http.post(COMPLETIONS, json=body), 400, "prompt")
+        assert "10" in error["message"]
+        assert_error(await http.post(COMPLETIONS, json={"prompt": "   "}), 400, "prompt")
+        body = {"prompt": "a", "max_tokens": 9}
+        assert (await http.post(COMPLETIONS, json=body)).status_code == 200
+    assert len(engine.submitted) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        (COMPLETIONS, {"n": 2}, "n"),
+        (CHAT, {"n": 2}, "n"),
+        (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
+        (COMPLETIONS, {"frequency_penalty": -1.0}, "frequency_penalty"),
+        (CHAT, {"logprobs": True}, "logprobs"),
+        (COMPLETIONS, {"logprobs": 3}, "logprobs"),
+        (COMPLETIONS, {"echo": True}, "echo"),
+        (CHAT, {"tools": [{"type": "function"}]}, "tools"),
+        (COMPLETIONS, {"min_tokens": 5, "max_tokens": 2}, None),
+        (COMPLETIONS, {"temperature": -1.0}, None),
+        (COMPLETIONS, {"top_k": -2}, "top_k"),
+        (COMPLETIONS, {"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+async def test_unsupported_values(
+    client: httpx.AsyncClient, path: str, extra: dict, param: str | None
+) -> None:
+    body = {"prompt": "x"} if path == COMPLETIONS else {"messages": MESSAGES}
+    assert_error(await client.post(path, json={**body, **extra}), 400, param)
+
+
+async def test_supported_neutral_values_pass(client: httpx.AsyncClient) -> None:
+    body = {
+        "model": "fake-model",
+        "messages": MESSAGES,
+        "n": 1,
+        "logprobs": False,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "user": "u",
+        "seed": 3,
+        "top_k": -1,
+        "stop": "zzz",
+        "stop_token_ids": [99999],
+        "temperature": 0.0,
+        "top_p": 0.9,
+        "max_tokens": 2,
+    }
+    assert (await client.post(CHAT, json=body)).status_code == 200
+
+
+async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
+    response = await client.post(COMPLETIONS, json={"model": "gpt-9", "prompt": "x"})
+    error = assert_error(response, 404, "model")
+    assert error["code"] == "model_not_found"
+    # The model is checked before the prompt: 404 even when the prompt is too long.
+    body = {"model": "gpt-9", "messages": [{"role": "user", "content": "w " * 300}]}
+    assert_error(await client.post(CHAT, json=body), 404, "model")
+
+
+async def test_unknown_route_is_openai_shaped(client: httpx.AsyncClient) -> None:
+    assert_error(await client.get("/v1/nothing"), 404)
+    assert_error(await client.get(COMPLETIONS), 405)
+
+
+async def test_overload_is_429_with_retry_after() -> None:
+    engine = FakeEngine(max_num_requests=0, retry_after_s=2.2)
+    transport = httpx.ASGITransport(app=build_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for stream in (False, True):
+            body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+            response = await http.post(COMPLETIONS, json=body)
+            error = assert_error(response, 429)
+            assert error["code"] == "rate_limit_exceeded"
+            assert response.headers["retry-after"] == "3"
+        metrics = (await http.get("/metrics")).text
+    assert 'tokenflow_http_errors_total{status="429"} 2.0' in metrics
+
+
+async def test_retry_after_is_at_least_one_second() -> None:
+    engine = FakeEngine(max_num_requests=0, retry_after_s=0.01)
+    transport = httpx.ASGITransport(app=build_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        response = await http.post(CHAT, json={"messages": MESSAGES})
+    assert response.headers["retry-after"] == "1"
+
+
+async def test_engine_request_error_is_400() -> None:
+    engine = FakeEngine(reject_prompts_longer_than=1)
+    transport = httpx.ASGITransport(app=build_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        body = {"prompt": "a b", "max_tokens": 1, "stream": True}
+        error = assert_error(await http.post(COMPLETIONS, json=body), 400)
+    assert "longer than 1" in error["message"]
+
+
+async def test_api_key() -> None:
+    transport = httpx.ASGITransport(app=build_app(FakeEngine(), api_key="sesame"))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        body = {"prompt": "x", "max_tokens": 1}
+        assert_error(await http.post(COMPLETIONS, json=body), 401)
+        wrong = {"Authorization": "Bearer nope"}
+        assert_error(await http.post(COMPLETIONS, json=body, headers=wrong), 401)
+        right = {"Authorization": "Bearer sesame"}
+        assert (await http.post(COMPLETIONS, json=body, headers=right)).status_code == 200
+        assert (await http.get("/health")).status_code == 200

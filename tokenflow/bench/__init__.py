@@ -1,0 +1,1 @@
+"""Benchmark client: replay a workload against OpenAI-compatible servers and report metrics."""

@@ -1,0 +1,217 @@
+"""The HTTP routes: thin wrappers around `OpenAIServing`, plus /v1/models, /health and /metrics.
+
+`build_app()` makes a fresh app per engine (no global app object); everything the routes need
+lives on `app.state`.  Every error, including FastAPI's own validation errors (never a 422) and
+unknown routes, is answered in OpenAI's `{"error": {...}}` shape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from tokenflow.serving.engine_client import EngineClient
+from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from tokenflow.serving.serving import (
+    STREAM_RATE_HEADER,
+    ClientDisconnected,
+    OpenAIServing,
+    ServeResult,
+    SseStream,
+    WaitForDisconnect,
+)
+from tokenflow.serving.validation import ApiError
+
+# nginx-style "client closed request": logged, never seen by the (gone) client.
+CLIENT_CLOSED_STATUS = 499
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+RateHeader = Annotated[str | None, Header(alias=STREAM_RATE_HEADER)]
+
+
+def build_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
+    """An OpenAI-compatible streaming server over `engine`; `api_key` guards the /v1 routes."""
+    app = FastAPI(title="TokenFlow", summary="Buffer-aware LLM text streaming server")
+    metrics = ServingMetrics(engine)
+    app.state.engine = engine
+    app.state.api_key = api_key
+    app.state.metrics = metrics
+    app.state.serving = OpenAIServing(engine, metrics)
+    app.state.started_s = int(time.time())
+    _add_error_handlers(app)
+    app.include_router(_openai_router())
+    app.include_router(_ops_router())
+    return app
+
+
+# -- routes -------------------------------------------------------------------------------------
+async def _check_api_key(request: Request) -> None:
+    expected = request.app.state.api_key
+    if expected is None:
+        return
+    if request.headers.get("authorization", "") != f"Bearer {expected}":
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def _openai_router() -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+    @router.post("/completions")
+    async def create_completion(
+        body: CompletionRequest, request: Request, x_stream_rate: RateHeader = None
+    ) -> Response:
+        """OpenAI completions; `stream_rate` (or X-Stream-Rate) is the reader's tokens/s."""
+        serving: OpenAIServing = request.app.state.serving
+        result = await _or_disconnected(
+            serving.create_completion(body, x_stream_rate, _disconnect_waiter(request))
+        )
+        return _to_response(result)
+
+    @router.post("/chat/completions")
+    async def create_chat_completion(
+        body: ChatCompletionRequest, request: Request, x_stream_rate: RateHeader = None
+    ) -> Response:
+        """OpenAI chat completions; `stream_rate` (or X-Stream-Rate) is the reader's tokens/s."""
+        serving: OpenAIServing = request.app.state.serving
+        result = await _or_disconnected(
+            serving.create_chat_completion(body, x_stream_rate, _disconnect_waiter(request))
+        )
+        return _to_response(result)
+
+    @router.get("/models")
+    async def list_models(request: Request) -> Response:
+        """The one model this server runs."""
+        engine: EngineClient = request.app.state.engine
+        card = ModelCard(
+            id=engine.model_name,
+            created=request.app.state.started_s,
+            max_model_len=engine.max_model_len,
+        )
+        return _json(ModelList(data=[card]).model_dump_json())
+
+    return router
+
+
+def _ops_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        """Liveness: 200 while the server answers."""
+        return _json('{"status":"ok"}')
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus exposition of this app's registry."""
+        content, content_type = request.app.state.metrics.render()
+        return Response(content=content, media_type=content_type)
+
+    return router
+
+
+def _disconnect_waiter(request: Request) -> WaitForDisconnect:
+    """Waits for the ASGI `http.disconnect` (the body has already been read by then)."""
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait_for_disconnect
+
+
+async def _or_disconnected(serve: Awaitable[ServeResult]) -> ServeResult | None:
+    try:
+        return await serve
+    except ClientDisconnected:
+        return None
+
+
+def _to_response(result: ServeResult | None) -> Response:
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    if isinstance(result, BaseModel):
+        return _json(result.model_dump_json())
+    return _SseResponse(result)
+
+
+class _SseResponse(StreamingResponse):
+    """Streams an `SseStream` and always closes it, even when the client left before the first
+    frame was pulled (then the engine request is aborted)."""
+
+    def __init__(self, stream: SseStream) -> None:
+        super().__init__(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.aclose()
+
+
+def _json(content: str, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(content, status_code, headers, media_type="application/json")
+
+
+# -- errors -------------------------------------------------------------------------------------
+def _error_response(
+    request: Request, status_code: int, info: ErrorInfo, headers: dict[str, str] | None = None
+) -> Response:
+    request.app.state.metrics.count_http_error(status_code)
+    return _json(ErrorResponse(error=info).model_dump_json(), status_code, headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first error as one line, and the offending parameter's name."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = loc[0] if loc else None
+    # Drop pydantic's union-member tags ("str", "list[int]") from the path.
+    where = ".".join(part for part in loc if part not in _TYPE_TAGS and "[" not in part) or "body"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(request, exc.status_code, exc.info, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        info = ErrorInfo(message=message, type="invalid_request_error", param=param)
+        return _error_response(request, 400, info)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        info = ErrorInfo(message=str(exc.detail), type="invalid_request_error")
+        return _error_response(request, exc.status_code, info, dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        info = ErrorInfo(message=f"internal error: {type(exc).__name__}", type="server_error")
+        return _error_response(request, 500, info)

@@ -1,0 +1,151 @@
+"""Response bodies and SSE chunks of the two endpoints, exactly as OpenAI shapes them.
+
+Streams are Server-Sent Events: each frame is `data: {json}` followed by a blank line, and the
+stream ends with `data: [DONE]`.  Finish reasons always come from the engine's delta.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from pydantic import BaseModel
+
+from tokenflow.serving.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+
+if TYPE_CHECKING:
+    from tokenflow.serving.serving import PreparedRequest
+
+
+def sse_frame(payload: BaseModel) -> str:
+    """One Server-Sent Event: `data: ` + compact JSON + a blank line."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class ResponseFormat(Protocol):
+    """How one endpoint renders its chunks and its full response."""
+
+    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+        """Chunks sent before the first delta's (the chat role chunk)."""
+        ...
+
+    def delta_chunk(
+        self,
+        request: PreparedRequest,
+        text: str,
+        finish_reason: str | None,
+        usage: UsageInfo | None,
+    ) -> BaseModel:
+        """The chunk of one engine delta (usage only with continuous_usage_stats)."""
+        ...
+
+    def usage_chunk(self, request: PreparedRequest, usage: UsageInfo) -> BaseModel:
+        """The `stream_options.include_usage` chunk: no choices, only usage."""
+        ...
+
+    def response(
+        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+    ) -> CompletionResponse | ChatCompletionResponse:
+        """The non-streaming body."""
+        ...
+
+
+class CompletionFormat:
+    """/v1/completions: `text_completion` objects whose choices carry `text`."""
+
+    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+        return []
+
+    def delta_chunk(
+        self,
+        request: PreparedRequest,
+        text: str,
+        finish_reason: str | None,
+        usage: UsageInfo | None,
+    ) -> CompletionChunk:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return CompletionChunk(
+            id=request.request_id,
+            created=request.created_s,
+            model=request.model,
+            choices=[choice],
+            usage=usage,
+        )
+
+    def usage_chunk(self, request: PreparedRequest, usage: UsageInfo) -> CompletionChunk:
+        return CompletionChunk(
+            id=request.request_id,
+            created=request.created_s,
+            model=request.model,
+            choices=[],
+            usage=usage,
+        )
+
+    def response(
+        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=request.request_id,
+            created=request.created_s,
+            model=request.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+            usage=usage,
+        )
+
+
+class ChatFormat:
+    """/v1/chat/completions: `chat.completion.chunk` deltas; the first one carries the role."""
+
+    def _chunk(
+        self, request: PreparedRequest, choices: list[ChatChunkChoice], usage: UsageInfo | None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=request.request_id,
+            created=request.created_s,
+            model=request.model,
+            choices=choices,
+            usage=usage,
+        )
+
+    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+        delta = DeltaMessage(role="assistant", content="")
+        return [self._chunk(request, [ChatChunkChoice(delta=delta, finish_reason=None)], None)]
+
+    def delta_chunk(
+        self,
+        request: PreparedRequest,
+        text: str,
+        finish_reason: str | None,
+        usage: UsageInfo | None,
+    ) -> ChatCompletionChunk:
+        # The closing chunk of OpenAI has an empty delta; text and finish may share a chunk.
+        has_content = bool(text) or finish_reason is None
+        delta = DeltaMessage(content=text) if has_content else DeltaMessage()
+        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        return self._chunk(request, [choice], usage)
+
+    def usage_chunk(self, request: PreparedRequest, usage: UsageInfo) -> ChatCompletionChunk:
+        return self._chunk(request, [], usage)
+
+    def response(
+        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+    ) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=request.request_id,
+            created=request.created_s,
+            model=request.model,
+            choices=[
+                ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+            ],
+            usage=usage,
+        )

@@ -1,0 +1,164 @@
+"""Prometheus metrics of one server: engine gauges read at scrape time, latencies observed by the
+serving layer.
+
+Every app owns its own `CollectorRegistry` (no process-wide default registry), so two apps in one
+process — tests, or one server per policy — never share or clash on series.  All names start
+with `tokenflow_`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from tokenflow.serving.engine_client import EngineClient
+
+# Time to first token spans queueing in a burst (tens of seconds in the paper's baselines).
+TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# Inter-token gaps: a decode step (ms) up to a preemption plateau (seconds).
+INTER_TOKEN_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.0667, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Buffer slack thresholds (seconds of reading left) for the per-scrape stream counts.
+SLACK_THRESHOLDS_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class EngineStatsCollector(Collector):
+    """Turns one `EngineClient.stats()` snapshot per scrape into gauges and counters."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        """Called by the registry on every scrape."""
+        stats = self._engine.stats()
+        yield _gauge(
+            "tokenflow_num_requests_waiting", "Requests queued, never started.", stats.num_waiting
+        )
+        yield _gauge(
+            "tokenflow_num_requests_running", "Requests with KV on the device.", stats.num_running
+        )
+        yield _gauge(
+            "tokenflow_num_requests_preempted",
+            "Requests paused off the device.",
+            stats.num_preempted,
+        )
+        yield _gauge(
+            "tokenflow_device_kv_usage_ratio",
+            "Fraction of device KV blocks in use.",
+            stats.device_kv_usage,
+        )
+        yield _gauge(
+            "tokenflow_host_kv_usage_ratio",
+            "Fraction of host KV blocks in use.",
+            stats.host_kv_usage,
+        )
+        yield _counter(
+            "tokenflow_preemptions", "Preemptions since start.", stats.num_preemptions_total
+        )
+        yield _counter(
+            "tokenflow_kv_loads", "Host-to-device KV loads since start.", stats.num_loads_total
+        )
+        yield _counter(
+            "tokenflow_recomputes",
+            "Resumptions by recompute since start.",
+            stats.num_recomputes_total,
+        )
+        yield from _slack_metrics(stats.buffer_slack_s)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _slack_metrics(slack_s: Sequence[float]) -> Iterator[Metric]:
+    """Snapshot of the running streams' buffer slack: min/mean/max and counts under thresholds.
+
+    A histogram would be wrong here (its buckets must only grow); these are gauges of the present.
+    """
+    summary = GaugeMetricFamily(
+        "tokenflow_buffer_slack_seconds",
+        "Seconds of reading left in running streams' buffers (0 when no stream runs).",
+        labels=["stat"],
+    )
+    values = sorted(slack_s)
+    summary.add_metric(["min"], values[0] if values else 0.0)
+    summary.add_metric(["mean"], math.fsum(values) / len(values) if values else 0.0)
+    summary.add_metric(["max"], values[-1] if values else 0.0)
+    yield summary
+    below = GaugeMetricFamily(
+        "tokenflow_buffer_slack_streams",
+        "Running streams whose buffer slack is at most `le` seconds.",
+        labels=["le"],
+    )
+    for threshold_s in SLACK_THRESHOLDS_S:
+        below.add_metric([_format_le(threshold_s)], sum(1 for v in values if v <= threshold_s))
+    below.add_metric(["+Inf"], len(values))
+    yield below
+
+
+def _format_le(value: float) -> str:
+    return repr(float(value))
+
+
+class ServingMetrics:
+    """The metrics of one app; the serving layer reports into it, /metrics renders it."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._ttft = Histogram(
+            "tokenflow_time_to_first_token_seconds",
+            "From request receipt to the first token's delta.",
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._inter_token = Histogram(
+            "tokenflow_inter_token_seconds",
+            "Gap before each later token (a delta of k tokens: its gap, then k-1 zeros).",
+            buckets=INTER_TOKEN_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._finished = Counter(
+            "tokenflow_requests_finished",
+            "Requests ended, by finish reason (stop, length, abort, error).",
+            labelnames=["finish_reason"],
+            registry=self.registry,
+        )
+        self._http_errors = Counter(
+            "tokenflow_http_errors",
+            "Error responses, by HTTP status.",
+            labelnames=["status"],
+            registry=self.registry,
+        )
+        self.registry.register(EngineStatsCollector(engine))
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Record one request's time from receipt to its first token."""
+        self._ttft.observe(max(seconds, 0.0))
+
+    def observe_inter_token(self, gap_s: float, num_tokens: int) -> None:
+        """Record a delta of `num_tokens` tokens that arrived `gap_s` after the previous one."""
+        if num_tokens <= 0:
+            return
+        self._inter_token.observe(max(gap_s, 0.0))
+        for _ in range(num_tokens - 1):
+            self._inter_token.observe(0.0)
+
+    def count_finished(self, finish_reason: str) -> None:
+        """Count a request that ended: an engine finish reason, "abort" or "error"."""
+        self._finished.labels(finish_reason=finish_reason).inc()
+
+    def count_http_error(self, status_code: int) -> None:
+        """Count an error response."""
+        self._http_errors.labels(status=str(status_code)).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

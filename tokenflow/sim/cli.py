@@ -1,0 +1,110 @@
+"""`tokenflow simulate`: the paper's experiments on a cost model of real GPUs.
+
+Every policy serves the identical workload on the same simulated deployment; one table (and
+optionally JSON and a PNG) reports them side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+
+from tokenflow.bench.report import format_table, plot_report, write_json
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.policies import POLICY_NAMES
+from tokenflow.sim.runner import SimConfig, SimResult, run_simulation
+from tokenflow.sim.setups import get_setup, paper_setups
+from tokenflow.workload import WorkloadRequest, generate
+from tokenflow.workload_cli import add_workload_arguments, workload_spec_from_args
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `tokenflow simulate` options."""
+    parser.add_argument(
+        "--setup",
+        default=None,
+        help=f"paper preset: {', '.join(paper_setups())} (workload options override it)",
+    )
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated")
+    hw = parser.add_argument_group("deployment (defaults: the setup's, else h200 / llama3-8b)")
+    hw.add_argument("--gpu", default=None, help="h200, h100, a100, a6000, rtx4090")
+    hw.add_argument("--model", default=None, help="llama3-8b, qwen2-7b, qwen2.5-32b")
+    hw.add_argument("--memory-fraction", type=float, default=None, help="GPU memory for weights+KV")
+    hw.add_argument("--host-memory-gib", type=float, default=128.0, help="host KV tier size")
+    tf = parser.add_argument_group("tokenflow policy and ablations")
+    tf.add_argument("--schedule-interval", type=float, default=TokenFlowConfig.schedule_interval_s)
+    tf.add_argument("--mu", type=float, default=TokenFlowConfig.buffer_conservativeness)
+    tf.add_argument("--no-write-through", action="store_true", help="ablation")
+    tf.add_argument("--no-load-evict-overlap", action="store_true", help="ablation")
+    add_workload_arguments(parser, default_kind=None)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", default=None, help="write one object per policy to this file")
+    out.add_argument("--plot", default=None, help="write headline bars and timelines (PNG)")
+    out.add_argument("--no-progress", action="store_true")
+
+
+def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimConfig]:
+    setup = get_setup(args.setup, seed=args.seed) if args.setup else None
+    if args.workload is not None or setup is None:
+        if args.workload is None:
+            raise ValueError("give --setup NAME or a --workload")
+        workload = generate(workload_spec_from_args(args))
+    else:
+        workload = generate(setup.workload)
+    tokenflow = TokenFlowConfig(
+        schedule_interval_s=args.schedule_interval,
+        buffer_conservativeness=args.mu,
+        write_through=not args.no_write_through,
+    )
+    config = SimConfig(
+        gpu=args.gpu or (setup.gpu if setup else "h200"),
+        model=args.model or (setup.model if setup else "llama3-8b"),
+        memory_fraction=args.memory_fraction or (setup.memory_fraction if setup else 0.3),
+        host_memory_gib=args.host_memory_gib,
+        overlap_load_evict=not args.no_load_evict_overlap,
+    )
+    return workload, replace(config, tokenflow=tokenflow)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """`tokenflow simulate` with parsed arguments; returns the exit code."""
+    try:
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        unknown = [p for p in policies if p not in POLICY_NAMES]
+        if unknown or not policies:
+            raise ValueError(f"unknown policy {unknown}; choose from {', '.join(POLICY_NAMES)}")
+        for path in (args.json, args.plot):
+            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"cannot write {path}: its directory does not exist")
+        workload, config = _deployment(args)
+        results = [
+            run_simulation(workload, p, config, progress=not args.no_progress) for p in policies
+        ]
+    except (ValueError, OSError) as exc:
+        print(f"tokenflow simulate: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    _report(args, results, config, len(workload))
+    return 0
+
+
+def _report(
+    args: argparse.Namespace, results: list[SimResult], config: SimConfig, num_requests: int
+) -> None:
+    summaries = {r.policy: r.summary for r in results}
+    print(
+        f"{args.setup or 'custom'}: {num_requests} requests, {config.model} on {config.gpu}, "
+        f"memory fraction {config.memory_fraction:g}"
+    )
+    print(format_table(summaries))
+    for r in results:
+        print(
+            f"  {r.policy}: {r.num_steps} steps, {r.num_loads} loads, {r.num_recomputes} "
+            f"recomputes, {r.d2h_gib:.0f} GiB to host, {r.h2d_gib:.0f} GiB to device, "
+            f"simulated in {r.wall_s:.1f} s"
+        )
+    if args.json:
+        write_json(args.json, summaries)
+    if args.plot:
+        plot_report(args.plot, summaries, {r.policy: r.traces for r in results})

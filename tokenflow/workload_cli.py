@@ -1,0 +1,50 @@
+"""Workload options shared by `tokenflow bench` and `tokenflow simulate`."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenflow.workload import (
+    KINDS,
+    LengthDist,
+    RateMix,
+    WorkloadRequest,
+    WorkloadSpec,
+    generate,
+)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, default_kind: str | None) -> None:
+    """The workload option group; `default_kind=None` lets a caller fall back to a preset."""
+    load = parser.add_argument_group("workload")
+    load.add_argument("--workload", choices=KINDS, default=default_kind)
+    load.add_argument("--num-requests", type=int, default=100)
+    load.add_argument("--request-rate", type=float, default=1.0, help="req/s (poisson, gamma)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    load.add_argument("--prompt-len", default="512:128", help="MEAN[:STD] prompt tokens")
+    load.add_argument("--output-len", default="1024:256", help="MEAN[:STD] output tokens")
+    load.add_argument(
+        "--rates", default="15:0.4,20:0.6", help="reader rates tok/s, RATE[:WEIGHT],..."
+    )
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--trace", default=None, help="JSONL trace file (--workload trace)")
+
+
+def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    """Raises WorkloadError (a ValueError) with a one-line message for bad values."""
+    return WorkloadSpec(
+        kind=args.workload,
+        num_requests=args.num_requests,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        prompt=LengthDist.parse(args.prompt_len),
+        output=LengthDist.parse(args.output_len),
+        rates=RateMix.parse(args.rates),
+        seed=args.seed,
+        trace_path=args.trace,
+    )
+
+
+def workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
+    """The requests the workload options describe."""
+    return generate(workload_spec_from_args(args))
