@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from tokenflow.bench.cli import add_bench_arguments
+    from tokenflow.serving.cli import add_serve_arguments
     from tokenflow.sim.cli import add_simulate_arguments
 
     parser = argparse.ArgumentParser(
@@ -15,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="A buffer-aware, preemptive LLM text-streaming server.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(
+        sub.add_parser("serve", help="serve a model over the OpenAI API (default: SmolLM2)")
+    )
     add_simulate_arguments(
         sub.add_parser("simulate", help="run the scheduling policies on a GPU cost model")
     )
@@ -27,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tokenflow` console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from tokenflow.serving.cli import run_serve
+
+        return run_serve(args)
     if args.command == "simulate":
         from tokenflow.sim.cli import run_simulate
 

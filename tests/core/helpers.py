@@ -61,7 +61,7 @@ def make_request(
         sampling_params=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
         rate_tps=rate,
         arrival_s=arrival,
-        eos_token_id=2,
+        eos_token_ids=(2,),
     )
 
 

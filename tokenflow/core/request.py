@@ -86,7 +86,7 @@ class Request:
     rate_tps: float
     arrival_s: float
     arrival_index: int = 0
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids
     state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)

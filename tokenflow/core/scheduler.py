@@ -305,7 +305,7 @@ class Scheduler:
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens and (
-            (not params.ignore_eos and token_id == request.eos_token_id)
+            (not params.ignore_eos and token_id in request.eos_token_ids)
             or token_id in params.stop_token_ids
         ):
             return FinishReason.STOP

@@ -1,0 +1,108 @@
+"""Everything needed to build a real engine, in one validated dataclass that drives the CLI.
+
+Defaults target the regime where TokenFlow matters on a CPU with the embedded SmolLM2: a device
+KV pool that holds only part of a burst (so streams must take turns) and human reading rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, fields
+
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.policies import POLICY_NAMES
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """How to build the real engine (model, tiers, limits, policy)."""
+
+    model: str | None = None  # GGUF file or HF safetensors directory; None: embedded SmolLM2
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: best for the device
+    policy: str = "tokenflow"
+    block_size: int = 16
+    device_kv_tokens: int = 8192  # device tier size, tokens (rounded down to whole blocks)
+    device_kv_fraction: float | None = None  # or: this share of free device memory
+    host_kv_tokens: int = 131072  # host tier size, tokens
+    max_model_len: int | None = None  # prompt + output; None: the model's, capped at 8192
+    max_num_seqs: int = 32  # streams in one batch
+    max_prefill_tokens: int = 4096  # prefill tokens in one step
+    chunk_tokens: int = 512  # step budget of the chunked policy
+    max_waiting: int = 256  # requests queued beyond this are refused (HTTP 429)
+    default_rate_tps: float = 6.0  # reading rate of a request that states none (tokens/s)
+    seed: int = 0
+    tokenflow: TokenFlowConfig = field(default_factory=TokenFlowConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {POLICY_NAMES}")
+        for name in (
+            "block_size",
+            "device_kv_tokens",
+            "max_num_seqs",
+            "max_prefill_tokens",
+            "chunk_tokens",
+            "max_waiting",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_kv_tokens < 0:
+            raise ValueError(f"host_kv_tokens must be >= 0, got {self.host_kv_tokens}")
+        if self.device_kv_fraction is not None and not 0 < self.device_kv_fraction <= 1:
+            raise ValueError("device_kv_fraction must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if not (math.isfinite(self.default_rate_tps) and self.default_rate_tps > 0):
+            raise ValueError("default_rate_tps must be a finite number > 0")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """CLI options for every field (help from the field comments above)."""
+        group = parser.add_argument_group("engine")
+        group.add_argument("--model", default=None, help="GGUF file or HF safetensors dir")
+        group.add_argument("--device", default="auto")
+        group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+        group.add_argument("--policy", default="tokenflow", choices=POLICY_NAMES)
+        for name in (
+            "block_size",
+            "device_kv_tokens",
+            "host_kv_tokens",
+            "max_model_len",
+            "max_num_seqs",
+            "max_prefill_tokens",
+            "chunk_tokens",
+            "max_waiting",
+            "seed",
+        ):
+            default = next(f.default for f in fields(EngineArgs) if f.name == name)
+            group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+        group.add_argument("--device-kv-fraction", type=float, default=None)
+        group.add_argument(
+            "--default-rate",
+            type=float,
+            default=6.0,
+            dest="default_rate_tps",
+            help="tokens/s for requests that state no stream_rate",
+        )
+        tf = parser.add_argument_group("tokenflow policy")
+        defaults = TokenFlowConfig()
+        tf.add_argument("--schedule-interval", type=float, default=defaults.schedule_interval_s)
+        tf.add_argument("--mu", type=float, default=defaults.buffer_conservativeness)
+        tf.add_argument("--critical-slack", type=float, default=defaults.critical_slack_s)
+        tf.add_argument("--no-write-through", action="store_true")
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> EngineArgs:
+        """Build from parsed CLI options (ValueError on bad values)."""
+        tokenflow = TokenFlowConfig(
+            schedule_interval_s=args.schedule_interval,
+            buffer_conservativeness=args.mu,
+            critical_slack_s=args.critical_slack,
+            write_through=not args.no_write_through,
+        )
+        names = {f.name for f in fields(cls)} - {"tokenflow"}
+        return cls(**{n: getattr(args, n) for n in names}, tokenflow=tokenflow)

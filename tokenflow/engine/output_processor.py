@@ -1,0 +1,108 @@
+"""Turns the core's per-token outputs into text deltas: detokenization and stop strings.
+
+Stop strings are found here, not in the core (the core sees only token ids); when one matches,
+the text is cut before it and the caller finishes the request in the core.  While streaming, a
+suffix that could still grow into a stop string is held back until the next token decides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenflow.core.plan import RequestOutput
+from tokenflow.core.request import SamplingParams
+from tokenflow.engine.tokenizer import (
+    IncrementalDetokenizer,
+    Tokenizer,
+    find_stop,
+    partial_stop_length,
+)
+from tokenflow.serving.engine_client import GenerationDelta
+
+
+@dataclass
+class _Stream:
+    detokenizer: IncrementalDetokenizer
+    stops: tuple[str, ...]
+    num_prompt_tokens: int
+    num_sent_chars: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ProcessedStep:
+    deltas: list[GenerationDelta]
+    stopped_request_ids: list[str]  # hit a stop string: finish them in the core
+
+
+class OutputProcessor:
+    """Per-request text state; one instance per engine."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Start tracking a request."""
+        self._streams[request_id] = _Stream(
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            params.stop,
+            len(prompt_token_ids),
+        )
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (aborted or finished)."""
+        self._streams.pop(request_id, None)
+
+    def process(self, outputs: list[RequestOutput]) -> ProcessedStep:
+        """Deltas for one step's outputs, and the requests a stop string ended."""
+        deltas: list[GenerationDelta] = []
+        stopped: list[str] = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            delta = self._advance(stream, output)
+            if delta.finish_reason == "stop" and output.finish_reason is None:
+                stopped.append(output.request_id)
+            if delta.finish_reason is not None:
+                self.drop(output.request_id)
+            deltas.append(delta)
+        return ProcessedStep(deltas, stopped)
+
+    def _advance(self, stream: _Stream, output: RequestOutput) -> GenerationDelta:
+        detok = stream.detokenizer
+        detok.push(output.new_token_ids)
+        finish = output.finish_reason.value if output.finish_reason else None
+        if finish is not None:
+            detok.flush()
+        text = detok.text
+        stream.num_output_tokens = output.num_output_tokens
+        end = len(text)
+        if stream.stops:
+            search_from = max(0, stream.num_sent_chars - max(len(s) for s in stream.stops))
+            cut = find_stop(text, stream.stops, search_from)
+            if cut is not None:
+                end, finish = cut, "stop"
+            elif finish is None:
+                end -= partial_stop_length(text, stream.stops)
+        end = max(end, stream.num_sent_chars)
+        new_text = text[stream.num_sent_chars : end]
+        stream.num_sent_chars = end
+        return GenerationDelta(
+            request_id=output.request_id,
+            token_ids=output.new_token_ids,
+            text=new_text,
+            num_prompt_tokens=stream.num_prompt_tokens,
+            num_output_tokens=output.num_output_tokens,
+            finish_reason=finish,
+        )
+
+    def aborted(self, request_id: str) -> GenerationDelta | None:
+        """The closing delta of an aborted request (None if it was not tracked)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return None
+        return GenerationDelta(
+            request_id, (), "", stream.num_prompt_tokens, stream.num_output_tokens, "abort"
+        )
