@@ -153,6 +153,7 @@ class AsyncEngine:
             delta = self.engine.abort(command.request_id)
             if delta is not None:
                 self._deliver(delta)
+                self._stats = self.engine.stats()
             return
         with self._lock:
             self._num_pending_adds -= 1

@@ -1,0 +1,156 @@
+"""The OpenAI server on the real engine (tiny model): streaming, errors, disconnects, and a
+small burst on which tokenflow's P99 TTFT beats fcfs's."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.serving.live_server import serve_in_thread, wait_until
+from tokenflow.bench.client import ClientConfig, run_workload
+from tokenflow.engine.async_engine import AsyncEngine
+from tokenflow.engine.engine_args import EngineArgs
+from tokenflow.metrics import summarize
+from tokenflow.serving.app import build_app
+from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    engine = AsyncEngine(
+        EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=512, max_waiting=64)
+    )
+    with serve_in_thread(build_app(engine)) as url:
+        yield engine, url
+    engine.close()
+
+
+def frames(text: str) -> list[str]:
+    assert text.endswith("data: [DONE]\n\n")
+    return [f[len("data: ") :] for f in text.split("\n\n") if f]
+
+
+def test_stream_usage_and_finish_reason(served):
+    engine, url = served
+    body = {
+        "model": engine.model_name,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 7,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "stream_rate": 50,
+        "ignore_eos": True,
+    }
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    chunks = [json.loads(f) for f in frames(response.text)[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1]["usage"]["completion_tokens"] == 7
+
+
+def test_non_streaming_completion_with_header_rate(served):
+    engine, url = served
+    body = {"prompt": "Once", "max_tokens": 5, "ignore_eos": True}
+    response = httpx.post(
+        f"{url}/v1/completions", json=body, headers={"X-Stream-Rate": "8"}, timeout=60
+    )
+    data = response.json()
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 5
+
+
+def test_prompt_over_the_context_is_a_400(served):
+    engine, url = served
+    body = {"prompt": "word " * 600, "max_tokens": 4}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "context length" in response.json()["error"]["message"]
+
+
+def test_disconnect_aborts_and_frees_kv_in_both_tiers(served):
+    engine, url = served
+    kv = engine.engine.scheduler.kv
+    body = {
+        "prompt": "Tell a long story",
+        "max_tokens": 400,
+        "stream": True,
+        "stream_rate": 1,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(base_url=url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(line for line in lines if line.startswith("data: "))
+        assert kv.num_free_device_blocks < kv.config.num_device_blocks
+    assert wait_until(lambda: engine.stats().num_running == 0, timeout_s=10)
+    assert wait_until(lambda: kv.num_free_device_blocks == kv.config.num_device_blocks)
+    assert kv.num_free_host_blocks == kv.config.num_host_blocks
+    assert engine.stats().num_preempted == 0
+
+
+def test_overload_gets_429_with_retry_after(tiny_model_dir):
+    engine = AsyncEngine(
+        EngineArgs(model=tiny_model_dir, device="cpu", max_waiting=1, max_num_seqs=1)
+    )
+    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    try:
+        with serve_in_thread(build_app(engine)) as url:
+
+            async def burst():
+                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                    return await asyncio.gather(
+                        *(http.post("/v1/completions", json=body) for _ in range(6))
+                    )
+
+            responses = asyncio.run(burst())
+    finally:
+        engine.close()
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 1 and 429 in codes
+    refused = next(r for r in responses if r.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["message"]
+    assert all(r.text.endswith("data: [DONE]\n\n") for r in responses if r.status_code == 200)
+
+
+def p99_ttft(tiny_model_dir, policy: str) -> float:
+    # The device tier holds about three of the twelve streams; readers take 4 tok/s.
+    args = EngineArgs(
+        model=tiny_model_dir,
+        device="cpu",
+        policy=policy,
+        device_kv_tokens=560,
+        max_model_len=512,
+    )
+    spec = WorkloadSpec(
+        kind="burst",
+        num_requests=12,
+        prompt=LengthDist(24, 0),
+        output=LengthDist(150, 0),
+        rates=RateMix.parse("4"),
+        seed=0,
+    )
+    engine = AsyncEngine(args)
+    try:
+        with serve_in_thread(build_app(engine)) as url:
+            config = ClientConfig(
+                url=url, endpoint="completions", show_progress=False, timeout_s=300
+            )
+            run = asyncio.run(run_workload(generate(spec), config, name=policy))
+    finally:
+        engine.close()
+    assert run.num_failed == 0, run.errors
+    return summarize(run.traces).ttft_p99_s
+
+
+def test_tokenflow_lowers_p99_ttft_on_a_burst(tiny_model_dir):
+    fcfs = p99_ttft(tiny_model_dir, "fcfs")
+    tokenflow = p99_ttft(tiny_model_dir, "tokenflow")
+    print(f"P99 TTFT fcfs {fcfs:.2f} s, tokenflow {tokenflow:.2f} s")
+    assert tokenflow < fcfs

@@ -1,0 +1,54 @@
+"""A tiny random-weight Llama with the embedded SmolLM2 tokenizer, saved as an HF directory.
+
+Real format (config.json + model.safetensors + tokenizer.json + tokenizer_config.json), real
+tokenizer and chat template, and a model small enough that engine tests run in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gguf import GGUFReader
+
+from tokenflow.engine.loader import default_model_path
+from tokenflow.engine.tokenizer import Tokenizer
+
+VOCAB_SIZE = 49152
+
+
+def build_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
+    """Write the tiny model into `directory` and return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reader = GGUFReader(default_model_path())
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": tokenizer.chat_template,
+                "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token,
+            }
+        )
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
