@@ -6,7 +6,8 @@ from tests.core.helpers import make_core, make_request
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import CopyKind
-from tokenflow.core.policies.tokenflow import Candidate, TokenFlowPolicy
+from tokenflow.core.policies.balance import Candidate
+from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import PreemptMode, RequestState
 
 OPTIMISTIC = SchedulerConfig(
@@ -113,7 +114,7 @@ def test_reload_or_recompute_follows_the_link_speed():
 
 def cand(name, utility, blocks, pinned=False, resident=True):
     request = make_request(name)
-    return Candidate(request, utility, blocks, resident, pinned)
+    return Candidate(request, utility, blocks, resident, pinned, not pinned)
 
 
 def small_view(num_device_blocks):

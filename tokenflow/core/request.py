@@ -154,6 +154,12 @@ class Request:
             return 0
         return min(self.num_output_tokens, math.ceil(ahead_s * self.rate_tps - 1e-9))
 
+    def buffered_s(self, now_s: float) -> float:
+        """Seconds of reading the buffer holds at `now_s` (0 when empty or before the first)."""
+        if not self.output_token_ids:
+            return 0.0
+        return max(self.last_consume_s - now_s, 0.0)
+
     def slack_s(self, now_s: float) -> float:
         """Seconds until the reader asks for a token that does not exist yet (<= 0: stalling).
 

@@ -32,7 +32,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--gpu", default=None, help="h200, h100, a100, a6000, rtx4090")
     hw.add_argument("--model", default=None, help="llama3-8b, qwen2-7b, qwen2.5-32b")
     hw.add_argument("--memory-fraction", type=float, default=None, help="GPU memory for weights+KV")
-    hw.add_argument("--host-memory-gib", type=float, default=128.0, help="host KV tier size")
+    hw.add_argument("--host-memory-gib", type=float, default=None, help="host KV tier size")
     tf = parser.add_argument_group("tokenflow policy and ablations")
     tf.add_argument("--schedule-interval", type=float, default=TokenFlowConfig.schedule_interval_s)
     tf.add_argument("--mu", type=float, default=TokenFlowConfig.buffer_conservativeness)
@@ -62,7 +62,7 @@ def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimCon
         gpu=args.gpu or (setup.gpu if setup else "h200"),
         model=args.model or (setup.model if setup else "llama3-8b"),
         memory_fraction=args.memory_fraction or (setup.memory_fraction if setup else 0.3),
-        host_memory_gib=args.host_memory_gib,
+        host_memory_gib=args.host_memory_gib or (setup.host_memory_gib if setup else 128.0),
         overlap_load_evict=not args.no_load_evict_overlap,
     )
     return workload, replace(config, tokenflow=tokenflow)

@@ -4,7 +4,9 @@ Lengths are normal with std = 25% of the mean (the paper states only means), cli
 [16, 2 x mean].  S/L: RTX 4090 inputs 512 / 1024, outputs 1024 / 2048; the H200 doubles the
 outputs.  Readers are mixed: 40% at 15 tok/s, 60% at 20 tok/s.  Memory: the RTX 4090 uses 90% of
 its memory for weights + KV pool (SGLang's default on a 24 GB card), the H200 only 30% (as the
-paper runs it, to create memory pressure).  Poisson setups send one minute of arrivals.
+paper runs it, to create memory pressure).  Poisson setups send one minute of arrivals.  Host
+memory for the KV host tier: 64 GiB beside an RTX 4090 (a workstation), 512 GiB beside an H200
+(a server; the paper does not state it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class Setup:
     gpu: str
     model: str
     memory_fraction: float
+    host_memory_gib: float
     workload: WorkloadSpec
     description: str
 
@@ -45,9 +48,9 @@ def _spec(kind: str, n: int, rate: float, prompt: int, output: int, seed: int) -
 def paper_setups(seed: int = 0) -> dict[str, Setup]:
     """All eight presets: 4090-a..d and h200-a..d."""
     setups: dict[str, Setup] = {}
-    for gpu, fraction, scale, bursts, rates in (
-        ("4090", 0.9, 1, (60, 80), (2.0, 4.0)),
-        ("h200", 0.3, 2, (400, 200), (5.0, 10.0)),
+    for gpu, fraction, host_gib, scale, bursts, rates in (
+        ("4090", 0.9, 64.0, 1, (60, 80), (2.0, 4.0)),
+        ("h200", 0.3, 512.0, 2, (400, 200), (5.0, 10.0)),
     ):
         s_in, l_in, l_out = 512, 1024, 2048 * scale
         rows = {
@@ -60,7 +63,7 @@ def paper_setups(seed: int = 0) -> dict[str, Setup]:
             name = f"{gpu}-{letter}"
             workload = _spec(kind, n, rate or 1.0, prompt, l_out, seed)
             gpu_name = "rtx4090" if gpu == "4090" else "h200"
-            setups[name] = Setup(name, gpu_name, "llama3-8b", fraction, workload, text)
+            setups[name] = Setup(name, gpu_name, "llama3-8b", fraction, host_gib, workload, text)
     return setups
 
 
