@@ -18,11 +18,15 @@ OPTIMISTIC = SchedulerConfig(
 )
 
 
-def three_streams():
+def three_streams(tokenflow_config=None):
     """R1 reads slowly (big buffer), R2 about as fast as it is generated, R3 arrives at 1 s.
     The device holds 24 blocks of 4 tokens: R1 and R2 fill 20, R3 needs 5 more."""
     core, clock, ex = make_core(
-        "tokenflow", num_device_blocks=24, step_s=0.05, scheduler_config=OPTIMISTIC
+        "tokenflow",
+        num_device_blocks=24,
+        step_s=0.05,
+        scheduler_config=OPTIMISTIC,
+        tokenflow_config=tokenflow_config,
     )
     r1 = make_request("R1", num_prompt=20, max_tokens=60, rate=2.0)
     r2 = make_request("R2", num_prompt=20, max_tokens=60, rate=15.0)
@@ -156,11 +160,19 @@ def test_oom_victim_is_the_pausable_stream_with_most_buffer_offloaded():
 
 
 def test_write_through_goes_largest_buffer_first_and_can_be_disabled():
-    core, clock, (r1, r2, r3) = three_streams()
+    core, clock, (r1, r2, r3) = three_streams(TokenFlowConfig(write_through=False))
     view = core.scheduler.view(clock.t)
-    assert [r.request_id for r in core.scheduler.policy.write_through_order(view)] == ["R1", "R2"]
-    off = TokenFlowPolicy(TokenFlowConfig(write_through=False))
-    assert off.write_through_order(view) == []
+    assert core.scheduler.kv.num_free_host_blocks == 256  # nothing was written through
+    assert core.scheduler.policy.write_through_order(view) == []
+    on = TokenFlowPolicy(TokenFlowConfig())
+    assert [r.request_id for r in on.write_through_order(view)] == ["R1", "R2"]
+
+
+def test_write_through_keeps_running_streams_synced():
+    core, clock, (r1, r2, r3) = three_streams()
+    kv = core.scheduler.kv
+    for r in (r1, r2):
+        assert kv.synced_tokens(r.request_id) == r.num_computed_tokens // 4 * 4
 
 
 def test_no_decision_without_stress():

@@ -96,6 +96,13 @@ class KVTierManager:
         """True when the host tier holds the KV of the first `num_tokens` tokens."""
         return num_tokens > 0 and self._synced_tokens.get(request_id, 0) >= num_tokens
 
+    def has_unsynced_full_block(self, request_id: str, num_tokens: int) -> bool:
+        """True when write-through has a full block of this request left to copy."""
+        return (
+            num_tokens // self.block_size
+            > self._synced_tokens.get(request_id, 0) // self.block_size
+        )
+
     def unsynced_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks an eviction of a request with `num_tokens` computed tokens would copy."""
         synced = self._synced_tokens.get(request_id, 0)
@@ -110,6 +117,8 @@ class KVTierManager:
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the device table to cover `num_tokens` tokens; False (and no change) if full."""
         table = self._device_tables.setdefault(request_id, [])
+        if num_tokens <= len(table) * self.block_size:  # the common decode step
+            return True
         missing = self.blocks_for(num_tokens) - len(table)
         if missing > len(self._free_device):
             if not table:

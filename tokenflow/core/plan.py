@@ -34,9 +34,13 @@ class BlockCopy:
     dst_block_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
-    """One request's share of a step: a prefill chunk or a single decode token."""
+    """One request's share of a step: a prefill chunk or a single decode token.
+
+    Treated as immutable; not frozen only because frozen dataclasses are slow to build and the
+    scheduler builds one per stream per step.
+    """
 
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose KV this step computes
@@ -83,8 +87,8 @@ class StepPlan:
         return not (self.chunks or self.device_to_host or self.host_to_device)
 
 
-@dataclass(frozen=True)
-class SampledToken:
+@dataclass(slots=True)
+class SampledToken:  # treated as immutable (built per token: see ScheduledChunk)
     request_id: str
     token_id: int
 
@@ -96,9 +100,9 @@ class StepResult:
     sampled: tuple[SampledToken, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """What the core reports about a request after a step."""
+    """What the core reports about a request after a step (treated as immutable)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]

@@ -235,14 +235,19 @@ class Scheduler:
 
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        num_output = len(request.output_token_ids)
+        if count == 1 and num_output and start == len(request.prompt_token_ids) + num_output - 1:
+            token_ids: tuple[int, ...] = (request.output_token_ids[-1],)  # a decode
+        else:
+            token_ids = request.token_ids_from(start, count)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.token_ids_from(start, count),
+            token_ids=token_ids,
             start_position=start,
             block_ids=self.kv.device_block_ids(request.request_id),
-            samples_token=start + count == request.num_tokens,
+            samples_token=start + count == len(request.prompt_token_ids) + num_output,
             sampling_params=request.sampling_params,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=num_output,
         )
 
     # -- copies ---------------------------------------------------------------------------------
@@ -284,11 +289,12 @@ class Scheduler:
         self._loads_completing.clear()
         sampled = {s.request_id: s.token_id for s in result.sampled}
         outputs: list[RequestOutput] = []
+        requests, running = self.requests, RequestState.RUNNING
         for chunk in plan.chunks:
-            request = self.requests.get(chunk.request_id)
-            if request is None or request.state is not RequestState.RUNNING:
+            request = requests.get(chunk.request_id)
+            if request is None or request.state is not running:
                 continue  # finished or aborted while the step ran
-            request.num_computed_tokens = chunk.start_position + chunk.num_tokens
+            request.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
             if not chunk.samples_token:
                 continue
             token_id = sampled[chunk.request_id]
@@ -297,21 +303,24 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(
-                RequestOutput(request.request_id, (token_id,), request.num_output_tokens, reason)
+                RequestOutput(
+                    request.request_id, (token_id,), len(request.output_token_ids), reason
+                )
             )
         self._decay_new_token_ratio()
         return outputs
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens and (
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens and (
             (not params.ignore_eos and token_id in request.eos_token_ids)
             or token_id in params.stop_token_ids
         ):
             return FinishReason.STOP
         if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.config.max_model_len
+            num_output >= params.max_tokens
+            or num_output + len(request.prompt_token_ids) >= self.config.max_model_len
         ):
             return FinishReason.LENGTH
         return None

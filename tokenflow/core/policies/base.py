@@ -115,8 +115,8 @@ def fcfs_starts(
         candidates = list(view.preempted)
         if include_waiting:
             candidates = sorted(candidates + view.waiting, key=lambda r: r.sort_key)
-    if not candidates:
-        return []
+    if not candidates or view.start_blocks(candidates[0]) > view.kv.num_free_device_blocks:
+        return []  # cheap exit before summing the reserve: the head does not fit anyway
     free = view.kv.num_free_device_blocks - sum(view.reserve_blocks(r) for r in view.running)
     num_resident = len(view.running)
     prefill_tokens = 0

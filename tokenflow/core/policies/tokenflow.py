@@ -101,8 +101,13 @@ class TokenFlowPolicy(Policy):
             return list(self._targets)
         # Work-conserving: free memory goes to the preempted streams nearest to stalling, then
         # to waiting ones (memory-aware FCFS admission, also when degraded).
-        now = view.now_s
-        preempted = sorted(view.preempted, key=lambda r: (r.slack_s(now), r.sort_key))
+        if view.kv.num_free_device_blocks == 0:
+            return []
+        # A preempted stream gains no tokens, so ordering by the time its reader runs dry
+        # (last consumption + 1/r) equals ordering by slack, without reading the clock.
+        preempted = sorted(
+            view.preempted, key=lambda r: (r.last_consume_s + 1.0 / r.rate_tps, r.sort_key)
+        )
         return fcfs_starts(view, candidates=preempted + list(view.waiting))
 
     def _survey_started(self, view: SchedulingView, growth: int) -> Survey:
@@ -236,6 +241,11 @@ class TokenFlowPolicy(Policy):
         """Running streams by buffered reading, largest first: likeliest to be preempted."""
         if not self.config.write_through:
             return []
-        now = view.now_s
-        running = [r for r in view.running if r.state is RequestState.RUNNING]
-        return sorted(running, key=lambda r: (-r.slack_s(now), r.sort_key))
+        now, kv = view.now_s, view.kv
+        pending = [
+            r
+            for r in view.running
+            if r.state is RequestState.RUNNING
+            and kv.has_unsynced_full_block(r.request_id, r.num_computed_tokens)
+        ]
+        return sorted(pending, key=lambda r: (-r.slack_s(now), r.sort_key))
