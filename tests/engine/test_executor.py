@@ -1,0 +1,103 @@
+"""The executor's step semantics: copies overlap the forward, results per sampling chunk."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.engine.helpers import GREEDY_NO_EOS, chunk, greedy_generate, plan
+from tokenflow.core.plan import BlockCopy, CopyKind
+from tokenflow.core.request import SamplingParams
+from tokenflow.engine import ModelExecutor, TieredKVCache, load_model
+
+PROMPT_A = [5, 6, 7, 8, 9, 10, 11]
+PROMPT_B = [40, 41, 42, 43, 44]
+
+
+def _executor(tiny_checkpoints, device: str = "cpu", kind: str = "llama") -> ModelExecutor:
+    _, directory = tiny_checkpoints[kind]
+    model, config, _ = load_model(str(directory), device, torch.float32)
+    cache = TieredKVCache(config, 16, 8, 4, device, torch.float32)
+    return ModelExecutor(model, config, cache, device, seed=0)
+
+
+def test_only_sampling_chunks_return_tokens_in_plan_order(tiny_checkpoints):
+    executor = _executor(tiny_checkpoints)
+    result = executor.execute(
+        plan(
+            [
+                chunk("a", PROMPT_A[:4], 0, [0, 1], samples_token=False),
+                chunk("b", PROMPT_B, 0, [2, 3]),
+                chunk("c", [9], 0, [4]),
+            ]
+        )
+    )
+    assert [s.request_id for s in result.sampled] == ["b", "c"]
+    assert executor.execute(plan([])).sampled == ()
+
+
+def test_copies_run_on_the_worker_while_the_forward_runs(tiny_checkpoints, monkeypatch):
+    executor = _executor(tiny_checkpoints)
+    [expected] = greedy_generate(executor, [PROMPT_B], [[6, 7]], num_new=3)
+    seen = []
+    original = executor.kv_cache.apply_copies
+
+    def recording(device_to_host, host_to_device):
+        seen.append((threading.current_thread(), len(device_to_host), len(host_to_device)))
+        original(device_to_host, host_to_device)
+
+    monkeypatch.setattr(executor.kv_cache, "apply_copies", recording)
+    greedy_generate(executor, [PROMPT_A], [[0, 1]], num_new=1)  # fills device blocks 0, 1
+    copies = [BlockCopy("a", CopyKind.WRITE_THROUGH, 0, 5), BlockCopy("a", CopyKind.EVICT, 1, 6)]
+    loads = [BlockCopy("z", CopyKind.LOAD, 0, 9)]
+    result = executor.execute(
+        plan([chunk("b", PROMPT_B, 0, [6, 7], 0, True, GREEDY_NO_EOS)], copies, loads)
+    )
+    assert result.sampled[0].token_id == expected[0]  # the forward is unaffected by copies
+    assert seen and seen[0][0] is not threading.current_thread()
+    assert seen[0][1:] == (2, 1)
+    torch.testing.assert_close(
+        executor.kv_cache.host_kv[:, :, 5:7], executor.kv_cache.device_kv[:, :, 0:2]
+    )
+
+
+def test_a_failing_copy_surfaces_from_execute(tiny_checkpoints):
+    executor = _executor(tiny_checkpoints)
+    bad = [BlockCopy("a", CopyKind.EVICT, 0, 999)]
+    with pytest.raises(IndexError, match="out of range"):
+        executor.execute(plan([chunk("b", PROMPT_B, 0, [2, 3])], device_to_host=bad))
+
+
+def test_released_requests_lose_their_sampler_state(tiny_checkpoints):
+    executor = _executor(tiny_checkpoints)
+    params = SamplingParams(temperature=1.0, seed=5)
+    executor.execute(plan([chunk("a", PROMPT_A, 0, [0, 1], 0, True, params)]))
+    assert executor.sampler.num_generators == 1
+    executor.execute(plan([], released=["a"]))
+    assert executor.sampler.num_generators == 0
+
+
+def test_seeded_sampling_is_reproducible_through_the_executor(tiny_checkpoints):
+    params = SamplingParams(max_tokens=32, temperature=1.0, seed=42)
+    runs = []
+    for _ in range(2):
+        executor = _executor(tiny_checkpoints)
+        runs.append(greedy_generate(executor, [PROMPT_A], [[0, 1, 2, 3]], 8, params=params)[0])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu_with_copies_on_the_copy_stream(tiny_checkpoints):
+    cpu = _executor(tiny_checkpoints, "cpu", "qwen2")
+    gpu = _executor(tiny_checkpoints, "cuda", "qwen2")
+    prompts, tables = [PROMPT_A, PROMPT_B], [[0, 1, 2], [3, 4, 5]]
+    assert greedy_generate(gpu, prompts, tables, 8) == greedy_generate(cpu, prompts, tables, 8)
+    evict = [BlockCopy("a", CopyKind.EVICT, 0, 1), BlockCopy("a", CopyKind.EVICT, 1, 2)]
+    gpu.execute(plan([chunk("c", PROMPT_B, 0, [8, 9])], device_to_host=evict))
+    host = gpu.kv_cache.host_kv[:, :, 1:3].to("cuda")
+    torch.testing.assert_close(host, gpu.kv_cache.device_kv[:, :, 0:2])
+    gpu.execute(plan([], host_to_device=[BlockCopy("a", CopyKind.LOAD, 1, 12)]))
+    torch.testing.assert_close(gpu.kv_cache.device_kv[:, :, 12], gpu.kv_cache.device_kv[:, :, 0])

@@ -1,0 +1,111 @@
+"""Tokenizers (SmolLM2's GGUF one, tokenizer.json), streaming detokenization, stop strings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tokenizers
+
+from tokenflow.engine import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_length
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces\n\ttabs and\n\nnewlines   ",
+    "héllo wörld — 日本語のテキスト 🤖🎉 émoji",
+    "numbers 12345, 3.14159 and 2024-01-01",
+    "don't you'll I'M we've",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_matches_transformers(smollm, hf_smollm_tokenizer, text):
+    ours = smollm.tokenizer
+    expected = hf_smollm_tokenizer(text).input_ids
+    assert ours.encode(text) == expected
+    assert ours.decode(expected) == hf_smollm_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_chat_template_renders_chatml(smollm, hf_smollm_tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    text = smollm.tokenizer.render_chat(messages)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    expected = hf_smollm_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert smollm.tokenizer.apply_chat_template(messages) == list(expected)
+    assert smollm.tokenizer.eos_token_id == 2  # <|im_end|>
+
+
+def test_incremental_detokenizer_never_splits_a_character(smollm):
+    tokenizer = smollm.tokenizer
+    text = "Grüße 🤖🎉 日本語 and plain text 👍🏽!"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([token]) for token in ids]
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) + detok.flush() == text
+    assert detok.text == text
+
+
+def test_incremental_detokenizer_keeps_leading_space_after_prompt(smollm):
+    tokenizer = smollm.tokenizer
+    prompt = tokenizer.encode("The answer is")
+    continuation = tokenizer.encode(" forty two")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(detok.push([t]) for t in continuation) == " forty two"
+
+
+def test_flush_emits_an_incomplete_character(smollm):
+    tokenizer = smollm.tokenizer
+    ids = tokenizer.encode("🤖")
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.push(ids[:-1]) == ""  # held back: the character is incomplete
+    assert detok.flush() == tokenizer.decode(ids[:-1])
+
+
+def test_find_stop():
+    assert find_stop("Hello world. Bye", [".", "Bye"]) == 11
+    assert find_stop("Hello", ["x", ""]) is None
+    assert find_stop("a.b.c", ["."], search_from=2) == 3
+
+
+def test_partial_stop_length():
+    assert partial_stop_length("Hello wor", ["world"]) == 3
+    assert partial_stop_length("Hello", ["world"]) == 0
+    assert partial_stop_length("x<|im", ["<|im_end|>", "<"]) == 4
+
+
+def test_tokenizer_from_directory(tmp_path):
+    vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4, "Ġ": 5}
+    model = tokenizers.models.BPE(vocab=vocab, merges=[("a", "b")])
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_directory(tmp_path)
+    assert tokenizer.encode("ab ab") == [4, 5, 4]
+    assert tokenizer.eos_token_id == 1
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "ab"}]) == [0, 4, 1]
+    assert Tokenizer.from_directory(tmp_path / "missing") is None
+
+
+def test_chat_template_is_sandboxed(tmp_path):
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0}, merges=[]))
+    unsafe = "{{ messages.__class__.__mro__ }}"
+    tokenizer = Tokenizer(backend, None, chat_template=unsafe)
+    with pytest.raises(Exception, match="unsafe|access"):
+        tokenizer.render_chat([{"role": "user", "content": "a"}])

@@ -1,0 +1,95 @@
+"""The real executor: one `StepPlan` in, one `StepResult` out (see tokenflow.core.plan).
+
+A step overlaps its tier copies with its forward pass.  The copies run on a worker thread (on
+CUDA, on a dedicated copy stream that first waits for the KV writes of earlier steps); the
+forward runs on the calling thread.  The plan guarantees that no copy touches a block the
+forward writes, and the worker is joined (and the copy stream synchronised) before `execute`
+returns, so every copy of a plan is complete when its result is.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from tokenflow.core.plan import SampledToken, StepPlan, StepResult
+from tokenflow.engine.attention import build_model_inputs
+from tokenflow.engine.kv_cache import TieredKVCache
+from tokenflow.engine.model import LlamaModel
+from tokenflow.engine.model_config import ModelConfig
+from tokenflow.engine.sampler import Sampler, SamplingRow
+
+
+class ModelExecutor:
+    """Runs plans against a model and a tiered KV cache."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: ModelConfig,
+        kv_cache: TieredKVCache,
+        device: torch.device | str,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+        self.sampler = Sampler(config.eos_token_ids, seed=seed)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
+        is_cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
+
+    def close(self) -> None:
+        """Stop the copy worker (the executor is unusable afterwards)."""
+        self._copier.shutdown(wait=True)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan's copies and forward pass concurrently; sample; return the tokens."""
+        self.sampler.release(plan.released_request_ids)
+        copies = self._start_copies(plan)
+        try:
+            sampled = self._forward_and_sample(plan)
+        finally:
+            if copies is not None:
+                copies.result()  # joins the worker; re-raises a copy failure
+        return StepResult(sampled=sampled)
+
+    def _start_copies(self, plan: StepPlan) -> Future[None] | None:
+        if not (plan.device_to_host or plan.host_to_device):
+            return None
+        ready = None
+        if self._copy_stream is not None:
+            # Copies may read blocks that earlier forwards wrote on the compute stream.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return self._copier.submit(self._run_copies, plan, ready)
+
+    def _run_copies(self, plan: StepPlan, ready: torch.cuda.Event | None) -> None:
+        with torch.inference_mode():
+            if self._copy_stream is None:
+                self.kv_cache.apply_copies(plan.device_to_host, plan.host_to_device)
+                return
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(ready)
+                self.kv_cache.apply_copies(plan.device_to_host, plan.host_to_device)
+            self._copy_stream.synchronize()
+
+    def _forward_and_sample(self, plan: StepPlan) -> tuple[SampledToken, ...]:
+        if not plan.chunks:
+            return ()
+        with torch.inference_mode():
+            inputs = build_model_inputs(plan.chunks, self.kv_cache.block_size, self.device)
+            logits = self.model(
+                inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.device_layers
+            )  # [num_sampled, vocab]
+            chunks = [plan.chunks[i] for i in inputs.sampled_chunk_indices]
+            rows = [
+                SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in chunks
+            ]
+            token_ids = self.sampler.sample(logits, rows)
+        return tuple(
+            SampledToken(c.request_id, token_id)
+            for c, token_id in zip(chunks, token_ids, strict=True)
+        )

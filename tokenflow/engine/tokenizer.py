@@ -1,0 +1,273 @@
+"""Tokenizers for the engine: from `tokenizer.json` or rebuilt from GGUF metadata.
+
+Also the streaming helpers: `IncrementalDetokenizer` turns token ids into text deltas without
+splitting a multi-byte character, and `find_stop` / `partial_stop_length` locate stop strings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import decoders, pre_tokenizers, processors
+
+from tokenflow.engine.model_config import ModelLoadError
+
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's `tokenizer.ggml.pre` -> the split regex its merges were learned with.
+_GGUF_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    """Text <-> token ids, and chat rendering; satisfies the serving layer's Tokenizer protocol."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        eos_token_id: int | None,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.eos_token_id = eos_token_id
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the tokenizer's own special tokens (e.g. a BOS) if any."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`; special tokens are left out unless asked for."""
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The chat template applied to `messages`, ending with the assistant's turn opener."""
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat template")
+        return self._template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=True,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Render OpenAI-style messages with the chat template and tokenize them (no extra BOS)."""
+        return self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    @classmethod
+    def from_directory(cls, directory: str | Path) -> Tokenizer | None:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`); None when there is no tokenizer."""
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+            config = _read_json(directory / "tokenizer_config.json")
+        except Exception as exc:  # tokenizers raises plain Exception on bad JSON
+            raise ModelLoadError(f"cannot read tokenizer {path}: {exc}") from exc
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        jinja_path = directory / "chat_template.jinja"
+        if jinja_path.is_file():
+            template = jinja_path.read_text(encoding="utf-8")
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        eos_id = backend.token_to_id(eos) if eos else None
+        return cls(backend, eos_id, template, bos, eos)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Rebuild a byte-level BPE tokenizer ("gpt2" in llama.cpp terms) from GGUF metadata."""
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ModelLoadError(
+                f"GGUF tokenizer model {model!r} is not supported; supported: 'gpt2' (byte BPE)"
+            )
+        tokens = list(metadata["tokenizer.ggml.tokens"])
+        backend = _byte_level_bpe(tokens, list(metadata.get("tokenizer.ggml.merges", [])))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "")))
+        _add_gguf_special_tokens(backend, tokens, metadata.get("tokenizer.ggml.token_type") or [])
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        if bos is not None and metadata.get("tokenizer.ggml.add_bos_token", False):
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+            )
+        eos = tokens[eos_id] if eos_id is not None else None
+        template = metadata.get("tokenizer.chat_template")
+        return cls(backend, eos_id, template, bos, eos)
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str]) -> tokenizers.Tokenizer:
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= alphabet:  # respell a token stored as raw text
+            token = "".join(spelling[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, index)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=pairs))
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # digits split one by one, then GPT-2 splitting
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    split = _GGUF_SPLITS.get(pre)
+    if split is None:
+        return byte_level  # GPT-2's own regex
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _add_gguf_special_tokens(
+    backend: tokenizers.Tokenizer, tokens: list[str], token_types: Sequence[int]
+) -> None:
+    control = [t for t, kind in zip(tokens, token_types, strict=False) if kind == _GGUF_CONTROL]
+    user = [t for t, kind in zip(tokens, token_types, strict=False) if kind == _GGUF_USER_DEFINED]
+    backend.add_special_tokens([tokenizers.AddedToken(t, normalized=False) for t in control])
+    backend.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in user])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's token ids into text deltas as they arrive.
+
+    Decodes a small window (the previous few tokens plus the new ones) and emits only what the
+    new tokens added; text that ends in an incomplete UTF-8 sequence ("\\ufffd") is held back
+    until the character completes (or until `flush`).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), context_tokens: int = 5
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._ids = list(prompt_token_ids[-context_tokens:])  # context for leading spaces
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add new token ids; return the text they complete (possibly empty)."""
+        self._ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        return self._emit(full[len(prefix) :])
+
+    def flush(self) -> str:
+        """Emit whatever is held back, incomplete characters included (at end of stream)."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        return self._emit(full[len(prefix) :])
+
+    def _emit(self, delta: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, stops: Sequence[str], search_from: int = 0) -> int | None:
+    """Index where the earliest stop string starts in `text` (at or after search_from), or None."""
+    found = [i for i in (text.find(s, search_from) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+def partial_stop_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that could still grow into a stop string.
+
+    A streamer holds those characters back until the next delta decides them.
+    """
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
