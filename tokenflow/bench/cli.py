@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -36,7 +37,15 @@ class BenchTarget:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The `tokenflow bench` options (workload, target server, outputs)."""
     server = parser.add_argument_group("server")
-    server.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    server.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
+    server.add_argument(
+        "--compare",
+        default=None,
+        help="instead of --url: start our server once per policy (e.g. fcfs,tokenflow)",
+    )
+    server.add_argument(
+        "--serve-args", default="", help="extra `tokenflow serve` options for --compare"
+    )
     server.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="chat")
     server.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     server.add_argument("--api-key", default=None)
@@ -125,13 +134,36 @@ def bench_targets(
 
 def run_bench(args: argparse.Namespace) -> int:
     """`tokenflow bench` with parsed arguments; returns the exit code."""
+    if (args.url is None) == (args.compare is None):
+        return _fail("give exactly one of --url URL and --compare POLICY,POLICY")
     try:
         requests = workload_from_args(args)
-        config = client_config_from_args(args)
+        url = args.url or "http://127.0.0.1"  # --compare fills in each server's URL
+        config = client_config_from_args(argparse.Namespace(**{**vars(args), "url": url}))
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
+    if args.compare is not None:
+        return _run_compare(args, requests, config)
     targets = [BenchTarget(args.name, args.url)]
     return bench_targets(targets, requests, config, json_path=args.json, plot_path=args.plot)
+
+
+def _run_compare(
+    args: argparse.Namespace, requests: Sequence[WorkloadRequest], config: ClientConfig
+) -> int:
+    from tokenflow.bench.compare import ServerStartError, compare_policies
+    from tokenflow.core.policies import POLICY_NAMES
+
+    policies = [p.strip() for p in args.compare.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown or not policies:
+        return _fail(f"unknown policy {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    try:
+        runs = compare_policies(policies, shlex.split(args.serve_args), requests, config)
+        summaries = report_runs(runs, json_path=args.json, plot_path=args.plot)
+    except (ServerStartError, ValueError, OSError) as exc:
+        return _fail(str(exc))
+    return 0 if all(s.num_completed > 0 for s in summaries.values()) else 1
 
 
 def _fail(message: str) -> int:
