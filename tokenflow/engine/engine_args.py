@@ -25,7 +25,7 @@ class EngineArgs:
     block_size: int = 16
     device_kv_tokens: int = 8192  # device tier size, tokens (rounded down to whole blocks)
     device_kv_fraction: float | None = None  # or: this share of free device memory
-    host_kv_tokens: int = 131072  # host tier size, tokens
+    host_kv_tokens: int = 32768  # host tier size, tokens (4x the device tier)
     max_model_len: int | None = None  # prompt + output; None: the model's, capped at 8192
     max_num_seqs: int = 32  # streams in one batch
     max_prefill_tokens: int = 4096  # prefill tokens in one step
