@@ -64,17 +64,28 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> cos, sin [T, 1, head_dim] (float32 angles, cast to dtype)."""
+    """positions [T] -> cos, signed sin [T, 1, head_dim] (float32 angles, cast to dtype).
+
+    The sine's first half is negated so that `apply_rope` needs no negation of its own.
+    """
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos = angles.cos()
+    sin = angles.sin()
+    return (
+        torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
+        torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype),
+    )
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x [T, heads, D] with cos/sin [T, 1, D]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, for x [T, heads, D].
+
+    cos and signed_sin are [T, 1, D] from `rope_cos_sin`: rotate_half(x) * sin equals
+    cat(x2, x1) * signed_sin.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class Projection(nn.Module):
@@ -94,8 +105,11 @@ class Projection(nn.Module):
         """The [out, in] view (transformers' layout) of the stored weight, for loading."""
         return self.weight_t.t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out], plus `residual` [T, out] when given (fused into the GEMM)."""
+        if residual is not None:
+            out = torch.addmm(residual, x, self.weight_t)
+            return out if self.bias is None else out.add_(self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -124,8 +138,9 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         attn: AttentionMetadata,
         layer_kv: LayerKV,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+        """x [T, H] (normed) -> residual + attention output [T, H]."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (heads + 2 * kv_heads) * D]
         num_qk = self.num_heads + self.num_kv_heads
@@ -134,7 +149,7 @@ class Attention(nn.Module):
         query, key = qk[:, : self.num_heads], qk[:, self.num_heads :]
         value = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(query, key, value, layer_kv, attn)  # [T, heads, D]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1), residual)
 
 
 class MLP(nn.Module):
@@ -146,15 +161,16 @@ class MLP(nn.Module):
         self.gate_up_proj = Projection(config.hidden_size, 2 * config.intermediate_size, False)
         self.down_proj = Projection(config.intermediate_size, config.hidden_size, False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (normed) -> residual + MLP output [T, H]."""
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # strided [T, I] views
+        # In place: no [T, I] temporaries; the GEMM reads the strided rows directly.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up), residual)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks, with the residual add fused into the next norm."""
+    """Pre-norm attention and MLP blocks, each added to the residual stream."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -172,8 +188,9 @@ class DecoderLayer(nn.Module):
         layer_kv: LayerKV,
     ) -> torch.Tensor:
         """hidden [T, H] (the residual stream) -> [T, H]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn, layer_kv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed = self.input_layernorm(hidden)
+        hidden = self.self_attn(normed, cos, sin, attn, layer_kv, residual=hidden)
+        return self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,259 @@
+"""Our executor vs. transformers `generate` on the embedded SmolLM2-135M GGUF, same process.
+
+Decode tokens/s at several batch sizes and prefill tokens/s, ours driven directly with
+hand-built StepPlans (contiguous block tables), HF with `generate(do_sample=False)` and a fixed
+output length.  Both models come from the same GGUF (dequantized) and run in the same dtype.
+
+    .venv/bin/python benchmarks/engine_vs_hf.py            # table
+    .venv/bin/python benchmarks/engine_vs_hf.py --json     # [{metric, batch, ours_tps, ...}]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from tokenflow.core.plan import ScheduledChunk, StepPlan  # noqa: E402
+from tokenflow.core.request import SamplingParams  # noqa: E402
+from tokenflow.engine import (  # noqa: E402
+    ModelExecutor,
+    TieredKVCache,
+    default_model_path,
+    load_model,
+)
+
+BLOCK_SIZE = 16
+GREEDY = SamplingParams(max_tokens=4096, temperature=0.0)
+
+
+@dataclass(frozen=True)
+class Row:
+    metric: str  # "decode" or "prefill"
+    batch: int
+    ours_tps: float
+    hf_tps: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_tps / self.hf_tps
+
+
+def make_prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random ordinary tokens (ids past the special ones), equal lengths: no HF padding."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, vocab_size, (batch, length), generator=generator)
+    return ids.tolist()
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One generation: seconds to the first token, and the duration of every later token."""
+
+    prefill_s: float
+    step_s: tuple[float, ...]
+
+
+class OurRunner:
+    """Drives ModelExecutor with hand-built plans; request i owns a contiguous block range."""
+
+    def __init__(self, executor: ModelExecutor, max_len: int) -> None:
+        self.executor = executor
+        self.blocks_per_seq = -(-max_len // BLOCK_SIZE)
+        self.step = 0
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[int]:
+        self.step += 1
+        result = self.executor.execute(StepPlan(self.step, tuple(chunks), (), (), ()))
+        return [s.token_id for s in result.sampled]
+
+    def _table(self, index: int) -> tuple[int, ...]:
+        first = index * self.blocks_per_seq
+        return tuple(range(first, first + self.blocks_per_seq))
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timing:
+        """Greedy-generate `new_tokens` per prompt, timing the prefill and every decode step."""
+        stamps = [time.perf_counter()]
+        last = self._execute(
+            [
+                ScheduledChunk(f"r{i}", tuple(p), 0, self._table(i), True, GREEDY, 0)
+                for i, p in enumerate(prompts)
+            ]
+        )
+        stamps.append(time.perf_counter())
+        for step in range(1, new_tokens):
+            last = self._execute(
+                [
+                    ScheduledChunk(
+                        f"r{i}", (last[i],), len(p) + step - 1, self._table(i), True, GREEDY, step
+                    )
+                    for i, p in enumerate(prompts)
+                ]
+            )
+            stamps.append(time.perf_counter())
+        return _timing(stamps)
+
+
+class HFRunner:
+    """transformers `generate`, stamped after every token by a stopping criterion."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timing:
+        """Greedy-generate exactly `new_tokens` per prompt (EOS masked by min_new_tokens)."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        stamps: list[float] = []
+
+        class Stamp(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: object):
+                stamps.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        ids = torch.tensor(prompts)
+        stamps.append(time.perf_counter())
+        with torch.inference_mode():
+            self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+                stopping_criteria=StoppingCriteriaList([Stamp()]),
+            )
+        return _timing(stamps)
+
+
+def _timing(stamps: list[float]) -> Timing:
+    steps = tuple(b - a for a, b in zip(stamps[1:], stamps[2:], strict=False))
+    return Timing(stamps[1] - stamps[0], steps)
+
+
+def compare(
+    ours: Callable[[], Timing], hf: Callable[[], Timing], repeats: int
+) -> tuple[list[Timing], list[Timing]]:
+    """Alternate ours and HF runs (after one warm-up each), so background load hits both."""
+    ours()
+    hf()
+    pairs = [(ours(), hf()) for _ in range(repeats)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def decode_tps(timings: list[Timing], batch: int) -> float:
+    """Tokens/s from the median decode step over all runs (robust to bursts of other load)."""
+    return batch / statistics.median(s for t in timings for s in t.step_s)
+
+
+def prefill_tps(timings: list[Timing], num_tokens: int) -> float:
+    return num_tokens / min(t.prefill_s for t in timings)
+
+
+def load_hf(dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    path = Path(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return model.eval()
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    """Load both models and measure every row."""
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model, config, _ = load_model(None, "cpu", dtype)
+    max_len = max(args.decode_prompt_len + args.decode_tokens, args.prefill_len) + 1
+    max_batch = max(*args.batches, args.prefill_batch)
+    blocks = max_batch * -(-max_len // BLOCK_SIZE)
+    kv_cache = TieredKVCache(config, blocks, 1, BLOCK_SIZE, "cpu", dtype)
+    ours = OurRunner(ModelExecutor(model, config, kv_cache, "cpu"), max_len)
+    hf = HFRunner(load_hf(dtype))
+    rows = []
+    for batch in args.batches:
+        prompts = make_prompts(batch, args.decode_prompt_len, config.vocab_size, seed=batch)
+        steps = args.decode_tokens
+        ours_t, hf_t = compare(
+            lambda p=prompts, n=steps: ours.generate(p, n),
+            lambda p=prompts, n=steps: hf.generate(p, n),
+            args.repeats,
+        )
+        rows.append(Row("decode", batch, decode_tps(ours_t, batch), decode_tps(hf_t, batch)))
+        _progress(rows[-1], args)
+    prompts = make_prompts(args.prefill_batch, args.prefill_len, config.vocab_size, seed=0)
+    ours_t, hf_t = compare(
+        lambda: ours.generate(prompts, 1), lambda: hf.generate(prompts, 1), args.prefill_repeats
+    )
+    num_tokens = args.prefill_batch * args.prefill_len
+    rows.append(
+        Row(
+            "prefill",
+            args.prefill_batch,
+            prefill_tps(ours_t, num_tokens),
+            prefill_tps(hf_t, num_tokens),
+        )
+    )
+    _progress(rows[-1], args)
+    return rows
+
+
+def _progress(row: Row, args: argparse.Namespace) -> None:
+    if not args.json:
+        print(f"  measured {row.metric} batch {row.batch}", file=sys.stderr, flush=True)
+
+
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(
+        f"SmolLM2-135M (GGUF Q4_1 dequantized), {args.dtype}, {args.threads} threads; decode: "
+        f"{args.decode_prompt_len}-token prompts, {args.decode_tokens} new tokens; prefill: "
+        f"{args.prefill_batch} x {args.prefill_len} tokens; interleaved runs: {args.repeats} "
+        f"decode (median step), {args.prefill_repeats} prefill (best run)"
+    )
+    print(f"{'metric':<8} {'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8}")
+    for row in rows:
+        print(
+            f"{row.metric:<8} {row.batch:>5} {row.ours_tps:>11.1f} {row.hf_tps:>10.1f} "
+            f"{row.ratio:>7.2f}x"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--decode-prompt-len", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--prefill-batch", type=int, default=4)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved decode runs")
+    parser.add_argument("--prefill-repeats", type=int, default=5, help="interleaved prefill runs")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    rows = run(args)
+    if args.json:
+        print(json.dumps([{**asdict(r), "ratio": r.ratio} for r in rows], indent=2))
+    else:
+        print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()
