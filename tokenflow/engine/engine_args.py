@@ -33,6 +33,7 @@ class EngineArgs:
     max_waiting: int = 256  # requests queued beyond this are refused (HTTP 429)
     default_rate_tps: float = 6.0  # reading rate of a request that states none (tokens/s)
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default
     tokenflow: TokenFlowConfig = field(default_factory=TokenFlowConfig)
 
     def __post_init__(self) -> None:
@@ -52,6 +53,8 @@ class EngineArgs:
             raise ValueError(f"host_kv_tokens must be >= 0, got {self.host_kv_tokens}")
         if self.device_kv_fraction is not None and not 0 < self.device_kv_fraction <= 1:
             raise ValueError("device_kv_fraction must be in (0, 1]")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if not (math.isfinite(self.default_rate_tps) and self.default_rate_tps > 0):
@@ -81,6 +84,9 @@ class EngineArgs:
             default = next(f.default for f in fields(EngineArgs) if f.name == name)
             group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
         group.add_argument("--device-kv-fraction", type=float, default=None)
+        group.add_argument(
+            "--num-threads", type=int, default=None, help="torch CPU threads (default: all)"
+        )
         group.add_argument(
             "--default-rate",
             type=float,

@@ -59,6 +59,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = resolve_device(args.device)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
         dtype = _DTYPES[args.dtype] if args.dtype else None
         model, config, tokenizer = load_model(args.model, self.device, dtype)
         if tokenizer is None:
