@@ -185,3 +185,14 @@ def test_no_decision_without_stress():
     for _ in range(20):
         core.step()
     assert policy.num_decisions == decisions  # big buffer, nobody waiting: FCFS only
+
+
+def test_survey_utility_matches_the_documented_formula():
+    from tokenflow.core.policies.balance import survey, utility
+
+    core, clock, (r1, r2, r3) = three_streams()
+    view = core.scheduler.view(clock.t)
+    config = core.scheduler.policy.config
+    for cand in survey(config, view, [r1, r2, r3], 1).candidates:
+        expected = utility(config, cand.request.buffered_s(clock.t), cand.is_resident)
+        assert abs(cand.utility - expected) < 1e-12

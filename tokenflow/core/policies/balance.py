@@ -80,6 +80,10 @@ def survey(
     kv = view.kv
     bs = kv.block_size
     seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
+    dt = config.schedule_interval_s
+    inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
+    stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
+    exp = math.exp
     free_host = kv.num_free_host_blocks
     min_threshold = pause_threshold_s(config, 0, 0, bs, seconds_per_block)
     candidates: list[Candidate] = []
@@ -106,15 +110,13 @@ def survey(
             pausable = kv.blocks_for(computed) - synced // bs <= free_host and buffered >= (
                 pause_threshold_s(config, computed, synced, bs, seconds_per_block)
             )
+        # utility(), inlined: this loop runs over every member at every decision
+        value = 1.0 - buffered * inv_horizon
+        score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
+        if not resident:
+            score -= switch
         candidates.append(
-            Candidate(
-                r,
-                utility(config, buffered, resident),
-                footprint,
-                resident,
-                resident and not pausable,
-                pausable,
-            )
+            Candidate(r, score, footprint, resident, resident and not pausable, pausable)
         )
         sum_rate += r.rate_tps
         sum_tokens += num_tokens

@@ -89,8 +89,9 @@ class TokenFlowPolicy(Policy):
             for r in view.running
             if r.request_id not in chosen
         )
+        queued = self._queued_load_blocks(view)
         self._targets = [
-            self.choose_resume_mode(view, c.request) for c in selected if not c.is_resident
+            self.choose_resume_mode(view, c.request, queued) for c in selected if not c.is_resident
         ]
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
@@ -162,6 +163,8 @@ class TokenFlowPolicy(Policy):
         return survey(self.config, view, [request], 1).candidates[0].is_pausable
 
     def _admit(self, view: SchedulingView, started: Survey, spare_rate_tps: float) -> list[Request]:
+        if not view.waiting:
+            return []
         limit = self._working_set_limit(view, started)
         size = len(started.candidates)
         pausable = started.num_pausable
@@ -211,15 +214,22 @@ class TokenFlowPolicy(Policy):
         )
 
     # -- phase 4: reload or recompute -----------------------------------------------------------
-    def choose_resume_mode(self, view: SchedulingView, request: Request) -> Start:
-        """Reload when t_IO (queued + own load traffic) beats the recompute time."""
-        if not view.kv.has_host_copy(request.request_id, request.num_computed_tokens):
-            return Start(request.request_id, by_load=False)
-        queued_blocks = sum(
+    @staticmethod
+    def _queued_load_blocks(view: SchedulingView) -> int:
+        return sum(
             view.kv.blocks_for(r.num_computed_tokens)
             for r in view.running
             if r.state is RequestState.LOADING
         )
+
+    def choose_resume_mode(
+        self, view: SchedulingView, request: Request, queued_blocks: int | None = None
+    ) -> Start:
+        """Reload when t_IO (queued + own load traffic) beats the recompute time."""
+        if not view.kv.has_host_copy(request.request_id, request.num_computed_tokens):
+            return Start(request.request_id, by_load=False)
+        if queued_blocks is None:
+            queued_blocks = self._queued_load_blocks(view)
         own_blocks = view.kv.blocks_for(request.num_computed_tokens)
         bytes_per_s = view.config.link_bytes_per_s
         io_s = (queued_blocks + own_blocks) * view.kv.config.block_bytes / bytes_per_s
