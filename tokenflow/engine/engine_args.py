@@ -31,7 +31,7 @@ class EngineArgs:
     max_prefill_tokens: int = 4096  # prefill tokens in one step
     chunk_tokens: int = 512  # step budget of the chunked policy
     max_waiting: int = 256  # requests queued beyond this are refused (HTTP 429)
-    default_rate_tps: float = 6.0  # reading rate of a request that states none (tokens/s)
+    default_rate_tps: float = 4.0  # reading rate of a request that states none (tokens/s)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     tokenflow: TokenFlowConfig = field(default_factory=TokenFlowConfig)
