@@ -85,12 +85,15 @@ class EngineArgs:
             group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
         group.add_argument("--device-kv-fraction", type=float, default=None)
         group.add_argument(
-            "--num-threads", type=int, default=None, help="torch CPU threads (default: all)"
+            "--num-threads",
+            type=int,
+            default=None,
+            help="torch CPU threads (default: all; `serve` leaves one core to HTTP)",
         )
         group.add_argument(
             "--default-rate",
             type=float,
-            default=6.0,
+            default=EngineArgs.default_rate_tps,
             dest="default_rate_tps",
             help="tokens/s for requests that state no stream_rate",
         )
