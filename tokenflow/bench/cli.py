@@ -152,13 +152,10 @@ def _run_compare(
     args: argparse.Namespace, requests: Sequence[WorkloadRequest], config: ClientConfig
 ) -> int:
     from tokenflow.bench.compare import ServerStartError, compare_policies
-    from tokenflow.core.policies import POLICY_NAMES
+    from tokenflow.core.policies import parse_policy_names
 
-    policies = [p.strip() for p in args.compare.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICY_NAMES]
-    if unknown or not policies:
-        return _fail(f"unknown policy {unknown}; choose from {', '.join(POLICY_NAMES)}")
     try:
+        policies = parse_policy_names(args.compare)
         runs = compare_policies(policies, shlex.split(args.serve_args), requests, config)
         summaries = report_runs(runs, json_path=args.json, plot_path=args.plot)
     except (ServerStartError, ValueError, OSError) as exc:

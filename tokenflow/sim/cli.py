@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from tokenflow.bench.report import format_table, plot_report, write_json
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.policies import POLICY_NAMES
+from tokenflow.core.policies import POLICY_NAMES, parse_policy_names
 from tokenflow.sim.runner import SimConfig, SimResult, run_simulation
 from tokenflow.sim.setups import get_setup, paper_setups
 from tokenflow.workload import WorkloadRequest, generate
@@ -71,10 +71,7 @@ def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimCon
 def run_simulate(args: argparse.Namespace) -> int:
     """`tokenflow simulate` with parsed arguments; returns the exit code."""
     try:
-        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-        unknown = [p for p in policies if p not in POLICY_NAMES]
-        if unknown or not policies:
-            raise ValueError(f"unknown policy {unknown}; choose from {', '.join(POLICY_NAMES)}")
+        policies = parse_policy_names(args.policies)
         for path in (args.json, args.plot):
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"cannot write {path}: its directory does not exist")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -70,13 +70,11 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
         block_size=config.block_size,
         block_bytes=block_bytes,
     )
-    scheduler_config = SchedulerConfig(
-        **{
-            **config.scheduler.__dict__,
-            "link_bytes_per_s": cost_model.gpu.pcie_bytes_per_s,
-            "initial_decode_step_s": 1.0 / cost_model.decode_tokens_per_s(1, 1024),
-            "initial_prefill_token_s": 1.0 / cost_model.prefill_tokens_per_s(2048),
-        }
+    scheduler_config = replace(
+        config.scheduler,
+        link_bytes_per_s=cost_model.gpu.pcie_bytes_per_s,
+        initial_decode_step_s=1.0 / cost_model.decode_tokens_per_s(1, 1024),
+        initial_prefill_token_s=1.0 / cost_model.prefill_tokens_per_s(2048),
     )
     policy_obj = make_policy(policy, scheduler_config, config.tokenflow, config.andes)
     scheduler = Scheduler(scheduler_config, kv_config, policy_obj)

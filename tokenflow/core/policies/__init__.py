@@ -31,6 +31,15 @@ def make_policy(
     return builders[name]()
 
 
+def parse_policy_names(text: str) -> list[str]:
+    """ "fcfs,tokenflow" -> ["fcfs", "tokenflow"]; ValueError naming unknown ones."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in POLICY_NAMES]
+    if unknown or not names:
+        raise ValueError(f"unknown policy {unknown}; choose from {', '.join(POLICY_NAMES)}")
+    return names
+
+
 __all__ = [
     "POLICY_NAMES",
     "Moves",
@@ -39,4 +48,5 @@ __all__ = [
     "SchedulingView",
     "Start",
     "make_policy",
+    "parse_policy_names",
 ]
