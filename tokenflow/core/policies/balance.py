@@ -130,10 +130,7 @@ def balance(
 ) -> list[Candidate]:
     """Who is on the device next: pinned members first, then greedy by utility (ties: higher
     rate, then arrival) while memory and max_seqs allow, improved by adjacent swaps."""
-    order = sorted(
-        candidates,
-        key=lambda c: (not c.is_pinned, -c.utility, -c.request.rate_tps, c.request.sort_key),
-    )
+    order = sorted(candidates, key=_balance_order)
     chosen = [False] * len(order)
     used = count = 0
     for i, cand in enumerate(order):
@@ -146,6 +143,11 @@ def balance(
         if not improved:
             break
     return [c for c, keep in zip(order, chosen, strict=True) if keep]
+
+
+def _balance_order(c: Candidate) -> tuple[bool, float, float, float, int]:
+    r = c.request
+    return (not c.is_pinned, -c.utility, -r.rate_tps, r.arrival_s, r.arrival_index)
 
 
 def improve_by_swaps(
