@@ -38,11 +38,10 @@ class KVConfig:
 
 @dataclass(frozen=True)
 class EvictionPlan:
-    """What offloading a request takes: copies to run now and blocks freed after the step."""
+    """What offloading a request takes: the copies of its unsynced blocks (their device blocks
+    are released at `end_step()`; the synced ones were released at once)."""
 
     copies: tuple[BlockCopy, ...]
-    num_freed_now_blocks: int
-    num_freed_after_step_blocks: int
 
 
 class KVTierManager:
@@ -102,11 +101,6 @@ class KVTierManager:
             num_tokens // self.block_size
             > self._synced_tokens.get(request_id, 0) // self.block_size
         )
-
-    def unsynced_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks an eviction of a request with `num_tokens` computed tokens would copy."""
-        synced = self._synced_tokens.get(request_id, 0)
-        return self.blocks_for(num_tokens) - synced // self.block_size
 
     # -- device allocation ------------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
@@ -191,7 +185,7 @@ class KVTierManager:
         self._device_tables.pop(request_id, None)
         self._loaded_blocks.pop(request_id, None)
         self._synced_tokens[request_id] = num_tokens
-        return EvictionPlan(copies, first_unsynced + len(device) - needed, needed - first_unsynced)
+        return EvictionPlan(copies)
 
     def begin_load(self, request_id: str, num_tokens: int) -> bool:
         """Reserve device blocks for a resumed request whose KV is in the host tier."""

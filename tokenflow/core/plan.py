@@ -78,11 +78,6 @@ class StepPlan:
         return sum(1 for c in self.chunks if c.is_decode)
 
     @property
-    def num_decode_context_tokens(self) -> int:
-        """KV tokens the decode chunks attend over, all streams together."""
-        return sum(c.start_position + 1 for c in self.chunks if c.is_decode)
-
-    @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.device_to_host or self.host_to_device)
 
