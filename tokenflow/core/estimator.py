@@ -17,9 +17,18 @@ class StepTimeEstimator:
 
     _RIDGE = 0.05  # weight of the prior, per observation
 
-    def __init__(self, decode_step_s: float, prefill_token_s: float, window: int = 64) -> None:
-        # Prior: a batch-1 decode takes decode_step_s, 90% of it fixed (weights, overhead).
-        self._prior = (decode_step_s * 0.9, decode_step_s * 0.1)
+    def __init__(
+        self,
+        decode_step_s: float,
+        prefill_token_s: float,
+        window: int = 64,
+        per_seq_s: float | None = None,
+    ) -> None:
+        # Prior: a batch-1 decode takes decode_step_s; each stream adds per_seq_s (default: 10%
+        # of it, the rest fixed: weights, overhead).
+        if per_seq_s is None:
+            per_seq_s = decode_step_s * 0.1
+        self._prior = (decode_step_s - per_seq_s, per_seq_s)
         self._base_s, self._per_seq_s = self._prior
         self._prefill_token_s = prefill_token_s
         self._decode_obs: deque[tuple[int, float]] = deque(maxlen=window)

@@ -102,6 +102,17 @@ class KVTierManager:
             > self._synced_tokens.get(request_id, 0) // self.block_size
         )
 
+    @property
+    def num_evicting_blocks(self) -> int:
+        """Device blocks whose eviction copy is queued this step (the eviction queue)."""
+        return len(self._release_after_step)
+
+    def num_blocks_to_load(self, request_id: str, num_tokens: int) -> int:
+        """Blocks of a loading request not yet planned for copying (0 if it is not loading)."""
+        if request_id not in self._loaded_blocks:
+            return 0
+        return self.blocks_for(num_tokens) - self._loaded_blocks[request_id]
+
     # -- device allocation ------------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         """True when the device table can grow to cover `num_tokens` tokens."""

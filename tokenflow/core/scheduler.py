@@ -30,7 +30,9 @@ class Scheduler:
         self.kv = KVTierManager(kv_config)
         self.policy = policy
         self.estimator = StepTimeEstimator(
-            config.initial_decode_step_s, config.initial_prefill_token_s
+            config.initial_decode_step_s,
+            config.initial_prefill_token_s,
+            per_seq_s=config.initial_decode_seq_s,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []

@@ -74,6 +74,7 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
         config.scheduler,
         link_bytes_per_s=cost_model.gpu.pcie_bytes_per_s,
         initial_decode_step_s=1.0 / cost_model.decode_tokens_per_s(1, 1024),
+        initial_decode_seq_s=decode_seq_s(cost_model),
         initial_prefill_token_s=1.0 / cost_model.prefill_tokens_per_s(2048),
     )
     policy_obj = make_policy(policy, scheduler_config, config.tokenflow, config.andes)
@@ -83,6 +84,14 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
         cost_model, clock, config.block_size, overlap_load_evict=config.overlap_load_evict
     )
     return EngineCore(scheduler, executor, clock, config.check_integrity), executor
+
+
+def decode_seq_s(cost_model: CostModel, context_tokens: int = 1024, batch: int = 64) -> float:
+    """What each extra stream adds to a decode step, from the cost model (the estimator's prior:
+    the hardware is known, so Gamma at batches not yet run need not be guessed)."""
+    one = 1.0 / cost_model.decode_tokens_per_s(1, context_tokens)
+    many = batch / cost_model.decode_tokens_per_s(batch, context_tokens)
+    return max(many - one, 0.0) / (batch - 1)
 
 
 def make_request(item: WorkloadRequest) -> Request:
