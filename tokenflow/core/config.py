@@ -34,9 +34,13 @@ class SchedulerConfig:
     # step).  Gamma at batches never run yet is extrapolated with it, so a deployment that knows
     # its hardware (the simulator's cost model) should give it.
     initial_decode_seq_s: float | None = None
+    initial_decode_token_s: float = 0.0  # what each context token adds (attention), until measured
 
     def __post_init__(self) -> None:
-        _check_positive(self, *(f.name for f in fields(self) if f.name != "initial_decode_seq_s"))
+        priors = ("initial_decode_seq_s", "initial_decode_token_s")
+        _check_positive(self, *(f.name for f in fields(self) if f.name not in priors))
+        if not (math.isfinite(self.initial_decode_token_s) and self.initial_decode_token_s >= 0):
+            raise ValueError("initial_decode_token_s must be finite and >= 0")
         seq_s = self.initial_decode_seq_s
         if seq_s is not None and not (0 <= seq_s < self.initial_decode_step_s):
             raise ValueError("initial_decode_seq_s must be in [0, initial_decode_step_s)")

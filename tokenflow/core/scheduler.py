@@ -33,6 +33,7 @@ class Scheduler:
             config.initial_decode_step_s,
             config.initial_prefill_token_s,
             per_seq_s=config.initial_decode_seq_s,
+            per_context_token_s=config.initial_decode_token_s,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -284,7 +285,12 @@ class Scheduler:
         """Apply a finished step at time `now_s`: new tokens, finished requests, loaded KV."""
         self.kv.end_step()
         duration_s = now_s - self._step_started_s
-        self.estimator.observe(plan.num_decode_tokens, plan.num_prefill_tokens, duration_s)
+        self.estimator.observe(
+            plan.num_decode_tokens,
+            plan.num_prefill_tokens,
+            duration_s,
+            plan.num_decode_context_tokens,
+        )
         for request in self._loads_completing:
             if request.state is RequestState.LOADING:
                 request.state = RequestState.RUNNING

@@ -75,6 +75,7 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
         link_bytes_per_s=cost_model.gpu.pcie_bytes_per_s,
         initial_decode_step_s=1.0 / cost_model.decode_tokens_per_s(1, 1024),
         initial_decode_seq_s=decode_seq_s(cost_model),
+        initial_decode_token_s=decode_token_s(cost_model),
         initial_prefill_token_s=1.0 / cost_model.prefill_tokens_per_s(2048),
     )
     policy_obj = make_policy(policy, scheduler_config, config.tokenflow, config.andes)
@@ -86,12 +87,19 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
     return EngineCore(scheduler, executor, clock, config.check_integrity), executor
 
 
-def decode_seq_s(cost_model: CostModel, context_tokens: int = 1024, batch: int = 64) -> float:
-    """What each extra stream adds to a decode step, from the cost model (the estimator's prior:
-    the hardware is known, so Gamma at batches not yet run need not be guessed)."""
-    one = 1.0 / cost_model.decode_tokens_per_s(1, context_tokens)
-    many = batch / cost_model.decode_tokens_per_s(batch, context_tokens)
-    return max(many - one, 0.0) / (batch - 1)
+def decode_token_s(cost_model: CostModel, batch: int = 64) -> float:
+    """What each context token adds to a decode step, from the cost model (an estimator prior:
+    the hardware is known, so Gamma at batches and contexts not yet run need not be guessed)."""
+    short = batch / cost_model.decode_tokens_per_s(batch, 1024)
+    long = batch / cost_model.decode_tokens_per_s(batch, 2048)
+    return max(long - short, 0.0) / (batch * 1024)
+
+
+def decode_seq_s(cost_model: CostModel, batch: int = 64) -> float:
+    """What each extra stream adds to a decode step besides its context (estimator prior)."""
+    one = 1.0 / cost_model.decode_tokens_per_s(1, 1024)
+    many = batch / cost_model.decode_tokens_per_s(batch, 1024)
+    return max(max(many - one, 0.0) / (batch - 1) - 1024 * decode_token_s(cost_model), 0.0)
 
 
 def make_request(item: WorkloadRequest) -> Request:

@@ -158,13 +158,14 @@ class TokenFlowPolicy(Policy):
 
     def _capacity(self, view: SchedulingView, started: Survey) -> tuple[float, int]:
         """(Gamma, the feasible batch it is measured at)."""
-        fit = int(view.kv.config.num_device_blocks / self._lifetime_blocks(view, started))
-        batch = max(1, min(view.config.max_num_seqs, fit))
-        return view.estimator.capacity_tps(batch), batch
+        beta = self._lifetime_blocks(view, started)
+        batch = max(1, min(view.config.max_num_seqs, int(view.kv.config.num_device_blocks / beta)))
+        return view.estimator.capacity_tps(batch, beta * view.kv.block_size), batch
 
     def capacity_tps(self, view: SchedulingView) -> float:
         """Gamma: tokens/s the engine generates at the feasible batch, the number of members
-        the device tier holds at their mean lifetime footprint (capped by max_num_seqs)."""
+        the device tier holds at their mean lifetime footprint (capped by max_num_seqs), each
+        at that footprint's context."""
         return self._capacity(view, self._survey_started(view, 1))[0]
 
     def check_schedulable(self, view: SchedulingView, extra_rate_tps: float) -> bool:
