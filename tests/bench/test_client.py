@@ -18,7 +18,7 @@ from tokenflow.bench.client import (
     run_workload,
     synthetic_prompt,
 )
-from tokenflow.bench.report import report_records
+from tokenflow.report import report_records
 from tokenflow.metrics import summarize
 from tokenflow.serving.app import build_app
 from tokenflow.workload import WorkloadRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenflow.bench.report import (
+from tokenflow.report import (
     format_table,
     pick_timeline_requests,
     plot_report,
