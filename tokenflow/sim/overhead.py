@@ -10,7 +10,7 @@ Calibration: `python benchmarks/scheduler_overhead.py --per-step --sizes 50,200,
 `schedule()` + `update()` of whole steps (full decisions included at their natural frequency)
 while each policy serves a burst on a simulated H200, and fits the line by least squares.  The
 defaults below are the mean of two such runs on the development machine (a shared 2-core VM,
-Python 3.12; figures in docs/results.md).  A server CPU is faster; the charge is still small
+Python 3.11; figures in docs/results.md).  A server CPU is faster; the charge is still small
 beside a GPU step (~0.4-0.6 ms for FCFS, ~2 ms for TokenFlow at 500 active requests, against
 steps of 20-60 ms), but no longer zero.
 """
