@@ -117,7 +117,9 @@ def test_reload_or_recompute_follows_the_link_speed():
 def cand(name, utility, blocks, pinned=False, resident=True, arrival=0.0, rate=20.0, **flags):
     request = make_request(name, arrival=arrival, rate=rate)
     request.arrival_index = int(arrival * 1000)
-    fields = dict(is_urgent=False, is_overdue=False, reclaim_blocks=0, unsynced_blocks=0)
+    fields = dict(
+        is_urgent=False, is_overdue=False, reclaim_blocks=0, unsynced_blocks=0, resume_s=0.0
+    )
     fields.update(flags)
     return Candidate(request, utility, blocks, resident, pinned, not pinned, **fields)
 

@@ -21,6 +21,8 @@ from tokenflow.core.plan import (
 from tokenflow.core.policies.base import Moves, Policy, Preemption, SchedulingView, Start
 from tokenflow.core.request import FinishReason, PreemptMode, Request, RequestState
 
+_COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
+
 
 class Scheduler:
     """Owns the requests, the KV tier manager and a policy; knows nothing of models or clocks."""
@@ -255,8 +257,12 @@ class Scheduler:
 
     # -- copies ---------------------------------------------------------------------------------
     def _copy_budget_blocks(self, num_chunks: int) -> int:
-        """Blocks one link direction moves while the step computes (at least one)."""
-        step_s = self.estimator.decode_time_s(num_chunks)
+        """Blocks one link direction moves while the step computes (at least one).
+
+        Sized to a share of the predicted step, not all of it: a step whose copies outlast its
+        compute is measured longer, which would widen the next budget and lengthen steps for
+        good; below 1 the prediction contracts back to the compute time."""
+        step_s = _COPY_SHARE_OF_STEP * self.estimator.decode_time_s(num_chunks)
         block_bytes = self.kv.config.block_bytes
         return max(1, int(self.config.link_bytes_per_s * step_s / block_bytes))
 

@@ -14,6 +14,7 @@ within `critical_slack_s` of running dry), one decision runs in named phases:
 3. balancing       - who is on the device: pinned members, then streams stalled for
                      `max_stall_s` (the stall bound), then by utility - or, degraded, streams
                      about to stall before the others, each group first come, first served;
+                     resumes share one interval of link time per decision;
 4. resume mode     - reload from the host tier or recompute, whichever is faster now.
 
 Overload rule (beyond the paper): a waiting request starts only while the working set's total
@@ -101,6 +102,7 @@ class TokenFlowPolicy(Policy):
             view.kv.config.num_device_blocks,
             view.config.max_num_seqs,
             by_arrival=degraded,
+            resume_budget_s=self.config.schedule_interval_s,
         )
         chosen = {c.request.request_id for c in selected}
         preemptions = tuple(
@@ -257,7 +259,11 @@ class TokenFlowPolicy(Policy):
     ) -> list[Candidate]:
         """Who is on the device next (see `balance.balance`)."""
         return balance(
-            candidates, view.kv.config.num_device_blocks, view.config.max_num_seqs, by_arrival
+            candidates,
+            view.kv.config.num_device_blocks,
+            view.config.max_num_seqs,
+            by_arrival,
+            self.config.schedule_interval_s,
         )
 
     # -- phase 4: reload or recompute -----------------------------------------------------------
@@ -276,7 +282,9 @@ class TokenFlowPolicy(Policy):
     def choose_resume_mode(
         self, view: SchedulingView, request: Request, queued_blocks: int | None = None
     ) -> Start:
-        """Reload when t_IO (queued + own load traffic) beats the recompute time."""
+        """Reload when t_IO (queued + own load traffic) beats the recompute time, or when the
+        load lands before the reader runs dry: recomputing takes the whole batch's compute,
+        a load only this stream's time (beyond the paper, whose rule is the first clause)."""
         if not view.kv.has_host_copy(request.request_id, request.num_computed_tokens):
             return Start(request.request_id, by_load=False)
         if queued_blocks is None:
@@ -285,7 +293,8 @@ class TokenFlowPolicy(Policy):
         bytes_per_s = view.config.link_bytes_per_s
         io_s = (queued_blocks + own_blocks) * view.kv.config.block_bytes / bytes_per_s
         recompute_s = view.estimator.prefill_time_s(request.num_tokens)
-        return Start(request.request_id, by_load=io_s <= recompute_s)
+        in_time = io_s < request.slack_s(view.now_s)
+        return Start(request.request_id, by_load=io_s <= recompute_s or in_time)
 
     # -- mechanism hooks ------------------------------------------------------------------------
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
