@@ -57,12 +57,12 @@ class TokenFlowConfig:
     # slack (beyond the paper: a stream paused with less would be critical at once and thrash)
     buffer_conservativeness: float = 2.0
     working_set_smoothing: float = 0.2  # lambda: W_sched = W_static - lambda*(W_static - N_run)
-    working_set_host_share: float = 2.0  # W_static counts device memory + this share of it on host
+    working_set_host_share: float = 4.0  # W_static counts device memory + this share of it on host
     critical_slack_s: float = 2.0  # T_critical: a buffer this close to dry means stress
     stall_penalty: float = 1.0  # gamma: weight of the empty-buffer term in a stream's priority
     value_horizon_s: float = 8.0  # a token's value falls to 0 when this much reading is buffered
     switch_penalty: float = 0.2  # utility lost by bringing a stream back to the device
-    capacity_headroom: float = 0.9  # admit only while reading rates stay <= this share of Gamma
+    capacity_headroom: float = 1.0  # admit only while reading rates stay <= this share of Gamma
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
 
@@ -76,8 +76,8 @@ class TokenFlowConfig:
             raise ValueError("critical_slack_s, stall_penalty and switch_penalty must be >= 0")
         if self.working_set_host_share < 0 or self.max_stall_s < 0:
             raise ValueError("working_set_host_share and max_stall_s must be >= 0")
-        if not 0.0 < self.capacity_headroom <= 1.0:
-            raise ValueError("capacity_headroom must be in (0, 1]")
+        if not 0.0 < self.capacity_headroom <= 2.0:
+            raise ValueError("capacity_headroom must be in (0, 2]")
 
 
 @dataclass(frozen=True)
