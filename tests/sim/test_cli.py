@@ -61,6 +61,8 @@ def test_small_custom_run_writes_json_and_plot(tmp_path, capsys):
         (["--workload", "burst", "--rates", "-5"], "rate"),
         (["--setup", "4090-a", "--policies", "fifo"], "unknown policy"),
         (["--workload", "burst", "--gpu", "tpu"], "tpu"),
+        (["--setup", "4090-a", "--capacity-headroom", "3"], "capacity_headroom"),
+        (["--setup", "4090-a", "--max-stall-s", "-1"], "max_stall_s"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words, capsys):

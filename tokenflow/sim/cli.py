@@ -38,6 +38,18 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     tf = parser.add_argument_group("tokenflow policy and ablations")
     tf.add_argument("--schedule-interval", type=float, default=TokenFlowConfig.schedule_interval_s)
     tf.add_argument("--mu", type=float, default=TokenFlowConfig.buffer_conservativeness)
+    tf.add_argument(
+        "--capacity-headroom",
+        type=float,
+        default=TokenFlowConfig.capacity_headroom,
+        help="admit while reading rates stay <= this share of capacity (docs/overload.md)",
+    )
+    tf.add_argument(
+        "--max-stall-s",
+        type=float,
+        default=TokenFlowConfig.max_stall_s,
+        help="a stream stalled this long goes on the device first",
+    )
     tf.add_argument("--no-offload", action="store_true", help="ablation: preempt by recompute only")
     tf.add_argument(
         "--no-write-through",
@@ -86,7 +98,10 @@ def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimCon
     else:
         workload = generate(setup.workload)
     tokenflow = TokenFlowConfig(
-        schedule_interval_s=args.schedule_interval, buffer_conservativeness=args.mu
+        schedule_interval_s=args.schedule_interval,
+        buffer_conservativeness=args.mu,
+        capacity_headroom=args.capacity_headroom,
+        max_stall_s=args.max_stall_s,
     )
     config = SimConfig(
         gpu=args.gpu or (setup.gpu if setup else "h200"),
