@@ -138,6 +138,20 @@ def run_all(jobs: list[Job], cache: Path, workers: int) -> tuple[dict[Job, dict]
     return results, time.perf_counter() - started
 
 
+def record_invocation(cache: Path, wall_s: float, num_simulated: int, workers: int) -> list[dict]:
+    """Append this invocation's simulation time to the cache's log (when it simulated
+    anything) and return the log: the report states the wall time of all runs of this code."""
+    log = cache / "_invocations.json"
+    invocations = json.loads(log.read_text()) if log.exists() else []
+    if num_simulated:
+        invocations.append(
+            {"wall_s": round(wall_s, 1), "num_simulated": num_simulated, "workers": workers}
+        )
+        cache.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps(invocations, indent=1))
+    return invocations
+
+
 # -- aggregation ----------------------------------------------------------------------------------
 def spreads_of(results: dict[Job, dict], setup: str, policy: str, variant: str = "full"):
     runs = [
@@ -265,9 +279,9 @@ def header(meta: dict) -> list[str]:
         f"- code: commit `{meta['commit']}`, tokenflow sources hash `{meta['code_version']}`",
         f"- tokenflow policy defaults: {tf_config}",
         f"- seeds {meta['seeds']}: each cell is the median [min-max] over them",
-        f"- simulated in {meta['wall_s']:.0f} s wall on {meta['workers']} worker processes "
-        f"({meta['num_simulated']} runs simulated now, {meta['num_cached']} from the cache; "
-        f"{meta['sum_run_s']:.0f} s summed over all runs)",
+        f"- {meta['num_runs']} runs simulated in {meta['wall_s'] / 60:.1f} min wall on "
+        f"{meta['workers']} worker processes ({meta['num_invocations']} invocation(s); "
+        f"{meta['sum_run_s'] / 60:.1f} min summed over the runs), on a shared 2-core machine",
     ]
 
 
@@ -378,14 +392,15 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [j for j in jobs if (cache / f"{j.key}.json").exists()]
     num_cached = sum((cache / f"{j.key}.json").exists() for j in jobs)
     results, wall_s = run_all(jobs, cache, args.workers)
+    invocations = record_invocation(cache, wall_s, len(jobs) - num_cached, args.workers)
     meta = {
         "commit": git_commit(),
         "code_version": version,
         "seeds": seeds,
         "workers": min(args.workers, 2),
-        "wall_s": wall_s,
-        "num_simulated": len(jobs) - num_cached,
-        "num_cached": num_cached,
+        "wall_s": sum(i["wall_s"] for i in invocations),
+        "num_invocations": len(invocations),
+        "num_runs": len(jobs),
         "sum_run_s": sum(r["wall_s"] for r in results.values()),
     }
     write_report(args, results, meta)
