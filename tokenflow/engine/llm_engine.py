@@ -208,7 +208,8 @@ class LLMEngine:
         per_token_s = max(self.scheduler.estimator.prefill_time_s(1), 1e-9)
         chunk = int(self.args.step_target_ms / 1000 / per_token_s)
         chunk = min(max(chunk, self.args.block_size), self.args.max_prefill_tokens)
-        self.scheduler.policy.prefill_chunk_tokens = len(self.scheduler.running) + chunk
+        num_decodes = sum(1 for r in self.scheduler.running if not r.is_prefilling)
+        self.scheduler.policy.prefill_chunk_tokens = num_decodes + chunk
 
     def _fail_plan(self, plan: StepPlan, err: Exception) -> list[GenerationDelta]:
         """End every request the failed plan touched (chunks and copies) with an error."""

@@ -188,7 +188,8 @@ def _json(content: str, status_code: int = 200, headers: dict[str, str] | None =
 
 class _BodyLimit:
     """ASGI middleware: 413 for a body over `max_bytes`, by its Content-Length before anything
-    is read, or as soon as a body without one (chunked) grows past the limit."""
+    is read, or as soon as a body without one (chunked) grows past the limit.  The body is read
+    here (at most `max_bytes`) and replayed to the app, then `receive` passes through."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -202,27 +203,33 @@ class _BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             await self._refuse(send)
             return
+        buffered: list[Message] = []
         num_bytes = 0
-
-        async def limited_receive() -> Message:
-            nonlocal num_bytes
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                num_bytes += len(message.get("body", b""))
-                if num_bytes > self.max_bytes:
-                    raise ApiError(413, self._message(), code="request_too_large")
-            return message
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
 
-        await self.app(scope, limited_receive, send)
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
 
-    def _message(self) -> str:
-        return f"the request body exceeds {self.max_bytes} bytes"
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        body = ApiError(413, self._message(), code="request_too_large").body()
-        content = body.model_dump_json().encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        headers.append((b"content-length", str(len(content)).encode()))
+        error = ApiError(413, f"the request body exceeds {self.max_bytes} bytes", code="too_large")
+        content = error.body().model_dump_json().encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(content)).encode()),
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 

@@ -36,6 +36,7 @@ from tokenflow.engine.client import (
 )
 from tokenflow.serving.formatting import (
     DONE_FRAME,
+    KEEPALIVE_FRAME,
     ChatFormat,
     CompletionFormat,
     ResponseFormat,
@@ -368,8 +369,11 @@ class OpenAIServing:
             prepared, fmt, deltas, progress, self.keepalive_s, self._record, self._on_failure
         )
         try:
-            for chunk in fmt.opening_chunks(prepared):
+            opening = fmt.opening_chunks(prepared)
+            for chunk in opening:
                 yield sse_frame(chunk)
+            if not opening and progress.pending is not None and not progress.pending.done():
+                yield KEEPALIVE_FRAME  # the server sends the 200 headers with the first bytes
             async for frame in frames:
                 yield frame
         finally:
