@@ -23,9 +23,14 @@ class StreamResult:
         return self.is_done and not self.errors and self.finish_reason in ("stop", "length")
 
 
-async def read_stream(http: httpx.AsyncClient, path: str, body: dict) -> StreamResult:
-    """POST a streaming request and parse every frame (keep-alive comments are skipped)."""
-    async with http.stream("POST", path, json=body) as response:
+async def read_stream(
+    http: httpx.AsyncClient, path: str, body: dict, content: str | None = None
+) -> StreamResult:
+    """POST a streaming request (`body`, or raw JSON `content`) and parse every frame
+    (keep-alive comments are skipped)."""
+    kwargs = {"json": body} if content is None else {"content": content}
+    headers = {"content-type": "application/json"}
+    async with http.stream("POST", path, headers=headers, **kwargs) as response:
         if response.status_code != 200:
             await response.aread()
             return StreamResult(response.status_code, errors=[response.text])
