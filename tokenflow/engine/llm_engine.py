@@ -204,11 +204,14 @@ class LLMEngine:
 
     def _size_prefill_chunks(self) -> None:
         """Give every policy a per-step token budget: the decodes plus a prefill chunk that
-        takes about the target step time at the measured prefill cost per token."""
-        per_token_s = max(self.scheduler.estimator.prefill_time_s(1), 1e-9)
-        chunk = int(self.args.step_target_ms / 1000 / per_token_s)
-        chunk = min(max(chunk, self.args.block_size), self.args.max_prefill_tokens)
+        takes about the target step time at the measured prefill cost per token (or as long as
+        the decodes themselves when they alone exceed the target, so a long prompt still moves
+        at no worse than half speed on a slow machine)."""
+        estimator = self.scheduler.estimator
         num_decodes = sum(1 for r in self.scheduler.running if not r.is_prefilling)
+        budget_s = max(self.args.step_target_ms / 1000, estimator.decode_time_s(num_decodes))
+        chunk = int(budget_s / max(estimator.prefill_time_s(1), 1e-9))
+        chunk = min(max(chunk, self.args.block_size), self.args.max_prefill_tokens)
         self.scheduler.policy.prefill_chunk_tokens = num_decodes + chunk
 
     def _fail_plan(self, plan: StepPlan, err: Exception) -> list[GenerationDelta]:
