@@ -19,7 +19,7 @@ from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     engine = AsyncEngine(
-        EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=512, max_waiting=64)
+        EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=512, max_num_requests=64)
     )
     with serve_in_thread(build_app(engine)) as url:
         yield engine, url
@@ -96,7 +96,7 @@ def test_disconnect_aborts_and_frees_kv_in_both_tiers(served):
 
 def test_overload_gets_429_with_retry_after(tiny_model_dir):
     engine = AsyncEngine(
-        EngineArgs(model=tiny_model_dir, device="cpu", max_waiting=1, max_num_seqs=1)
+        EngineArgs(model=tiny_model_dir, device="cpu", max_num_requests=1, max_num_seqs=1)
     )
     body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
     try:

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from tokenflow.core.request import SamplingParams
-from tokenflow.serving.engine_client import (
+from tokenflow.engine.client import (
+    EngineHealth,
     EngineOverloaded,
     EngineRequestError,
     EngineStats,
@@ -60,6 +61,7 @@ class FakeEngine:
 
     model_name: str = "fake-model"
     max_model_len: int = 256
+    vocab_size: int = 1 << 20
     default_rate_tps: float = 20.0
     token_delay_s: float = 0.0
     first_token_delay_s: float = 0.0
@@ -74,6 +76,8 @@ class FakeEngine:
     aborted_ids: list[str] = field(default_factory=list)
     submitted: list[tuple[str, SamplingParams, float]] = field(default_factory=list)
     num_finished: int = 0
+    death: str | None = None  # health() reports the loop dead with this reason
+    seconds_since_tick: float = 0.0
 
     async def generate(
         self,
@@ -155,6 +159,9 @@ class FakeEngine:
             num_recomputes_total=1,
             buffer_slack_s=tuple(1.5 for _ in self.active_ids),
         )
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self.death is None, self.seconds_since_tick, self.death)
 
 
 class _TextStream:

@@ -7,6 +7,7 @@ import pytest
 
 from tests.serving.fake_engine import FakeEngine
 from tokenflow.serving.app import build_app
+from tokenflow.serving.config import ServerConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -199,7 +200,7 @@ async def test_engine_request_error_is_400() -> None:
 
 
 async def test_api_key() -> None:
-    transport = httpx.ASGITransport(app=build_app(FakeEngine(), api_key="sesame"))
+    transport = httpx.ASGITransport(app=build_app(FakeEngine(), ServerConfig(api_key="sesame")))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         body = {"prompt": "x", "max_tokens": 1}
         assert_error(await http.post(COMPLETIONS, json=body), 401)

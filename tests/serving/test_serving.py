@@ -9,7 +9,8 @@ import pytest
 from tests.serving.fake_engine import FakeEngine
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import CompletionRequest
-from tokenflow.serving.serving import ClientDisconnected, OpenAIServing, SseStream
+from tokenflow.serving.serving import ClientDisconnected, OpenAIServing
+from tokenflow.serving.streaming import SseStream
 
 pytestmark = pytest.mark.anyio
 

@@ -1,30 +1,84 @@
-"""The serving engine: an `LLMEngine` stepped by a background thread, behind `EngineClient`.
+"""The serving engine: an `LLMEngine` stepped by one thread, behind `EngineClient`.
 
 Requests and aborts go to the thread through a command queue; deltas come back to each
-request's asyncio queue via `loop.call_soon_threadsafe`.  If a step raises, every live request
-receives that error (never a silent hang) and the engine keeps serving new requests.
+request's `_DeltaSink` via `loop.call_soon_threadsafe`.  What can go wrong, and who hears of it:
+
+- one request fails (its sampling row, its text, its add): only that request gets an error;
+- a step's plan fails: only the plan's requests get an error (see `LLMEngine.step`);
+- the scheduler fails with no plan to blame: every live request gets an error and the loop goes
+  on; after `_MAX_UNATTRIBUTED_FAILURES` such steps in a row the engine is declared dead;
+- the loop dies (any other exception) or shuts down: every live and queued request gets
+  `EngineDead` at once, every later `generate()` raises it, and `health()` reports it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from tokenflow.core.request import SamplingParams
-from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.engine.llm_engine import LLMEngine
-from tokenflow.serving.engine_client import (
+from tokenflow.engine.client import (
+    EngineDead,
+    EngineHealth,
     EngineOverloaded,
     EngineRequestError,
     EngineStats,
     GenerationDelta,
+    RequestFailed,
 )
+from tokenflow.engine.engine_args import EngineArgs
+from tokenflow.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the thread blocks on its queue when there is nothing to run
 _NOTHING_RAN_WAIT_S = 0.002  # pause after a step in which nothing could run
+_MAX_UNATTRIBUTED_FAILURES = 3  # scheduler failures in a row before the engine is dead
+
+
+@dataclass
+class _DeltaSink:
+    """One request's output queue, bounded: deltas the reader has not taken yet are merged into
+    one (token ids and text concatenated), so a slow reader holds one pending delta, not one per
+    token.  Touched only on its event loop's thread."""
+
+    pending: GenerationDelta | None = None
+    error: BaseException | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: GenerationDelta | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        elif self.pending is None:
+            self.pending = item
+        else:
+            self.pending = _merge(self.pending, item)
+        self.ready.set()
+
+    async def get(self) -> GenerationDelta:
+        """The next (merged) delta; raises the delivered error once no delta is pending."""
+        await self.ready.wait()
+        if self.pending is not None:
+            item, self.pending = self.pending, None
+            if self.error is None:
+                self.ready.clear()
+            return item
+        assert self.error is not None
+        raise self.error
+
+
+def _merge(first: GenerationDelta, second: GenerationDelta) -> GenerationDelta:
+    return replace(
+        second,
+        token_ids=first.token_ids + second.token_ids,
+        text=first.text + second.text,
+    )
 
 
 @dataclass(frozen=True)
@@ -33,7 +87,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     rate_tps: float
-    sink: asyncio.Queue[GenerationDelta | BaseException]
+    sink: _DeltaSink
     loop: asyncio.AbstractEventLoop
 
 
@@ -55,13 +109,16 @@ class AsyncEngine:
         self.engine = LLMEngine(args)
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
         self.default_rate_tps = args.default_rate_tps
         self.tokenizer = self.engine.tokenizer
-        self._max_waiting = args.max_waiting
+        self._max_num_requests = args.max_num_requests
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._sinks: dict[str, _Add] = {}
         self._num_pending_adds = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _num_pending_adds, _death and queueing adds
+        self._death: str | None = None
+        self._last_tick_s = time.monotonic()
         self._stats = self.engine.stats()
         self._thread: threading.Thread | None = None
         if start_thread:
@@ -84,21 +141,27 @@ class AsyncEngine:
             self.engine.validate(prompt, sampling_params)
         except ValueError as err:
             raise EngineRequestError(str(err)) from None
+        sink = _DeltaSink()
+        loop = asyncio.get_running_loop()
         with self._lock:
-            if self._stats.num_waiting + self._num_pending_adds >= self._max_waiting:
+            if self._death is not None:
+                raise EngineDead(self._death)
+            stats = self._stats
+            unfinished = stats.num_waiting + stats.num_running + stats.num_preempted
+            if unfinished + self._num_pending_adds >= self._max_num_requests:
                 raise EngineOverloaded(
-                    f"{self._max_waiting} requests are already waiting", retry_after_s=1.0
+                    f"{self._max_num_requests} requests are already in the engine",
+                    retry_after_s=1.0,
                 )
             self._num_pending_adds += 1
-        sink: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self._commands.put(_Add(request_id, prompt, sampling_params, rate_tps, sink, loop))
+            self._commands.put(_Add(request_id, prompt, sampling_params, rate_tps, sink, loop))
         finished = False
         try:
             while True:
                 item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
+                if item.finish_reason == "error":
+                    finished = True
+                    raise RequestFailed(item.error or "the request failed")
                 yield item
                 if item.finish_reason is not None:
                     finished = True
@@ -115,6 +178,14 @@ class AsyncEngine:
         """The snapshot taken after the latest step."""
         return self._stats
 
+    def health(self) -> EngineHealth:
+        """Alive until the loop dies or shuts down; the age of its latest turn."""
+        return EngineHealth(
+            is_alive=self._death is None,
+            seconds_since_tick=time.monotonic() - self._last_tick_s,
+            error=self._death,
+        )
+
     def close(self) -> None:
         """Stop the engine loop (requests still running get an error)."""
         self._commands.put(None)
@@ -128,24 +199,58 @@ class AsyncEngine:
 
     # -- the engine loop -------------------------------------------------------------------------
     def run_loop(self) -> None:
-        """Step the engine until `stop()` or `close()`; owns all engine state meanwhile."""
+        """Step the engine until `stop()` or `close()`; owns all engine state meanwhile.
+
+        Never leaves a request waiting: however it ends, every live and queued request gets an
+        error, and later ones are refused.
+        """
+        reason = "the server is shutting down"
+        try:
+            self._loop()
+        except BaseException as err:
+            logger.critical("the engine loop died", exc_info=err)
+            reason = f"the engine loop died: {type(err).__name__}: {err}"
+            raise
+        finally:
+            self._die(reason)
+
+    def _loop(self) -> None:
+        num_unattributed = 0
         while True:
-            wait = self.engine.has_work is False
-            if not self._drain(block=wait):
-                break
+            self._last_tick_s = time.monotonic()
+            if not self._drain(block=not self.engine.has_work):
+                return
             if not self.engine.has_work:
                 continue
             try:
                 ran, deltas = self.engine.step()
-            except Exception as err:  # noqa: BLE001 - delivered to every live request
-                self._fail_all(RuntimeError(f"engine step failed: {err}"))
+            except Exception as err:  # noqa: BLE001 - no plan to blame: every live request
+                num_unattributed += 1
+                logger.exception("engine step failed (%d in a row)", num_unattributed)
+                if num_unattributed >= _MAX_UNATTRIBUTED_FAILURES:
+                    raise
+                self._fail_all(RequestFailed(f"engine step failed: {err}"))
                 continue
+            num_unattributed = 0
             for delta in deltas:
                 self._deliver(delta)
             self._stats = self.engine.stats()
             if not ran:
                 threading.Event().wait(_NOTHING_RAN_WAIT_S)
-        self._fail_all(RuntimeError("the engine was shut down"))
+
+    def _die(self, reason: str) -> None:
+        """Refuse new requests and fail every live and queued one with EngineDead."""
+        with self._lock:
+            self._death = reason
+        error = EngineDead(reason)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._send(command, error)
+        self._fail_all(error)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -178,7 +283,11 @@ class AsyncEngine:
                 command.request_id, command.prompt_token_ids, command.params, command.rate_tps
             )
         except ValueError as err:
-            command.loop.call_soon_threadsafe(command.sink.put_nowait, EngineRequestError(str(err)))
+            self._send(command, EngineRequestError(str(err)))
+            return
+        except Exception as err:  # noqa: BLE001 - this request alone could not be added
+            logger.exception("request %s could not be added", command.request_id)
+            self._send(command, RequestFailed(f"the engine could not add the request: {err}"))
             return
         self._sinks[command.request_id] = command
         self._stats = self.engine.stats()
@@ -189,10 +298,19 @@ class AsyncEngine:
             return
         if delta.finish_reason is not None:
             del self._sinks[delta.request_id]
-        add.loop.call_soon_threadsafe(add.sink.put_nowait, delta)
+        self._send(add, delta)
 
-    def _fail_all(self, error: Exception) -> None:
+    @staticmethod
+    def _send(add: _Add, item: GenerationDelta | BaseException) -> None:
+        # RuntimeError: its event loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            add.loop.call_soon_threadsafe(add.sink.put, item)
+
+    def _fail_all(self, error: BaseException) -> None:
         for request_id, add in list(self._sinks.items()):
-            self.engine.abort(request_id)
-            add.loop.call_soon_threadsafe(add.sink.put_nowait, error)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the request is failed below either way
+                logger.exception("aborting %s failed", request_id)
+            self._send(add, error)
         self._sinks.clear()

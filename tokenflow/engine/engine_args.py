@@ -28,9 +28,10 @@ class EngineArgs:
     host_kv_tokens: int = 32768  # host tier size, tokens (4x the device tier)
     max_model_len: int | None = None  # prompt + output; None: the model's, capped at 8192
     max_num_seqs: int = 32  # streams in one batch
-    max_prefill_tokens: int = 4096  # prefill tokens in one step
-    chunk_tokens: int = 512  # step budget of the chunked policy
-    max_waiting: int = 256  # requests queued beyond this are refused (HTTP 429)
+    max_prefill_tokens: int = 4096  # prefill tokens in one step, at most
+    chunk_tokens: int = 512  # step budget of the chunked policy (simulator; see step_target_ms)
+    step_target_ms: float = 250.0  # every policy prefills in chunks sized to about this step time
+    max_num_requests: int = 256  # unfinished requests beyond this are refused (HTTP 429)
     default_rate_tps: float = 4.0  # reading rate of a request that states none (tokens/s)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
@@ -45,7 +46,7 @@ class EngineArgs:
             "max_num_seqs",
             "max_prefill_tokens",
             "chunk_tokens",
-            "max_waiting",
+            "max_num_requests",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -57,6 +58,8 @@ class EngineArgs:
             raise ValueError("num_threads must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if not (math.isfinite(self.step_target_ms) and self.step_target_ms > 0):
+            raise ValueError("step_target_ms must be a finite number > 0")
         if not (math.isfinite(self.default_rate_tps) and self.default_rate_tps > 0):
             raise ValueError("default_rate_tps must be a finite number > 0")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -78,12 +81,18 @@ class EngineArgs:
             "max_num_seqs",
             "max_prefill_tokens",
             "chunk_tokens",
-            "max_waiting",
+            "max_num_requests",
             "seed",
         ):
             default = next(f.default for f in fields(EngineArgs) if f.name == name)
             group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
         group.add_argument("--device-kv-fraction", type=float, default=None)
+        group.add_argument(
+            "--step-target-ms",
+            type=float,
+            default=EngineArgs.step_target_ms,
+            help="prefill chunks are sized so one step takes about this long",
+        )
         group.add_argument(
             "--num-threads",
             type=int,

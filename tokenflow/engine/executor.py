@@ -5,10 +5,16 @@ CUDA, on a dedicated copy stream that first waits for the KV writes of earlier s
 forward runs on the calling thread.  The plan guarantees that no copy touches a block the
 forward writes, and the worker is joined (and the copy stream synchronised) before `execute`
 returns, so every copy of a plan is complete when its result is.
+
+Failure isolation: when sampling a batch raises, the rows are sampled one by one and only the
+rows that still fail are given up: they get a placeholder token and are listed in
+`last_failed_rows` (request id -> reason), which the engine reads after the step to finish those
+requests with an error.  A failing forward pass or copy raises: the whole plan failed.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -19,6 +25,9 @@ from tokenflow.engine.kv_cache import TieredKVCache
 from tokenflow.engine.model import LlamaModel
 from tokenflow.engine.model_config import ModelConfig
 from tokenflow.engine.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+_PLACEHOLDER_TOKEN_ID = 0  # stands in for a row whose sampling failed (the request is ended)
 
 
 class ModelExecutor:
@@ -40,6 +49,7 @@ class ModelExecutor:
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
+        self.last_failed_rows: dict[str, str] = {}  # of the latest execute(): request id -> why
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -48,6 +58,7 @@ class ModelExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's copies and forward pass concurrently; sample; return the tokens."""
         self.sampler.release(plan.released_request_ids)
+        self.last_failed_rows = {}
         copies = self._start_copies(plan)
         try:
             sampled = self._forward_and_sample(plan)
@@ -88,8 +99,23 @@ class ModelExecutor:
             rows = [
                 SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in chunks
             ]
-            token_ids = self.sampler.sample(logits, rows)
+            token_ids = self._sample_isolated(logits, rows)
         return tuple(
             SampledToken(c.request_id, token_id)
             for c, token_id in zip(chunks, token_ids, strict=True)
         )
+
+    def _sample_isolated(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """Sample the batch; if that raises, row by row, so one bad row fails only its request."""
+        try:
+            return self.sampler.sample(logits, rows)
+        except Exception:  # noqa: BLE001 - retried per row below
+            logger.debug("batch sampling failed; retrying row by row", exc_info=True)
+        token_ids: list[int] = []
+        for index, row in enumerate(rows):
+            try:
+                token_ids.extend(self.sampler.sample(logits[index : index + 1], [row]))
+            except Exception as err:  # noqa: BLE001 - attributed to this request alone
+                self.last_failed_rows[row.request_id] = f"sampling failed: {err}"
+                token_ids.append(_PLACEHOLDER_TOKEN_ID)
+        return token_ids

@@ -1,28 +1,40 @@
 """The synchronous real engine: model + tiered KV cache + the core's step loop, on a wall clock.
 
 `LLM` (offline) and `AsyncEngine` (serving) both drive one `LLMEngine`.
+
+Failure isolation: a failure that belongs to one request (its sampling row, its text) ends only
+that request with an "error" delta; a step whose forward pass or copies raise ends only the
+requests of that plan.  The engine goes on with everyone else.
+
+Responsiveness: every policy prefills in chunks here, sized each step so a step takes about
+`EngineArgs.step_target_ms` (from the scheduler's measured per-token prefill cost), so a long
+prompt, or the recompute of a preempted stream, never freezes the other streams for long.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from tokenflow.clock import WallClock
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
+from tokenflow.engine.client import EngineStats, GenerationDelta
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.executor import ModelExecutor
 from tokenflow.engine.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
 from tokenflow.engine.loader import load_model
 from tokenflow.engine.model_config import ModelLoadError
 from tokenflow.engine.output_processor import OutputProcessor
-from tokenflow.serving.engine_client import EngineStats, GenerationDelta
-from tokenflow.sim.clock import WallClock
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,10 +80,12 @@ class LLMEngine:
         self.model_config = config
         self.tokenizer = tokenizer
         self.model_name = args.model or "SmolLM2-135M-Instruct"
-        self.max_model_len = min(args.max_model_len or 8192, config.max_position_embeddings)
         dtype = next(model.parameters()).dtype
         block_bytes = bytes_per_block(config, args.block_size, dtype)
         num_device_blocks = self._num_device_blocks(block_bytes)
+        self.max_model_len = context_length(
+            args.max_model_len, config.max_position_embeddings, num_device_blocks * args.block_size
+        )
         num_host_blocks = args.host_kv_tokens // args.block_size
         kv_cache = TieredKVCache(
             config, num_device_blocks, num_host_blocks, args.block_size, self.device, dtype
@@ -89,8 +103,11 @@ class LLMEngine:
         kv_config = KVConfig(num_device_blocks, num_host_blocks, args.block_size, block_bytes)
         policy = make_policy(args.policy, scheduler_config, args.tokenflow)
         self.scheduler = Scheduler(scheduler_config, kv_config, policy)
-        self.core = EngineCore(self.scheduler, self.executor, WallClock())
+        self.core = EngineCore(
+            self.scheduler, self.executor, WallClock(), on_plan=self._remember_plan
+        )
         self.outputs = OutputProcessor(tokenizer)
+        self._plan: StepPlan | None = None
 
     def _num_device_blocks(self, block_bytes: int) -> int:
         if self.args.device_kv_fraction is not None:
@@ -126,6 +143,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request (ValueError if it is invalid or can never fit)."""
         self.validate(prompt_token_ids, params)
+        self.outputs.add(request_id, prompt_token_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=tuple(prompt_token_ids),
@@ -134,8 +152,11 @@ class LLMEngine:
             arrival_s=self.core.clock.now(),
             eos_token_ids=self.model_config.eos_token_ids,
         )
-        self.core.add_request(request)
-        self.outputs.add(request_id, prompt_token_ids, params)
+        try:
+            self.core.add_request(request)
+        except Exception:
+            self.outputs.drop(request_id)
+            raise
 
     def abort(self, request_id: str) -> GenerationDelta | None:
         """Abort a request; its closing delta, or None if it had already ended."""
@@ -148,12 +169,65 @@ class LLMEngine:
         return self.core.has_work
 
     def step(self) -> tuple[bool, list[GenerationDelta]]:
-        """One engine step: (did anything run, the deltas it produced)."""
-        plan, outputs = self.core.step()
+        """One engine step: (did anything run, the deltas it produced).
+
+        Raises only when the scheduler itself fails (no plan to blame); a plan whose execution
+        raises fails just its own requests.
+        """
+        self._plan = None
+        self._size_prefill_chunks()
+        try:
+            plan, outputs = self.core.step()
+        except Exception as err:  # noqa: BLE001 - attributed to the plan's requests below
+            if self._plan is None:
+                raise
+            return True, self._fail_plan(self._plan, err)
+        failed_rows = self.executor.last_failed_rows
+        if failed_rows:
+            outputs = [o for o in outputs if o.request_id not in failed_rows]
         processed = self.outputs.process(outputs)
+        deltas = processed.deltas
         for request_id in processed.stopped_request_ids:
             self.scheduler.finish_request(request_id, FinishReason.STOP)
-        return not plan.is_empty, processed.deltas
+        for request_id in processed.failed_request_ids:
+            self.core.abort(request_id)
+        for request_id, reason in failed_rows.items():
+            logger.warning("request %s failed alone: %s", request_id, reason)
+            self.core.abort(request_id)  # False if its placeholder token already ended it
+            delta = self.outputs.failed(request_id, reason)
+            if delta is not None:
+                deltas.append(delta)
+        return not plan.is_empty, deltas
+
+    def _remember_plan(self, plan: StepPlan) -> None:
+        self._plan = plan
+
+    def _size_prefill_chunks(self) -> None:
+        """Give every policy a per-step token budget: the decodes plus a prefill chunk that
+        takes about the target step time at the measured prefill cost per token (or as long as
+        the decodes themselves when they alone exceed the target, so a long prompt still moves
+        at no worse than half speed on a slow machine)."""
+        estimator = self.scheduler.estimator
+        num_decodes = sum(1 for r in self.scheduler.running if not r.is_prefilling)
+        budget_s = max(self.args.step_target_ms / 1000, estimator.decode_time_s(num_decodes))
+        chunk = int(budget_s / max(estimator.prefill_time_s(1), 1e-9))
+        chunk = min(max(chunk, self.args.block_size), self.args.max_prefill_tokens)
+        self.scheduler.policy.prefill_chunk_tokens = num_decodes + chunk
+
+    def _fail_plan(self, plan: StepPlan, err: Exception) -> list[GenerationDelta]:
+        """End every request the failed plan touched (chunks and copies) with an error."""
+        logger.error("a step failed; ending only its requests", exc_info=err)
+        self.scheduler.kv.end_step()  # the copies of the plan are over, one way or another
+        request_ids = [c.request_id for c in plan.chunks]
+        request_ids += [c.request_id for c in (*plan.device_to_host, *plan.host_to_device)]
+        reason = f"engine step failed: {type(err).__name__}: {err}"
+        deltas: list[GenerationDelta] = []
+        for request_id in dict.fromkeys(request_ids):
+            self.core.abort(request_id)
+            delta = self.outputs.failed(request_id, reason)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
 
     def stats(self) -> EngineStats:
         """A snapshot of queues, tiers and counters."""
@@ -177,3 +251,16 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the executor's copy worker."""
         self.executor.close()
+
+
+def context_length(requested: int | None, model_limit: int, device_pool_tokens: int) -> int:
+    """The served context (prompt + output): the request, else the model's capped at 8192 and at
+    what the device KV tier holds; an explicit request the tier cannot hold is refused."""
+    if requested is not None:
+        if requested > device_pool_tokens:
+            raise ValueError(
+                f"max_model_len {requested} does not fit the device KV tier "
+                f"({device_pool_tokens} tokens): raise --device-kv-tokens or lower --max-model-len"
+            )
+        return min(requested, model_limit)
+    return min(8192, model_limit, device_pool_tokens)

@@ -3,21 +3,27 @@
 Stop strings are found here, not in the core (the core sees only token ids); when one matches,
 the text is cut before it and the caller finishes the request in the core.  While streaming, a
 suffix that could still grow into a stop string is held back until the next token decides it.
+
+A request whose detokenization or stop check raises gets an "error" delta and is listed in
+`ProcessedStep.failed_request_ids` (the caller ends it in the core); the others go on.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from tokenflow.core.plan import RequestOutput
 from tokenflow.core.request import SamplingParams
+from tokenflow.engine.client import GenerationDelta
 from tokenflow.engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     find_stop,
     partial_stop_length,
 )
-from tokenflow.serving.engine_client import GenerationDelta
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,6 +39,7 @@ class _Stream:
 class ProcessedStep:
     deltas: list[GenerationDelta]
     stopped_request_ids: list[str]  # hit a stop string: finish them in the core
+    failed_request_ids: list[str]  # their text could not be produced: abort them in the core
 
 
 class OutputProcessor:
@@ -55,20 +62,46 @@ class OutputProcessor:
         self._streams.pop(request_id, None)
 
     def process(self, outputs: list[RequestOutput]) -> ProcessedStep:
-        """Deltas for one step's outputs, and the requests a stop string ended."""
+        """Deltas for one step's outputs, the requests a stop string ended and those that failed."""
         deltas: list[GenerationDelta] = []
         stopped: list[str] = []
+        failed: list[str] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            delta = self._advance(stream, output)
+            try:
+                delta = self._advance(stream, output)
+            except Exception as err:  # noqa: BLE001 - attributed to this request alone
+                logger.exception("request %s: producing its text failed", output.request_id)
+                delta = self._error_delta(output.request_id, stream, f"detokenization: {err}")
+                if output.finish_reason is None:
+                    failed.append(output.request_id)
             if delta.finish_reason == "stop" and output.finish_reason is None:
                 stopped.append(output.request_id)
             if delta.finish_reason is not None:
                 self.drop(output.request_id)
             deltas.append(delta)
-        return ProcessedStep(deltas, stopped)
+        return ProcessedStep(deltas, stopped, failed)
+
+    def failed(self, request_id: str, reason: str) -> GenerationDelta | None:
+        """The closing "error" delta of a request that failed (None if it was not tracked)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return None
+        return self._error_delta(request_id, stream, reason)
+
+    @staticmethod
+    def _error_delta(request_id: str, stream: _Stream, reason: str) -> GenerationDelta:
+        return GenerationDelta(
+            request_id,
+            (),
+            "",
+            stream.num_prompt_tokens,
+            stream.num_output_tokens,
+            "error",
+            error=reason,
+        )
 
     def _advance(self, stream: _Stream, output: RequestOutput) -> GenerationDelta:
         detok = stream.detokenizer

@@ -2,11 +2,13 @@
 
 `build_app()` makes a fresh app per engine (no global app object); everything the routes need
 lives on `app.state`.  Every error, including FastAPI's own validation errors (never a 422) and
-unknown routes, is answered in OpenAI's `{"error": {...}}` shape.
+unknown routes, is answered in OpenAI's `{"error": {...}}` shape.  Request bodies larger than
+`ServerConfig.max_body_bytes` are refused (413) before they are read in full or parsed.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable
 from typing import Annotated
@@ -16,9 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenflow.serving.engine_client import EngineClient
+from tokenflow.engine.client import EngineClient
+from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
@@ -33,9 +36,9 @@ from tokenflow.serving.serving import (
     ClientDisconnected,
     OpenAIServing,
     ServeResult,
-    SseStream,
     WaitForDisconnect,
 )
+from tokenflow.serving.streaming import SseStream
 from tokenflow.serving.validation import ApiError
 
 # nginx-style "client closed request": logged, never seen by the (gone) client.
@@ -47,18 +50,21 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 RateHeader = Annotated[str | None, Header(alias=STREAM_RATE_HEADER)]
 
 
-def build_app(engine: EngineClient, *, api_key: str | None = None) -> FastAPI:
-    """An OpenAI-compatible streaming server over `engine`; `api_key` guards the /v1 routes."""
+def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
+    """An OpenAI-compatible streaming server over `engine` (`config.api_key` guards /v1)."""
+    config = config or ServerConfig()
     app = FastAPI(title="TokenFlow", summary="Buffer-aware LLM text streaming server")
     metrics = ServingMetrics(engine)
     app.state.engine = engine
-    app.state.api_key = api_key
+    app.state.config = config
+    app.state.api_key = config.api_key
     app.state.metrics = metrics
-    app.state.serving = OpenAIServing(engine, metrics)
+    app.state.serving = OpenAIServing(engine, metrics, keepalive_s=config.keepalive_s)
     app.state.started_s = int(time.time())
     _add_error_handlers(app)
     app.include_router(_openai_router())
     app.include_router(_ops_router())
+    app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
     return app
 
 
@@ -114,9 +120,18 @@ def _ops_router() -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
-    async def health() -> Response:
-        """Liveness: 200 while the server answers."""
-        return _json('{"status":"ok"}')
+    async def health(request: Request) -> Response:
+        """200 while the engine loop is alive and turning; 503 (with the reason) otherwise."""
+        engine: EngineClient = request.app.state.engine
+        state = engine.health()
+        stall_s = request.app.state.config.health_stall_s
+        if not state.is_alive:
+            body = {"status": "dead", "error": state.error}
+        elif state.seconds_since_tick > stall_s:
+            body = {"status": "stalled", "seconds_since_tick": round(state.seconds_since_tick, 1)}
+        else:
+            return _json('{"status":"ok"}')
+        return _json(json.dumps(body), 503)
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -169,6 +184,54 @@ class _SseResponse(StreamingResponse):
 
 def _json(content: str, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(content, status_code, headers, media_type="application/json")
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for a body over `max_bytes`, by its Content-Length before anything
+    is read, or as soon as a body without one (chunked) grows past the limit.  The body is read
+    here (at most `max_bytes`) and replayed to the app, then `receive` passes through."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._refuse(send)
+            return
+        buffered: list[Message] = []
+        num_bytes = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        error = ApiError(413, f"the request body exceeds {self.max_bytes} bytes", code="too_large")
+        content = error.body().model_dump_json().encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(content)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -1,76 +1,144 @@
-"""`tokenflow serve`: the OpenAI-compatible streaming server on the real engine."""
+"""`tokenflow serve`: the OpenAI-compatible streaming server on the real engine.
+
+Start-up failures (the port is taken, the model does not load, bad options) print one line and
+exit non-zero.  SIGINT and SIGTERM stop the engine loop: every live stream ends with an error
+frame and `data: [DONE]`, then the HTTP server closes.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
+import socket
 import sys
 import threading
+
+logger = logging.getLogger(__name__)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Server options plus every engine option."""
     from tokenflow.engine.engine_args import EngineArgs
+    from tokenflow.serving.config import ServerConfig
 
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", default=None, help="require this bearer token on /v1")
-    server.add_argument("--log-level", default="info")
+    ServerConfig.add_arguments(parser)
     EngineArgs.add_arguments(parser)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Load the model, start the engine thread, serve until interrupted."""
-    import uvicorn
+def configure_logging(level: str) -> None:
+    """The package's loggers print like uvicorn's ("INFO:     tokenflow.x: message")."""
+    from uvicorn.logging import DefaultFormatter
 
-    from tokenflow.engine.async_engine import AsyncEngine
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        DefaultFormatter("%(levelprefix)s %(name)s: %(message)s", use_colors=False)
+    )
+    root = logging.getLogger("tokenflow")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"tokenflow serve: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, so a taken port fails at once (OSError)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, start the HTTP thread, step the engine here until a signal."""
     from tokenflow.engine.engine_args import EngineArgs
-    from tokenflow.engine.model_config import ModelLoadError
-    from tokenflow.serving.app import build_app
+    from tokenflow.serving.config import ServerConfig
 
     if args.num_threads is None:
         # Leave one core to the HTTP thread (as vLLM does on CPU): measured faster at every
         # stream count on a 2-core machine (benchmarks/vs_vllm.py).
         args.num_threads = max(1, (os.cpu_count() or 2) - 1)
     try:
-        engine = AsyncEngine(EngineArgs.from_namespace(args), start_thread=False)
+        config = ServerConfig.from_namespace(args)
+        engine_args = EngineArgs.from_namespace(args)
+    except ValueError as err:
+        return _fail(str(err), 2)
+    configure_logging(config.log_level)
+    try:
+        sock = _listen(config.host, config.port)
+    except OSError as err:
+        return _fail(f"cannot listen on {config.host}:{config.port}: {err.strerror or err}")
+    try:
+        return _serve(sock, config, engine_args)
+    finally:
+        sock.close()
+
+
+def _serve(sock: socket.socket, config: object, engine_args: object) -> int:
+    import uvicorn
+
+    from tokenflow.engine.async_engine import AsyncEngine
+    from tokenflow.engine.model_config import ModelLoadError
+    from tokenflow.serving.app import build_app
+    from tokenflow.serving.config import ServerConfig
+
+    assert isinstance(config, ServerConfig)
+    try:
+        engine = AsyncEngine(engine_args, start_thread=False)  # type: ignore[arg-type]
     except (ModelLoadError, ValueError, OSError) as err:
-        print(f"tokenflow serve: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    stats = engine.engine.scheduler.kv.config
-    print(
-        f"tokenflow serve: {engine.model_name} on {engine.engine.device}, policy "
-        f"{args.policy}, device KV {stats.num_device_blocks * stats.block_size} tokens, host KV "
-        f"{stats.num_host_blocks * stats.block_size} tokens, http://{args.host}:{args.port}",
-        file=sys.stderr,
+        return _fail(str(err), 2)
+    kv = engine.engine.scheduler.kv.config
+    logger.info(
+        "%s on %s, policy %s, context %d tokens, device KV %d tokens, host KV %d tokens, "
+        "http://%s:%d",
+        engine.model_name,
+        engine.engine.device,
+        engine.engine.args.policy,
+        engine.max_model_len,
+        kv.num_device_blocks * kv.block_size,
+        kv.num_host_blocks * kv.block_size,
+        config.host,
+        config.port,
     )
-    config = uvicorn.Config(
-        build_app(engine, api_key=args.api_key),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine, config),
+            log_level=config.log_level,
+            timeout_graceful_shutdown=5,
+        )
     )
-    server = uvicorn.Server(config)
-    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
     http.start()
-    # SIGTERM (from a supervisor or `bench --compare`) stops like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: engine.stop())
-    watcher = threading.Thread(target=_stop_when_done, args=(http, engine), daemon=True)
-    watcher.start()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: engine.stop())
+    threading.Thread(target=_stop_when_done, args=(http, engine), daemon=True).start()
     try:
         engine.run_loop()  # the main thread: see AsyncEngine's docstring
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.should_exit = True
-        http.join(timeout=10)
-        engine.close()
-    return 0
+    except Exception:  # noqa: BLE001 - logged by the loop; exit non-zero below
+        return _shutdown(server, http, engine, code=1)
+    code = 0 if server.started else _fail("the HTTP server did not start")
+    return _shutdown(server, http, engine, code)
+
+
+def _shutdown(server: object, http: threading.Thread, engine: object, code: int) -> int:
+    server.should_exit = True  # type: ignore[attr-defined]
+    http.join(timeout=10)
+    engine.close()  # type: ignore[attr-defined]
+    logger.info("stopped")
+    return code
 
 
 def _stop_when_done(http: threading.Thread, engine: object) -> None:
-    """If the HTTP server exits on its own (e.g. the port is taken), stop the engine too."""
+    """If the HTTP server exits on its own (e.g. it failed to start), stop the engine too."""
     http.join()
     engine.stop()  # type: ignore[attr-defined]

@@ -1,15 +1,18 @@
 """Response bodies and SSE chunks of the two endpoints, exactly as OpenAI shapes them.
 
 Streams are Server-Sent Events: each frame is `data: {json}` followed by a blank line, and the
-stream ends with `data: [DONE]`.  Finish reasons always come from the engine's delta.
+stream ends with `data: [DONE]`.  While a stream waits (for its first token, or paused by
+preemption) the server sends SSE comment frames (`KEEPALIVE_FRAME`), which clients ignore.
+Finish reasons always come from the engine's delta.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel
 
+from tokenflow.serving.prepared import PreparedRequest
 from tokenflow.serving.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -23,8 +26,8 @@ from tokenflow.serving.protocol import (
     UsageInfo,
 )
 
-if TYPE_CHECKING:
-    from tokenflow.serving.serving import PreparedRequest
+KEEPALIVE_FRAME = ": keep-alive\n\n"
+DONE_FRAME = "data: [DONE]\n\n"
 
 
 def sse_frame(payload: BaseModel) -> str:

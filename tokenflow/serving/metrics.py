@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from tokenflow.serving.engine_client import EngineClient
+from tokenflow.engine.client import EngineClient
 
 # Time to first token spans queueing in a burst (tens of seconds in the paper's baselines).
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)

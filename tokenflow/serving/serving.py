@@ -3,9 +3,11 @@
 Flow of one request::
 
     prepare()      body (+ X-Stream-Rate header) -> PreparedRequest, or ApiError (400/404)
-    _start()       engine.generate(), then wait for the first delta while watching the client
-                   (EngineOverloaded -> 429, EngineRequestError -> 400: before any byte is sent)
-    _stream()      SSE frames, `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`
+    _start()       engine.generate(); refusals (EngineOverloaded -> 429, EngineRequestError ->
+                   400, EngineDead -> 503) are raised before any byte is sent.  A stream then
+                   goes out at once (200 headers, keep-alives until its first token); a
+                   non-streaming answer waits for its first delta while watching the client
+    _stream()      SSE frames, `data: {json}\\n\\n` ... `data: [DONE]\\n\\n` (see streaming.py)
     _collect()     one JSON body
 
 Whenever the client goes away before the engine finished (a disconnect while waiting, or the
@@ -16,77 +18,61 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
 
-from tokenflow.core.request import SamplingParams
-from tokenflow.serving.engine_client import (
+from tokenflow.engine.client import (
     EngineClient,
+    EngineDead,
     EngineOverloaded,
     EngineRequestError,
     GenerationDelta,
 )
-from tokenflow.serving.formatting import ChatFormat, CompletionFormat, ResponseFormat, sse_frame
+from tokenflow.serving.formatting import (
+    DONE_FRAME,
+    KEEPALIVE_FRAME,
+    ChatFormat,
+    CompletionFormat,
+    ResponseFormat,
+    sse_frame,
+)
 from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.prepared import PreparedRequest, Progress, usage_of
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorInfo,
-    ErrorResponse,
-    UsageInfo,
 )
+from tokenflow.serving.streaming import SseStream, cancel_pending, delta_frames
 from tokenflow.serving.validation import (
     ApiError,
     build_sampling_params,
     check_chat_support,
     check_completion_support,
+    check_prompt_token_ids,
     check_rate,
     resolve_max_tokens,
 )
 
+logger = logging.getLogger(__name__)
+
 _T = TypeVar("_T")
 WaitForDisconnect = Callable[[], Awaitable[None]]
 STREAM_RATE_HEADER = "X-Stream-Rate"
+# How long a new stream waits for the engine's answer before its 200 headers go out; refusals
+# are raised synchronously by `generate()`, so they always come back as real status codes.
+_ADMISSION_GRACE_S = 0.05
 
 
 class ClientDisconnected(Exception):
     """The client went away before the answer was ready (the engine request is released)."""
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated request, ready for `engine.generate()`."""
-
-    request_id: str
-    model: str
-    created_s: int  # wall-clock seconds, the OpenAI `created` field
-    received_s: float  # monotonic clock, start of TTFT
-    prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams
-    rate_tps: float
-    stream: bool
-    include_usage: bool
-    continuous_usage: bool
-
-
-@dataclass
-class _Progress:
-    """What has been produced so far for one request."""
-
-    num_output_tokens: int = 0
-    text_parts: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    last_delta_s: float | None = None
-    has_failed: bool = False  # the engine raised mid-stream
-    is_released: bool = False  # aborted if needed, delta iterator closed
 
 
 def _new_hex_id() -> str:
@@ -97,7 +83,8 @@ class OpenAIServing:
     """The logic behind /v1/completions and /v1/chat/completions, independent of the web framework.
 
     `clock` (monotonic seconds) times TTFT and inter-token gaps; `wall_clock` stamps `created`;
-    `new_id` makes request ids.  All three are injectable for tests.
+    `new_id` makes request ids.  All three are injectable for tests.  `keepalive_s` is the
+    longest silence of an accepted stream (SSE comment frames fill it).
     """
 
     def __init__(
@@ -105,12 +92,14 @@ class OpenAIServing:
         engine: EngineClient,
         metrics: ServingMetrics,
         *,
+        keepalive_s: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = _new_hex_id,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.keepalive_s = keepalive_s
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
@@ -171,7 +160,7 @@ class OpenAIServing:
             created_s=int(self._wall_clock()),
             received_s=self._clock(),
             prompt_token_ids=prompt_token_ids,
-            sampling_params=build_sampling_params(body, max_tokens),
+            sampling_params=build_sampling_params(body, max_tokens, self.engine.vocab_size),
             rate_tps=rate_tps,
             stream=body.stream,
             include_usage=options is not None and options.include_usage,
@@ -214,31 +203,34 @@ class OpenAIServing:
     def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[int, ...]:
         if isinstance(prompt, str):
             return tuple(self.engine.tokenizer.encode(prompt))
-        if any(token_id < 0 for token_id in prompt):
-            raise ApiError(400, "prompt token ids must be >= 0", param="prompt")
-        return tuple(prompt)
+        return check_prompt_token_ids(prompt, self.engine.vocab_size)
 
     # -- running --------------------------------------------------------------------------------
     async def _serve(
         self, prepared: PreparedRequest, fmt: ResponseFormat, wait_for_disconnect: WaitForDisconnect
     ) -> ServeResult:
-        progress = _Progress()
-        deltas, first = await self._start(prepared, progress, wait_for_disconnect)
+        progress = Progress()
+        deltas = await self._start(prepared, progress, wait_for_disconnect)
         if prepared.stream:
-            frames = self._stream(prepared, fmt, first, deltas, progress)
+            frames = self._stream(prepared, fmt, deltas, progress)
             return SseStream(frames, lambda: self._release(prepared.request_id, deltas, progress))
         try:
-            collect = self._collect(prepared, first, deltas, progress)
+            collect = self._collect(prepared, deltas, progress)
             await self._race_disconnect(collect, wait_for_disconnect)
         finally:
             await self._release(prepared.request_id, deltas, progress)
         text = "".join(progress.text_parts)
-        return fmt.response(prepared, text, progress.finish_reason, _usage(prepared, progress))
+        return fmt.response(prepared, text, progress.finish_reason, usage_of(prepared, progress))
 
     async def _start(
-        self, prepared: PreparedRequest, progress: _Progress, wait_for_disconnect: WaitForDisconnect
-    ) -> tuple[AsyncIterator[GenerationDelta], GenerationDelta]:
-        """Submit and wait for the first delta, so refusals become proper HTTP errors."""
+        self, prepared: PreparedRequest, progress: Progress, wait_for_disconnect: WaitForDisconnect
+    ) -> AsyncIterator[GenerationDelta]:
+        """Submit; leave the wait for the first delta in `progress.pending`.
+
+        A stream waits only `_ADMISSION_GRACE_S` (refusals come back at once); a non-streaming
+        request waits for its first delta while watching the client.  Either way a refusal or
+        an early failure is raised here, before any byte is sent.
+        """
         deltas: AsyncIterator[GenerationDelta] | None = None
         try:
             deltas = aiter(
@@ -249,7 +241,13 @@ class OpenAIServing:
                     prepared.rate_tps,
                 )
             )
-            first = await self._race_disconnect(anext(deltas), wait_for_disconnect)
+            progress.pending = asyncio.ensure_future(anext(deltas))
+            if prepared.stream:
+                await asyncio.wait((progress.pending,), timeout=_ADMISSION_GRACE_S)
+            else:
+                await self._race_disconnect(asyncio.shield(progress.pending), wait_for_disconnect)
+            if progress.pending.done():
+                progress.pending.result()  # raises a refusal or an early failure
         except EngineOverloaded as exc:
             retry_after = str(max(1, math.ceil(exc.retry_after_s)))
             raise ApiError(
@@ -261,14 +259,25 @@ class OpenAIServing:
             ) from exc
         except EngineRequestError as exc:
             raise ApiError(400, str(exc)) from exc
+        except EngineDead as exc:
+            raise ApiError(503, f"the engine is not running: {exc}", type="server_error") from exc
         except StopAsyncIteration:
             message = "the engine ended the request without output"
             raise ApiError(500, message, type="server_error") from None
-        except BaseException:  # the client is gone (or the engine broke): free the request
+        except ClientDisconnected:
             if deltas is not None:
                 await self._release(prepared.request_id, deltas, progress)
             raise
-        return deltas, first
+        except Exception as exc:  # failed before its first delta: a 500 naming why
+            progress.has_failed = True
+            if deltas is not None:
+                await self._release(prepared.request_id, deltas, progress)
+            raise ApiError(500, _engine_error_message(exc), type="server_error") from exc
+        except BaseException:  # cancelled: free the request
+            if deltas is not None:
+                await self._release(prepared.request_id, deltas, progress)
+            raise
+        return deltas
 
     async def _race_disconnect(
         self, awaitable: Awaitable[_T], wait_for_disconnect: WaitForDisconnect
@@ -289,7 +298,7 @@ class OpenAIServing:
         return work.result()
 
     async def _release(
-        self, request_id: str, deltas: AsyncIterator[GenerationDelta], progress: _Progress
+        self, request_id: str, deltas: AsyncIterator[GenerationDelta], progress: Progress
     ) -> None:
         """Abort the request unless the engine finished it, and close its delta iterator.
 
@@ -299,6 +308,7 @@ class OpenAIServing:
             return
         progress.is_released = True
         with anyio.CancelScope(shield=True):
+            await cancel_pending(progress)
             if progress.finish_reason is None:
                 if not progress.has_failed:
                     self.metrics.count_finished("abort")
@@ -309,7 +319,7 @@ class OpenAIServing:
                     await aclose()
 
     def _record(
-        self, prepared: PreparedRequest, progress: _Progress, delta: GenerationDelta
+        self, prepared: PreparedRequest, progress: Progress, delta: GenerationDelta
     ) -> None:
         now = self._clock()
         num_new = len(delta.token_ids)
@@ -326,112 +336,58 @@ class OpenAIServing:
             progress.finish_reason = delta.finish_reason
             self.metrics.count_finished(delta.finish_reason)
 
+    def _on_failure(self, exc: BaseException) -> str:
+        """Count a request the engine failed mid-way; the message for its client."""
+        self.metrics.count_finished("error")
+        logger.warning("a request failed: %s", _engine_error_message(exc))
+        return _engine_error_message(exc)
+
     async def _collect(
-        self,
-        prepared: PreparedRequest,
-        first: GenerationDelta,
-        deltas: AsyncIterator[GenerationDelta],
-        progress: _Progress,
+        self, prepared: PreparedRequest, deltas: AsyncIterator[GenerationDelta], progress: Progress
     ) -> None:
         """Record deltas until the finish; an engine failure becomes a 500."""
-        delta = first
         try:
             while True:
-                self._record(prepared, progress, delta)
-                if delta.finish_reason is not None:
+                pending, progress.pending = progress.pending, None
+                delta = await pending if pending is not None else await anext(deltas)
+                self._record(prepared, progress, delta)  # type: ignore[arg-type]
+                if delta.finish_reason is not None:  # type: ignore[union-attr]
                     return
-                delta = await anext(deltas)
         except (StopAsyncIteration, Exception) as exc:
             progress.has_failed = True
-            self.metrics.count_finished("error")
-            raise ApiError(500, _engine_error_message(exc), type="server_error") from None
+            raise ApiError(500, self._on_failure(exc), type="server_error") from None
 
     async def _stream(
         self,
         prepared: PreparedRequest,
         fmt: ResponseFormat,
-        first: GenerationDelta,
         deltas: AsyncIterator[GenerationDelta],
-        progress: _Progress,
+        progress: Progress,
     ) -> AsyncIterator[str]:
         """SSE frames; releases the engine request however the iteration ends."""
-        frames = self._delta_frames(prepared, fmt, first, deltas, progress)
+        frames = delta_frames(
+            prepared, fmt, deltas, progress, self.keepalive_s, self._record, self._on_failure
+        )
         try:
-            for chunk in fmt.opening_chunks(prepared):
+            opening = fmt.opening_chunks(prepared)
+            for chunk in opening:
                 yield sse_frame(chunk)
+            if not opening and progress.pending is not None and not progress.pending.done():
+                yield KEEPALIVE_FRAME  # the server sends the 200 headers with the first bytes
             async for frame in frames:
                 yield frame
         finally:
             with anyio.CancelScope(shield=True):
                 await frames.aclose()
             await self._release(prepared.request_id, deltas, progress)
-        yield "data: [DONE]\n\n"
-
-    async def _delta_frames(
-        self,
-        prepared: PreparedRequest,
-        fmt: ResponseFormat,
-        first: GenerationDelta,
-        deltas: AsyncIterator[GenerationDelta],
-        progress: _Progress,
-    ) -> AsyncIterator[str]:
-        """One chunk per delta, then the usage chunk; an engine failure becomes an error frame."""
-        delta = first
-        try:
-            while True:
-                self._record(prepared, progress, delta)
-                usage = _usage(prepared, progress) if prepared.continuous_usage else None
-                yield sse_frame(fmt.delta_chunk(prepared, delta.text, delta.finish_reason, usage))
-                if delta.finish_reason is not None:
-                    break
-                delta = await anext(deltas)
-        except (StopAsyncIteration, Exception) as exc:
-            progress.has_failed = True
-            self.metrics.count_finished("error")
-            error = ErrorInfo(message=_engine_error_message(exc), type="server_error")
-            yield sse_frame(ErrorResponse(error=error))
-            return
-        if prepared.include_usage:
-            yield sse_frame(fmt.usage_chunk(prepared, _usage(prepared, progress)))
-
-
-class SseStream:
-    """The SSE frames of one streaming answer.
-
-    Iterate it for the frames.  `aclose()` must be called when the response ends however it
-    ends (also when the client left before the first frame was pulled): it releases the engine
-    request, aborting it if it has not finished.
-    """
-
-    def __init__(self, frames: AsyncGenerator[str], release: Callable[[], Awaitable[None]]) -> None:
-        self._frames = frames
-        self._release = release
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._frames
-
-    async def aclose(self) -> None:
-        """Stop the frames and release the engine request (idempotent)."""
-        with anyio.CancelScope(shield=True):
-            await self._frames.aclose()
-            await self._release()
+        yield DONE_FRAME
 
 
 # A non-streaming body, or the SSE frames of a streaming one.
 ServeResult = CompletionResponse | ChatCompletionResponse | SseStream
 
 
-# -- helpers ------------------------------------------------------------------------------------
 def _engine_error_message(exc: BaseException) -> str:
     if isinstance(exc, StopAsyncIteration):
         return "the engine ended the stream without a finish reason"
     return f"engine error: {type(exc).__name__}: {exc}"
-
-
-def _usage(prepared: PreparedRequest, progress: _Progress) -> UsageInfo:
-    num_prompt = len(prepared.prompt_token_ids)
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=progress.num_output_tokens,
-        total_tokens=num_prompt + progress.num_output_tokens,
-    )

@@ -1,4 +1,4 @@
-"""The one interface the HTTP server depends on.
+"""The one interface the HTTP server depends on, defined on the engine side of the seam.
 
 The server never touches the scheduler, the model or the KV cache: it tokenizes with
 `EngineClient.tokenizer`, submits with `generate()`, streams `GenerationDelta`s, and calls
@@ -27,12 +27,22 @@ class EngineRequestError(ValueError):
     """Raised by `generate()` for a request the engine cannot serve (HTTP 400)."""
 
 
+class EngineDead(RuntimeError):
+    """Raised by `generate()` (HTTP 503), and delivered to every live request, once the engine
+    loop has died or shut down: nothing waits on a loop that will never answer."""
+
+
+class RequestFailed(RuntimeError):
+    """Delivered to one request whose own processing failed (the engine goes on)."""
+
+
 @dataclass(frozen=True)
 class GenerationDelta:
     """New output of one request since its previous delta.
 
-    `text` is already detokenized and cut at a stop string; `finish_reason` is "stop", "length"
-    or "abort" on the last delta and None before it.
+    `text` is already detokenized and cut at a stop string; `finish_reason` is "stop", "length",
+    "abort" or "error" on the last delta and None before it.  An "error" delta carries `error`,
+    a one-line reason that concerns this request alone (the engine goes on with the others).
     """
 
     request_id: str
@@ -41,6 +51,7 @@ class GenerationDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     finish_reason: str | None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,15 @@ class EngineStats:
     buffer_slack_s: tuple[float, ...]  # per running stream: seconds of reading left in its buffer
 
 
+@dataclass(frozen=True)
+class EngineHealth:
+    """Is the engine loop alive, and how long ago did it last go round."""
+
+    is_alive: bool
+    seconds_since_tick: float
+    error: str | None  # why it died (None while alive)
+
+
 class Tokenizer(Protocol):
     eos_token_id: int | None
 
@@ -73,6 +93,7 @@ class Tokenizer(Protocol):
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int  # prompt + output tokens
+    vocab_size: int  # token ids are in [0, vocab_size)
     default_rate_tps: float
     tokenizer: Tokenizer
 
@@ -83,12 +104,21 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams,
         rate_tps: float,
     ) -> AsyncIterator[GenerationDelta]:
-        """Submit a request and stream its deltas; raises EngineOverloaded/EngineRequestError
-        before the first delta if it cannot be accepted."""
+        """Submit a request and stream its deltas.
+
+        Raises EngineOverloaded, EngineRequestError or EngineDead before the first delta if it
+        cannot be accepted; RequestFailed or EngineDead later if it fails mid-way.
+        """
         ...
 
     async def abort(self, request_id: str) -> None:
         """Cancel a request and free its KV in both tiers; a no-op if it already ended."""
         ...
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """A snapshot of queues and tiers for /metrics and admission."""
+        ...
+
+    def health(self) -> EngineHealth:
+        """Liveness of the engine loop, for /health."""
+        ...

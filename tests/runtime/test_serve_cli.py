@@ -1,0 +1,80 @@
+"""`tokenflow serve` as a process: start-up failures exit non-zero with one clear line, and
+SIGINT/SIGTERM end live streams with an error frame before the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tokenflow.cli import main
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve(*args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tokenflow.cli", "serve", "--device", "cpu", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    """Run `main()` in-process without reconfiguring the package's loggers."""
+    monkeypatch.setattr("tokenflow.serving.cli.configure_logging", lambda level: None)
+
+
+def test_a_taken_port_exits_non_zero_with_one_line(quiet, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1  # refused before the model loads
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0]
+
+
+def test_a_context_the_pool_cannot_hold_is_refused_at_start(quiet, capsys, tiny_model_dir):
+    argv = ["serve", "--model", tiny_model_dir, "--device", "cpu", "--port", str(free_port())]
+    assert main([*argv, "--max-model-len", "1024", "--device-kv-tokens", "512"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokenflow serve: error: max_model_len 1024")
+
+
+def test_sigint_ends_live_streams_with_an_error_frame(tiny_model_dir):
+    # SIGTERM is handled by the same line (see tokenflow/serving/cli.py).
+    port = free_port()
+    process = serve("--model", tiny_model_dir, "--port", str(port), "--log-level", "warning")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": "x", "max_tokens": 400, "stream": True, "stream_rate": 1}
+        frames = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[len("data: ") :])
+                    if len(frames) == 3:
+                        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+        process.communicate()
+    assert frames[-1] == "[DONE]"
+    assert "shutting down" in json.loads(frames[-2])["error"]["message"]

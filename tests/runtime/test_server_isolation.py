@@ -1,0 +1,135 @@
+"""The real server (tiny model): a poison request beside an innocent stream, a dead engine loop,
+a shutdown with streams in flight; every request ends in tokens or its own explicit error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.runtime.sse_client import read_stream
+from tests.serving.live_server import serve_in_thread, wait_until
+from tokenflow.engine.async_engine import AsyncEngine
+from tokenflow.engine.engine_args import EngineArgs
+from tokenflow.serving.app import build_app
+
+INNOCENT = {
+    "prompt": "Once upon a time",
+    "max_tokens": 24,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "stream_rate": 1000,
+}
+POISON_SEED = 666
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    engine = AsyncEngine(EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=256))
+    with serve_in_thread(build_app(engine)) as url:
+        yield engine, url
+    engine.close()
+
+
+def run_together(url: str, *bodies: dict):
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            return await asyncio.gather(*(read_stream(http, "/v1/completions", b) for b in bodies))
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def solo(served):
+    _, url = served
+    (result,) = run_together(url, INNOCENT)
+    assert result.is_complete and result.completion_tokens == 24
+    return result.text
+
+
+def test_the_issue_repro_tiny_temperature_beside_an_innocent_stream(served, solo):
+    _, url = served
+    poison = {**INNOCENT, "temperature": 1e-40, "max_tokens": 8}
+    innocent, tiny = run_together(url, INNOCENT, poison)
+    assert innocent.is_complete and innocent.text == solo
+    assert tiny.is_complete  # 1e-40 means greedy
+
+
+def test_a_request_failing_in_the_engine_fails_alone(served, solo, monkeypatch):
+    engine, url = served
+    sampler = engine.engine.executor.sampler
+    original = sampler._sample_row
+
+    def sample_row(logits, row):
+        if row.params.seed == POISON_SEED:
+            raise RuntimeError("poisoned row")
+        return original(logits, row)
+
+    monkeypatch.setattr(sampler, "_sample_row", sample_row)
+    poison = {**INNOCENT, "temperature": 0.7, "seed": POISON_SEED}
+    innocent, failed = run_together(url, INNOCENT, poison)
+    assert innocent.is_complete and innocent.text == solo
+    # Its own explicit error: a 500 if it failed before its first bytes, else an error frame.
+    assert failed.status in (200, 500) and "poisoned row" in failed.errors[0]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert wait_until(lambda: engine.stats().num_running == 0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model_dir):
+    engine = AsyncEngine(EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=128))
+    original = engine.engine.stats
+    broken = {"on": False}
+
+    def stats():  # runs in the loop after each step, outside step()'s own guard
+        if broken["on"]:
+            raise RuntimeError("bookkeeping corrupted")
+        return original()
+
+    engine.engine.stats = stats  # type: ignore[method-assign]
+    slow = {**INNOCENT, "max_tokens": 100, "stream_rate": 1}
+    try:
+        with serve_in_thread(build_app(engine)) as url:
+
+            async def go():
+                async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                    stream = asyncio.ensure_future(read_stream(http, "/v1/completions", slow))
+                    await asyncio.sleep(0.5)
+                    broken["on"] = True
+                    return await stream
+
+            failed = asyncio.run(go())
+            assert failed.status == 200 and failed.is_done and failed.errors
+            assert wait_until(lambda: not engine.health().is_alive, timeout_s=10)
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and health.json()["status"] == "dead"
+            late = httpx.post(f"{url}/v1/completions", json=slow, timeout=10)
+            assert late.status_code == 503 and "not running" in late.json()["error"]["message"]
+    finally:
+        engine.close()
+
+
+def test_shutdown_ends_live_streams_with_an_error_frame(tiny_model_dir):
+    engine = AsyncEngine(EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=128))
+    slow = {**INNOCENT, "max_tokens": 100, "stream_rate": 1}
+    try:
+        with serve_in_thread(build_app(engine)) as url:
+
+            async def go():
+                async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                    streams = [
+                        asyncio.ensure_future(read_stream(http, "/v1/completions", slow))
+                        for _ in range(3)
+                    ]
+                    await asyncio.sleep(0.5)
+                    engine.stop()
+                    return await asyncio.gather(*streams)
+
+            results = asyncio.run(go())
+            assert all(r.is_done and "shutting down" in r.errors[0] for r in results)
+            assert httpx.get(f"{url}/health").status_code == 503
+    finally:
+        engine.close()

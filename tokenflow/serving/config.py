@@ -1,0 +1,75 @@
+"""The HTTP server's own settings (the engine's are `EngineArgs`): one validated dataclass."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server listens, guards and keeps its streams alive."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # require this bearer token on /v1
+    log_level: str = "info"
+    keepalive_s: float = 15.0  # longest silence of an accepted stream (SSE comment frames)
+    max_body_bytes: int = 2 << 20  # larger request bodies are refused (413) before parsing
+    health_stall_s: float = 30.0  # /health is 503 when the engine loop has not ticked this long
+
+    def __post_init__(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("keepalive_s", "health_stall_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """CLI options for every field."""
+        defaults = ServerConfig()
+        server = parser.add_argument_group("server")
+        server.add_argument("--host", default=defaults.host)
+        server.add_argument("--port", type=int, default=defaults.port)
+        server.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+        server.add_argument("--log-level", default=defaults.log_level, choices=LOG_LEVELS)
+        server.add_argument(
+            "--keepalive-s",
+            type=float,
+            default=defaults.keepalive_s,
+            help="send an SSE comment after this many silent seconds of a stream",
+        )
+        server.add_argument(
+            "--max-body-bytes",
+            type=int,
+            default=defaults.max_body_bytes,
+            help="refuse larger request bodies (413)",
+        )
+        server.add_argument(
+            "--health-stall-s",
+            type=float,
+            default=defaults.health_stall_s,
+            help="/health answers 503 when the engine loop has not ticked for this long",
+        )
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
+        """Build from parsed CLI options (ValueError on bad values)."""
+        return cls(
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            log_level=args.log_level,
+            keepalive_s=args.keepalive_s,
+            max_body_bytes=args.max_body_bytes,
+            health_stall_s=args.health_stall_s,
+        )
