@@ -226,7 +226,7 @@ def test_admission_stops_at_the_rate_budget_in_arrival_order():
     core, clock, (r1, r2, r3) = three_streams()
     view = core.scheduler.view(clock.t)
     policy: TokenFlowPolicy = core.scheduler.policy
-    spare = 0.9 * policy.capacity_tps(view) - r1.rate_tps - r2.rate_tps
+    spare = policy.config.capacity_headroom * policy.capacity_tps(view) - r1.rate_tps - r2.rate_tps
     greedy = make_request("R4", num_prompt=4, max_tokens=2, rate=spare + 1.0, arrival=clock.t)
     modest = make_request("R5", num_prompt=4, max_tokens=2, rate=0.1, arrival=clock.t + 1)
     assert policy.admit(replace(view, waiting=[greedy, modest])) == []  # R5 may not pass R4
