@@ -4,6 +4,7 @@ a shutdown with streams in flight; every request ends in tokens or its own expli
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -78,6 +79,18 @@ def test_a_request_failing_in_the_engine_fails_alone(served, solo, monkeypatch):
     assert wait_until(lambda: engine.stats().num_running == 0)
 
 
+def slow_down(engine: AsyncEngine, step_s: float = 0.02) -> None:
+    """Make each engine step last at least `step_s`: 100 tokens then take >= 2 s, so streams
+    are still live half a second in, however fast the machine is."""
+    step = engine.engine.step
+
+    def slow_step():
+        time.sleep(step_s)
+        return step()
+
+    engine.engine.step = slow_step  # type: ignore[method-assign]
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model_dir):
     engine = AsyncEngine(EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=128))
@@ -90,6 +103,7 @@ def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model
         return original()
 
     engine.engine.stats = stats  # type: ignore[method-assign]
+    slow_down(engine)
     slow = {**INNOCENT, "max_tokens": 100, "stream_rate": 1}
     try:
         with serve_in_thread(build_app(engine)) as url:
@@ -114,6 +128,7 @@ def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model
 
 def test_shutdown_ends_live_streams_with_an_error_frame(tiny_model_dir):
     engine = AsyncEngine(EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=128))
+    slow_down(engine)
     slow = {**INNOCENT, "max_tokens": 100, "stream_rate": 1}
     try:
         with serve_in_thread(build_app(engine)) as url:
