@@ -73,7 +73,7 @@ class TokenFlowScheduler(AsyncScheduler):
         rate = self.bridge.rate_of(params.extra_args)
         if rate is not None:
             self.bridge.track(request, rate, time.monotonic())
-            logger.debug("request %s: stream_rate %.3g tok/s", request.request_id, rate)
+            logger.info("request %s: stream_rate %.3g tok/s", request.request_id, rate)
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         """vLLM's _free_request (finish or abort); the mirror goes too."""
