@@ -30,7 +30,8 @@ from tokenflow.core.request import PreemptMode
 from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
 from tokenflow.integrations.vllm.settings import IntegrationSettings
 
-logger = init_logger(__name__)
+# Under "vllm." so that vLLM's logging configuration (handler, level, format) applies.
+logger = init_logger("vllm.tokenflow.scheduler")
 
 
 class TokenFlowScheduler(AsyncScheduler):
