@@ -51,7 +51,9 @@ def make_llm(model_dir: str, tokenflow: bool, **overrides):
         kv_cache_memory_bytes=64 << 20,  # the pool is overridden anyway; skip the RAM check
     )
     if tokenflow:
-        kwargs.update(scheduler_cls=SCHEDULER_CLS, additional_config={"tokenflow": {"policy": POLICY}})
+        kwargs.update(
+            scheduler_cls=SCHEDULER_CLS, additional_config={"tokenflow": {"policy": POLICY}}
+        )
     kwargs.update(overrides)
     return LLM(**kwargs)
 
