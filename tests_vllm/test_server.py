@@ -94,19 +94,21 @@ def test_disconnect_frees_kv(server):
     url, _ = server
     body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 70,
             "min_tokens": 70, "ignore_eos": True, "stream": True, "stream_rate": 1.0}  # fmt: skip
-    with httpx.Client(timeout=300) as client:
-        with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            chunks = 0
-            for line in response.iter_lines():
-                chunks += line.startswith("data: ")
-                if chunks >= 2:
-                    break
-            assert metric(url, "vllm:num_requests_running") == 1
+    with (
+        httpx.Client(timeout=300) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks >= 2:
+                break
+        assert metric(url, "vllm:num_requests_running") == 1
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if metric(url, "vllm:num_requests_running") == 0:
-            if metric(url, "vllm:kv_cache_usage_perc") == 0:
-                return
+        idle = metric(url, "vllm:num_requests_running") == 0
+        if idle and metric(url, "vllm:kv_cache_usage_perc") == 0:
+            return
         time.sleep(0.5)
     pytest.fail("the disconnected stream still holds KV after 120 s")
