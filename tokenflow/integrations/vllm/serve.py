@@ -15,14 +15,18 @@ Run it with a Python that has vLLM installed (`pip install tokenflow[vllm]`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import runpy
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 SCHEDULER_CLS = "tokenflow.integrations.vllm.TokenFlowScheduler"
 MIDDLEWARE = "tokenflow.integrations.vllm.middleware.StreamRateMiddleware"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SERVE_MODULE = "tokenflow.integrations.vllm.serve"
 
 
 def vllm_server_args(argv: Sequence[str]) -> list[str]:
@@ -54,6 +58,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
     sys.argv = [VLLM_SERVER_MODULE, *args]
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
+
+
+def launch(argv: Sequence[str], vllm_python: str | None = None) -> None:
+    """Entry point for `tokenflow serve --engine vllm [--vllm-python PY] ARGS`: run the server
+    here when this interpreter has vLLM and no other is named, else replace this process by
+    `PY -m tokenflow.integrations.vllm.serve ARGS` (vLLM usually lives in its own venv), with
+    this checkout of `tokenflow` on PYTHONPATH.  Never returns; SystemExit(2) when no vLLM."""
+    if vllm_python is None:
+        if importlib.util.find_spec("vllm") is None:
+            print("error: vLLM is not installed here: pip install 'tokenflow[vllm]', or name "
+                  "a Python that has it with --vllm-python", file=sys.stderr)  # fmt: skip
+            raise SystemExit(2)
+        main(argv)
+        raise SystemExit(0)
+    root = str(Path(__file__).resolve().parents[3])  # the directory holding `tokenflow/`
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    os.execve(vllm_python, [vllm_python, "-m", SERVE_MODULE, *argv], env)
 
 
 if __name__ == "__main__":
