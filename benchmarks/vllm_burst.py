@@ -93,14 +93,14 @@ def run(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser, default_kind="burst")
-    parser.set_defaults(num_requests=24, prompt_len="32:0", output_len="48:0", rates="0.3,0.5")
+    parser.set_defaults(num_requests=24, prompt_len="32:0", output_len="32:0", rates="0.15,0.25")
     add = parser.add_argument
     add("--endpoint", default="completions", choices=("chat", "completions"))
     add("--max-concurrency", type=int, default=None)
     add("--timeout", type=float, default=3600.0)
     add("--api-key", default=None)
     add("--no-progress", action="store_true")
-    add("--num-gpu-blocks", type=int, default=25, help="KV pool of both servers, in blocks")
+    add("--num-gpu-blocks", type=int, default=17, help="KV pool of both servers, in blocks")
     add("--block-size", type=int, default=32, help="tokens per block (CPU: a multiple of 32)")
     add("--max-model-len", type=int, default=256)
     add("--max-num-seqs", type=int, default=32)

@@ -129,3 +129,14 @@ def test_launcher_arguments():
     merged = vllm_server_args(["--additional-config", '{"x": 1}', "--default-rate", "2"])
     assert json.loads(merged[-1]) == {"x": 1, "tokenflow": {"default_rate": 2.0}}
     assert "--additional-config" not in vllm_server_args(["--model", "m"])
+
+
+def test_pause_is_priced_at_the_measured_recompute():
+    bridge = make_bridge()
+    cheap = bridge.kv.config.block_bytes
+    for _ in range(8):  # prefills of 64 tokens that take 1 s beside a decode step
+        bridge.observe_step(num_decode=1, num_prefill_tokens=64, duration_s=1.0)
+    bridge.view([], [], PoolState(10, {}), now_s=0.0)
+    seconds_per_block = bridge.kv.config.block_bytes / bridge.config.link_bytes_per_s
+    assert bridge.kv.config.block_bytes > 10 * cheap
+    assert seconds_per_block == pytest.approx(bridge.estimator.prefill_time_s(16) / 2, rel=0.01)

@@ -12,8 +12,8 @@ timestamped as they appear, so the reader's virtual buffer is the core's own mod
   this integration), so no request ever has a host copy: every `OFFLOAD` the policy asks for is
   carried out as a recompute, and every start is a recompute (`Start.by_load` is always False).
   The host tier's size only bounds the working set (W_static counts device + host blocks), and
-  its per-block "link" time is set to the recompute time of a block, so the policy's pause
-  threshold charges a paused stream its recompute.
+  per-block "link" time follows the measured recompute (prefill) time of a block, so the
+  policy's pause threshold charges a paused stream its recompute.
 
 Requests are read through the small `VllmRequestLike` protocol, so tests can use fakes.
 """
@@ -21,7 +21,7 @@ Requests are read through the small `VllmRequestLike` protocol, so tests can use
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tokenflow.core.config import SchedulerConfig
@@ -77,8 +77,7 @@ class PolicyBridge:
     ) -> None:
         self.policy = policy
         self.config = config
-        # The virtual link moves `block_bytes` per `recompute_block_s`: one block per recompute.
-        block_bytes = max(1, round(shape.recompute_block_s * config.link_bytes_per_s))
+        block_bytes = self._block_bytes(shape.recompute_block_s)
         num_host = max(0, int(shape.num_device_blocks * shape.host_factor))
         self.kv = KVTierManager(
             KVConfig(shape.num_device_blocks, num_host, shape.block_size, block_bytes)
@@ -148,6 +147,7 @@ class PolicyBridge:
         for request in mirrored_running:
             self._resize(request.request_id, pool.blocks_of.get(request.request_id, 0))
         self._charge_unmirrored(pool.num_free_blocks)
+        self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         return SchedulingView(
             now_s=now_s,
@@ -212,6 +212,18 @@ class PolicyBridge:
                 mirror.num_computed_tokens = 0
             mirrors.append(mirror)
         return mirrors
+
+    def _block_bytes(self, recompute_block_s: float) -> int:
+        """Virtual bytes per block such that a pause's evict + load round trip over the virtual
+        link (2 x blocks x block_bytes / link bandwidth) costs one recompute of those blocks."""
+        return max(1, round(recompute_block_s / 2 * self.config.link_bytes_per_s))
+
+    def _price_recompute(self) -> None:
+        """Follow the measured prefill cost: the policy's pause threshold then charges a pause
+        what its recompute costs on this engine now (re-priced when it moves by over 10%)."""
+        block_bytes = self._block_bytes(self.estimator.prefill_time_s(self.kv.block_size))
+        if abs(block_bytes - self.kv.config.block_bytes) > 0.1 * self.kv.config.block_bytes:
+            self.kv.config = replace(self.kv.config, block_bytes=block_bytes)
 
     def _resize(self, owner: str, num_blocks: int) -> None:
         if self.kv.num_device_blocks_of(owner) > num_blocks:
