@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from dataclasses import replace
@@ -46,7 +47,7 @@ def server_command(
 ) -> list[str]:
     """The vLLM server command; identical for both but for the module that starts it."""
     module = "tokenflow.integrations.vllm.serve" if ours else "vllm.entrypoints.openai.api_server"
-    return [
+    cmd = [
         str(python), "-m", module, "--model", str(model_dir), "--host", "127.0.0.1",
         "--port", str(args.port), "--dtype", args.dtype, "--enforce-eager",
         "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--block-size",
@@ -54,6 +55,12 @@ def server_command(
         "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(256 << 20),
         "--served-model-name", vs_vllm.VLLM_MODEL_NAME, "--disable-log-stats",
     ]  # fmt: skip
+    if ours and args.tokenflow_settings:
+        cmd += [
+            "--additional-config",
+            json.dumps({"tokenflow": json.loads(args.tokenflow_settings)}),
+        ]
+    return cmd
 
 
 def format_ratios(default: Summary, ours: Summary) -> str:
@@ -112,6 +119,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--startup-timeout", type=float, default=600.0)
     add("--log-dir", type=Path, default=Path("/tmp/vllm-burst"))
     add("--json", default=None, help="write both summaries to this JSON file")
+    add(
+        "--tokenflow-settings",
+        default=None,
+        metavar="JSON",
+        help='ours only: the "tokenflow" additional-config, e.g. {"policy": {...}}',
+    )
     return parser.parse_args(argv)
 
 

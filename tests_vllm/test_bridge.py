@@ -108,6 +108,19 @@ def test_settings_from_additional_config():
         IntegrationSettings.from_additional_config({"tokenflow": {"policy": {"nope": 1}}})
     with pytest.raises(ValueError):
         IntegrationSettings(default_rate_tps=-1.0)
+    reserve = IntegrationSettings().core_config(
+        max_num_seqs=4, max_prefill_tokens=64, max_model_len=9
+    )
+    assert reserve.init_new_token_ratio == reserve.min_new_token_ratio == 0.1  # vLLM-like
+    assert reserve.max_num_seqs == 4
+    custom = IntegrationSettings.from_additional_config(
+        {"tokenflow": {"scheduler": {"init_new_token_ratio": 0.7}}}
+    ).core_config(max_num_seqs=4, max_prefill_tokens=64, max_model_len=9)
+    assert (custom.init_new_token_ratio, custom.min_new_token_ratio) == (0.7, 0.1)
+    with pytest.raises(ValueError, match="scheduler overrides"):
+        IntegrationSettings.from_additional_config(
+            {"tokenflow": {"scheduler": {"max_num_seqs": 1}}}
+        )
 
 
 def test_middleware_moves_stream_rate_into_vllm_xargs():

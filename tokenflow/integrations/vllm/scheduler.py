@@ -24,7 +24,6 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.request import Request, RequestStatus
 
-from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.policies import Moves, make_policy
 from tokenflow.core.request import PreemptMode
 from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
@@ -40,7 +39,7 @@ class TokenFlowScheduler(AsyncScheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         settings = IntegrationSettings.from_additional_config(self.vllm_config.additional_config)
-        core_config = SchedulerConfig(
+        core_config = settings.core_config(
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_prefill_tokens=self.scheduler_config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
