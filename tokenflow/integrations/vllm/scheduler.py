@@ -95,7 +95,7 @@ class TokenFlowScheduler(AsyncScheduler):
             output = super().schedule(throttle_prefills)
         finally:
             self._restore(orig, held)
-        oom = set(output.preempted_req_ids or ()) - policy_preempted
+        oom = sorted(set(output.preempted_req_ids or ()) - policy_preempted)
         for request_id in oom:
             self.bridge.preempted(request_id)
         if oom:
@@ -125,7 +125,7 @@ class TokenFlowScheduler(AsyncScheduler):
             done.add(request.request_id)
             if preemption.mode is PreemptMode.OFFLOAD:
                 self.bridge.num_offloads_as_recompute += 1
-                logger.debug("request %s: offload unavailable, preempted by recompute", request)
+                logger.debug("request %s: no offload, preempted by recompute", request.request_id)
         if done:
             logger.info(
                 "TokenFlow preempted %d stream(s) by recompute (%d offloads recomputed so far)",
