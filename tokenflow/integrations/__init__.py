@@ -1,0 +1,1 @@
+"""Integrations of TokenFlow's core with other serving engines (optional dependencies)."""

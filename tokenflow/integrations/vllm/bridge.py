@@ -1,0 +1,244 @@
+"""The adapter from vLLM's scheduler state to the core's `SchedulingView` (no vLLM import here).
+
+vLLM owns the requests and the KV blocks; the core policy decides.  The bridge keeps, per vLLM
+request that states a reading rate, a mirror `tokenflow.core.request.Request` (its output tokens
+timestamped as they appear, so the reader's virtual buffer is the core's own model), and a
+`KVTierManager` whose device tier mirrors vLLM's block pool:
+
+- each mirrored request running in vLLM owns as many mirror blocks as it owns vLLM blocks;
+- requests without a rate (and vLLM's own overheads, e.g. prefix-cached blocks shared between
+  requests) are charged to a placeholder owner, so the mirror's free count equals vLLM's;
+- the host tier is virtual.  vLLM preempts by recompute only (decode blocks are not offloaded by
+  this integration), so no request ever has a host copy: every `OFFLOAD` the policy asks for is
+  carried out as a recompute, and every start is a recompute (`Start.by_load` is always False).
+  The host tier's size only bounds the working set (W_static counts device + host blocks), and
+  per-block "link" time follows the measured recompute (prefill) time of a block, so the
+  policy's pause threshold charges a paused stream its recompute.
+
+Requests are read through the small `VllmRequestLike` protocol, so tests can use fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from tokenflow.core.config import SchedulerConfig
+from tokenflow.core.estimator import StepTimeEstimator
+from tokenflow.core.kv_manager import KVConfig, KVTierManager
+from tokenflow.core.policies import Moves, Policy, SchedulingView
+from tokenflow.core.request import Request, RequestState, SamplingParams
+
+_PREEMPTED = RequestState.PREEMPTED
+OTHER_OWNER = "__vllm_unmirrored__"  # mirror blocks standing for KV the policy does not manage
+
+
+class VllmRequestLike(Protocol):
+    """What the bridge reads from a vLLM `Request`."""
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    num_computed_tokens: int
+    max_tokens: int
+    num_preemptions: int
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """vLLM's KV pool as the mirror sees it."""
+
+    num_device_blocks: int  # usable blocks (vLLM's pool less its null block)
+    block_size: int  # tokens per block
+    host_factor: float  # virtual host tier = host_factor x device blocks (bounds the working set)
+    recompute_block_s: float  # seconds to recompute one block's KV (the virtual link's cost)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """vLLM's block usage at one step."""
+
+    num_free_blocks: int
+    blocks_of: dict[str, int]  # device blocks owned by each mirrored running request
+
+
+class PolicyBridge:
+    """Mirrors rated vLLM requests as core requests and asks the core policy for moves."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        config: SchedulerConfig,
+        shape: PoolShape,
+        default_rate_tps: float | None = None,
+    ) -> None:
+        self.policy = policy
+        self.config = config
+        block_bytes = self._block_bytes(shape.recompute_block_s)
+        num_host = max(0, int(shape.num_device_blocks * shape.host_factor))
+        self.kv = KVTierManager(
+            KVConfig(shape.num_device_blocks, num_host, shape.block_size, block_bytes)
+        )
+        self.estimator = StepTimeEstimator(
+            config.initial_decode_step_s, config.initial_prefill_token_s
+        )
+        self.default_rate_tps = default_rate_tps
+        self.requests: dict[str, Request] = {}
+        self.new_token_ratio = config.init_new_token_ratio
+        self.num_preemptions_total = 0
+        self.num_offloads_as_recompute = 0
+        self._num_seen = 0
+
+    # -- requests in and out ----------------------------------------------------------------------
+    def rate_of(self, extra_args: dict | None) -> float | None:
+        """The reading rate from `vllm_xargs.stream_rate`, else the server default (None: vLLM's
+        own behaviour).  A malformed rate counts as absent."""
+        value = (extra_args or {}).get("stream_rate", self.default_rate_tps)
+        try:
+            rate = float(value) if value is not None else None
+        except (TypeError, ValueError):
+            return self.default_rate_tps
+        if rate is None or not rate > 0 or rate == float("inf"):
+            return self.default_rate_tps
+        return rate
+
+    def track(self, request: VllmRequestLike, rate_tps: float, now_s: float) -> Request:
+        """Start mirroring a new vLLM request read at `rate_tps`."""
+        mirror = Request(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids or (0,)),
+            sampling_params=SamplingParams(max_tokens=max(1, request.max_tokens)),
+            rate_tps=rate_tps,
+            arrival_s=now_s,
+            arrival_index=self._num_seen,
+        )
+        self._num_seen += 1
+        self.requests[request.request_id] = mirror
+        return mirror
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted: drop its mirror and its mirror blocks."""
+        if self.requests.pop(request_id, None) is not None:
+            self.kv.drop(request_id)
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------------
+    def view(
+        self,
+        running: Iterable[VllmRequestLike],
+        waiting: Iterable[VllmRequestLike],
+        pool: PoolState,
+        now_s: float,
+    ) -> SchedulingView:
+        """Bring the mirrors up to date with vLLM's queues and return the policy's view."""
+        mirrored_running = self._sync(running, now_s, is_running=True)
+        self.kv.free_device(OTHER_OWNER)  # re-charged below, after the mirrored requests
+        on_device = {r.request_id for r in mirrored_running}
+        for request_id, request in self.requests.items():
+            if request_id not in on_device and self.kv.num_device_blocks_of(request_id):
+                self.kv.free_device(request_id)
+                request.num_computed_tokens = 0
+        for request in mirrored_running:
+            self._resize(request.request_id, pool.blocks_of.get(request.request_id, 0))
+        self._charge_unmirrored(pool.num_free_blocks)
+        self._price_recompute()
+        off_device = self._sync(waiting, now_s, is_running=False)
+        return SchedulingView(
+            now_s=now_s,
+            running=sorted(mirrored_running, key=_fcfs),
+            preempted=sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs),
+            waiting=sorted((r for r in off_device if r.state is not _PREEMPTED), key=_fcfs),
+            kv=self.kv,
+            estimator=self.estimator,
+            config=self.config,
+            new_token_ratio=self.new_token_ratio,
+            num_preemptions_total=self.num_preemptions_total,
+            num_requests_seen=self._num_seen,
+        )
+
+    def plan(self, view: SchedulingView) -> Moves:
+        """The core policy's moves for this step (and the new-token ratio's decay)."""
+        moves = self.policy.plan_moves(view)
+        cfg = self.config
+        span = cfg.init_new_token_ratio - cfg.min_new_token_ratio
+        step = span / cfg.new_token_ratio_decay_steps
+        self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)
+        return moves
+
+    def preempted(self, request_id: str) -> None:
+        """vLLM preempted a mirrored request (by recompute): its KV is gone."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        self.kv.free_device(request_id)
+        request.state = RequestState.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+
+    def out_of_memory(self) -> None:
+        """vLLM retracted a request for lack of blocks: admit less eagerly again (as the core)."""
+        self.new_token_ratio = self.config.init_new_token_ratio
+
+    def observe_step(self, num_decode: int, num_prefill_tokens: int, duration_s: float) -> None:
+        """Feed one measured engine step to the step-time estimator."""
+        self.estimator.observe(num_decode, num_prefill_tokens, duration_s)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _sync(
+        self, requests: Iterable[VllmRequestLike], now_s: float, is_running: bool
+    ) -> list[Request]:
+        mirrors: list[Request] = []
+        for vllm_request in requests:
+            mirror = self.requests.get(vllm_request.request_id)
+            if mirror is None:
+                continue
+            outputs = vllm_request.output_token_ids
+            for index in range(mirror.num_output_tokens, len(outputs)):
+                mirror.append_token(outputs[index], now_s)
+            if is_running:
+                mirror.state = RequestState.RUNNING
+                computed = vllm_request.num_computed_tokens
+                mirror.num_computed_tokens = min(computed, mirror.num_tokens)
+            else:
+                started = mirror.output_token_ids or vllm_request.num_preemptions
+                mirror.state = RequestState.PREEMPTED if started else RequestState.WAITING
+                mirror.num_computed_tokens = 0
+            mirrors.append(mirror)
+        return mirrors
+
+    def _block_bytes(self, recompute_block_s: float) -> int:
+        """Virtual bytes per block such that a pause's evict + load round trip over the virtual
+        link (2 x blocks x block_bytes / link bandwidth) costs one recompute of those blocks."""
+        return max(1, round(recompute_block_s / 2 * self.config.link_bytes_per_s))
+
+    def _price_recompute(self) -> None:
+        """Follow the measured prefill cost: the policy's pause threshold then charges a pause
+        what its recompute costs on this engine now (re-priced when it moves by over 10%)."""
+        block_bytes = self._block_bytes(self.estimator.prefill_time_s(self.kv.block_size))
+        if abs(block_bytes - self.kv.config.block_bytes) > 0.1 * self.kv.config.block_bytes:
+            self.kv.config = replace(self.kv.config, block_bytes=block_bytes)
+
+    def _resize(self, owner: str, num_blocks: int) -> None:
+        if self.kv.num_device_blocks_of(owner) > num_blocks:
+            self.kv.free_device(owner)
+        if num_blocks:
+            self.kv.allocate(owner, num_blocks * self.kv.block_size)
+
+    def _charge_unmirrored(self, num_free_blocks: int) -> None:
+        """Make the mirror's free count equal vLLM's by resizing the placeholder owner."""
+        total = self.kv.config.num_device_blocks
+        current = self.kv.num_device_blocks_of(OTHER_OWNER)
+        mirrored = total - self.kv.num_free_device_blocks - current
+        target = max(0, total - num_free_blocks - mirrored)
+        self._resize(OTHER_OWNER, min(target, self.kv.num_free_device_blocks + current))
+
+
+def _fcfs(request: Request) -> tuple[float, int]:
+    return request.sort_key

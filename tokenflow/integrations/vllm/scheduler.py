@@ -1,0 +1,189 @@
+"""`TokenFlowScheduler`: vLLM's async scheduler, with TokenFlow's core policy deciding who runs.
+
+Use with `--scheduler-cls tokenflow.integrations.vllm.TokenFlowScheduler`.  Each step:
+
+1. the bridge brings its mirrors of the rated requests up to date and builds the core's view;
+2. the core policy (`make_policy("tokenflow", ...)`, the same object the native engine uses)
+   returns `Moves`: preemptions and starts;
+3. preemptions are carried out with vLLM's `_preempt_request`, i.e. by **recompute**: this
+   integration does not offload decode blocks, so an `OFFLOAD` is logged and recomputed;
+4. only the policy's starts (and requests without a rate) are left in the waiting queue while
+   vLLM's own `schedule()` runs; the others are held back and put back in order afterwards.
+
+vLLM keeps everything else: token budgets, chunked prefill, block allocation, and its own
+out-of-memory preemption.  Without any rated request the step is vLLM's, unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import create_request_queue
+from vllm.v1.request import Request, RequestStatus
+
+from tokenflow.core.policies import Moves, make_policy
+from tokenflow.core.request import PreemptMode
+from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
+from tokenflow.integrations.vllm.settings import IntegrationSettings
+
+# Under "vllm." so that vLLM's logging configuration (handler, level, format) applies.
+logger = init_logger("vllm.tokenflow.scheduler")
+
+
+class TokenFlowScheduler(AsyncScheduler):
+    """vLLM scheduler whose admission and preemption come from TokenFlow's core policy."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        settings = IntegrationSettings.from_additional_config(self.vllm_config.additional_config)
+        core_config = settings.core_config(
+            max_num_seqs=self.scheduler_config.max_num_seqs,
+            max_prefill_tokens=self.scheduler_config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        shape = PoolShape(
+            num_device_blocks=self.cache_config.num_gpu_blocks - 1,  # less vLLM's null block
+            block_size=self.block_size,
+            host_factor=settings.host_factor,
+            recompute_block_s=core_config.initial_prefill_token_s * self.block_size,
+        )
+        policy = make_policy("tokenflow", core_config, settings.policy)
+        self.bridge = PolicyBridge(policy, core_config, shape, settings.default_rate_tps)
+        self._scheduled_at: dict[int, float] = {}
+        self._last_update_s = 0.0
+        logger.info(
+            "TokenFlow scheduler: %d blocks of %d tokens, default rate %s, preemption by "
+            "recompute (decode-block offload is not used; OFFLOAD moves fall back to recompute)",
+            shape.num_device_blocks,
+            self.block_size,
+            settings.default_rate_tps,
+        )
+
+    # -- requests in and out ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """vLLM's add_request; a request with a reading rate is also mirrored for the policy."""
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        params = request.sampling_params
+        if not is_new or params is None:
+            return
+        rate = self.bridge.rate_of(params.extra_args)
+        if rate is not None:
+            self.bridge.track(request, rate, time.monotonic())
+            logger.info("request %s: stream_rate %.3g tok/s", request.request_id, rate)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        """vLLM's _free_request (finish or abort); the mirror goes too."""
+        self.bridge.forget(request.request_id)
+        return super()._free_request(request, delay_free_blocks)
+
+    # -- a step ---------------------------------------------------------------------------------
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """Apply the core policy's moves, then run vLLM's schedule on the allowed requests."""
+        if not self.bridge.has_requests:
+            return self._stamp(super().schedule(throttle_prefills))
+        now = time.monotonic()
+        view = self.bridge.view(self.running, self.waiting, self._pool_state(), now)
+        moves = self.bridge.plan(view)
+        policy_preempted = self._preempt(moves, now)
+        orig = list(self.waiting)
+        held = self._hold_back(moves, orig)
+        try:
+            output = super().schedule(throttle_prefills)
+        finally:
+            self._restore(orig, held)
+        oom = sorted(set(output.preempted_req_ids or ()) - policy_preempted)
+        for request_id in oom:
+            self.bridge.preempted(request_id)
+        if oom:
+            self.bridge.out_of_memory()
+        return self._stamp(output)
+
+    def _pool_state(self) -> PoolState:
+        manager = self.kv_cache_manager
+        blocks_of = {}
+        for request in self.running:
+            if request.request_id in self.bridge.requests:
+                groups = manager.get_block_ids(request.request_id)
+                blocks_of[request.request_id] = len(groups[0]) if groups else 0
+        return PoolState(manager.block_pool.get_num_free_blocks(), blocks_of)
+
+    def _preempt(self, moves: Moves, now: float) -> set[str]:
+        done: set[str] = set()
+        for preemption in moves.preemptions:
+            request = self.requests.get(preemption.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if request not in self.running or not self._request_blocks_can_be_freed(request):
+                continue
+            self.running.remove(request)
+            self._preempt_request(request, now, drop_stale_output=self.requires_kv_delivery)
+            self.bridge.preempted(request.request_id)
+            done.add(request.request_id)
+            if preemption.mode is PreemptMode.OFFLOAD:
+                self.bridge.num_offloads_as_recompute += 1
+                logger.debug("request %s: no offload, preempted by recompute", request.request_id)
+        if done:
+            logger.info(
+                "TokenFlow preempted %d stream(s) by recompute (%d offloads recomputed so far)",
+                len(done),
+                self.bridge.num_offloads_as_recompute,
+            )
+        return done
+
+    def _hold_back(self, moves: Moves, orig: list[Request]) -> set[str]:
+        """Leave in the waiting queue only the policy's starts (first, in its order) and the
+        requests the policy does not manage; returns the ids held back."""
+        mirrored = self.bridge.requests
+        starts = [s.request_id for s in moves.starts]
+        allowed = set(starts)
+        by_id = {r.request_id: r for r in orig}
+        queue = create_request_queue(self.policy)
+        for request_id in starts:
+            if request_id in by_id:
+                queue.add_request(by_id[request_id])
+        for request in orig:
+            if request.request_id not in mirrored:
+                queue.add_request(request)
+        self.waiting = queue
+        return {r.request_id for r in orig if r.request_id in mirrored} - allowed
+
+    def _restore(self, orig: list[Request], held: set[str]) -> None:
+        """Put the held-back requests back; the original order survives, newcomers (requests
+        vLLM preempted meanwhile) go first, as vLLM prepends them."""
+        left = list(self.waiting)
+        left_ids = {r.request_id for r in left}
+        orig_ids = {r.request_id for r in orig}
+        queue = create_request_queue(self.policy)
+        for request in left:
+            if request.request_id not in orig_ids:
+                queue.add_request(request)
+        for request in orig:
+            if request.request_id in left_ids or request.request_id in held:
+                queue.add_request(request)
+        self.waiting = queue
+
+    # -- measured step times --------------------------------------------------------------------
+    def _stamp(self, output: SchedulerOutput) -> SchedulerOutput:
+        if len(self._scheduled_at) > 64:  # outputs never handed back (e.g. an engine reset)
+            self._scheduled_at.clear()
+        if output.total_num_scheduled_tokens:
+            self._scheduled_at[id(output)] = time.monotonic()
+        return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        """vLLM's update; the step's duration feeds the policy's step-time estimator."""
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        now = time.monotonic()
+        scheduled_at = self._scheduled_at.pop(id(scheduler_output), None)
+        if scheduled_at is not None:
+            started = max(scheduled_at, self._last_update_s)
+            counts = scheduler_output.num_scheduled_tokens.values()
+            num_decode = sum(1 for n in counts if n == 1)
+            num_prefill = sum(n for n in counts if n > 1)
+            self.bridge.observe_step(num_decode, num_prefill, now - started)
+        self._last_update_s = now
+        return result

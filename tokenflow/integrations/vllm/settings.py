@@ -1,0 +1,75 @@
+"""Settings of the vLLM integration, read from vLLM's `--additional-config '{"tokenflow": {...}}'`.
+
+Keys (all optional)::
+
+    default_rate       reading rate (tokens/s) of requests without `vllm_xargs.stream_rate`;
+                       absent: such requests are left to vLLM's own behaviour
+    host_factor        virtual host tier, in multiples of the device pool; bounds the working
+                       set at (1 + host_factor) x the pool (default 3)
+    policy             overrides of `TokenFlowConfig` fields, e.g. {"critical_slack_s": 1.0}
+    scheduler          overrides of the core `SchedulerConfig` fields that vLLM does not set
+                       (vLLM sets max_num_seqs, max_prefill_tokens and max_model_len), e.g.
+                       {"init_new_token_ratio": 0.7}; by default the admission reserve is
+                       small, like vLLM's own admission (which keeps none)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
+
+CONFIG_KEY = "tokenflow"
+FROM_VLLM = ("max_num_seqs", "max_prefill_tokens", "max_model_len")
+# vLLM admits without reserving room for a request's future tokens (it preempts on
+# out-of-memory instead); the core's SGLang-like default reserves 70% of the remaining budget,
+# which would leave much of vLLM's pool idle.  The smallest reserve the core allows, constant.
+VLLM_LIKE_RESERVE = {"init_new_token_ratio": 0.1, "min_new_token_ratio": 0.1}
+
+
+@dataclass(frozen=True)
+class IntegrationSettings:
+    """What `TokenFlowScheduler` takes beyond vLLM's own configuration."""
+
+    default_rate_tps: float | None = None
+    host_factor: float = 3.0
+    policy: TokenFlowConfig = field(default_factory=TokenFlowConfig)
+    scheduler: dict[str, float] = field(default_factory=lambda: dict(VLLM_LIKE_RESERVE))
+
+    def __post_init__(self) -> None:
+        rate = self.default_rate_tps
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"tokenflow default_rate must be a finite number > 0, got {rate!r}")
+        if not (math.isfinite(self.host_factor) and self.host_factor >= 0):
+            raise ValueError(f"tokenflow host_factor must be >= 0, got {self.host_factor!r}")
+        allowed = {f.name for f in fields(SchedulerConfig)} - set(FROM_VLLM)
+        if set(self.scheduler) - allowed:
+            raise ValueError(f"tokenflow scheduler overrides must be among: {sorted(allowed)}")
+        self.core_config(max_num_seqs=1, max_prefill_tokens=1, max_model_len=1)  # validates
+
+    def core_config(self, **from_vllm: int) -> SchedulerConfig:
+        """The core SchedulerConfig: the limits vLLM sets, plus these overrides."""
+        return SchedulerConfig(**from_vllm, **self.scheduler)
+
+    @classmethod
+    def from_additional_config(cls, additional_config: object) -> IntegrationSettings:
+        """Parse vLLM's `additional_config`; ValueError names an unknown or bad key."""
+        raw = additional_config.get(CONFIG_KEY, {}) if isinstance(additional_config, dict) else {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}] must be an object")
+        unknown = set(raw) - {"default_rate", "host_factor", "policy", "scheduler"}
+        if unknown:
+            raise ValueError(f"unknown tokenflow settings: {', '.join(sorted(unknown))}")
+        overrides = raw.get("policy", {})
+        names = {f.name for f in fields(TokenFlowConfig)}
+        if not isinstance(overrides, dict) or set(overrides) - names:
+            known = ", ".join(sorted(names))
+            raise ValueError(f"tokenflow policy overrides must be among: {known}")
+        rate = raw.get("default_rate")
+        return cls(
+            default_rate_tps=None if rate is None else float(rate),
+            host_factor=float(raw.get("host_factor", 3.0)),
+            policy=TokenFlowConfig(**overrides),
+            scheduler={**VLLM_LIKE_RESERVE, **raw.get("scheduler", {})},
+        )
