@@ -111,6 +111,18 @@ class EngineArgs:
         tf.add_argument("--schedule-interval", type=float, default=defaults.schedule_interval_s)
         tf.add_argument("--mu", type=float, default=defaults.buffer_conservativeness)
         tf.add_argument("--critical-slack", type=float, default=defaults.critical_slack_s)
+        tf.add_argument(
+            "--capacity-headroom",
+            type=float,
+            default=defaults.capacity_headroom,
+            help="admit while reading rates stay <= this share of capacity (docs/overload.md)",
+        )
+        tf.add_argument(
+            "--max-stall-s",
+            type=float,
+            default=defaults.max_stall_s,
+            help="a stream stalled this long goes on the device first",
+        )
         tf.add_argument("--no-write-through", action="store_true")
 
     @classmethod
@@ -120,6 +132,8 @@ class EngineArgs:
             schedule_interval_s=args.schedule_interval,
             buffer_conservativeness=args.mu,
             critical_slack_s=args.critical_slack,
+            capacity_headroom=args.capacity_headroom,
+            max_stall_s=args.max_stall_s,
             write_through=not args.no_write_through,
         )
         names = {f.name for f in fields(cls)} - {"tokenflow"}

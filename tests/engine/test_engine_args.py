@@ -1,0 +1,26 @@
+"""`tokenflow serve` options reach the engine's configuration."""
+
+import argparse
+
+import pytest
+
+from tokenflow.engine.engine_args import EngineArgs
+
+
+def parse(*argv: str) -> EngineArgs:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_arguments(parser)
+    return EngineArgs.from_namespace(parser.parse_args(list(argv)))
+
+
+def test_overload_options_reach_the_tokenflow_policy():
+    default = parse().tokenflow
+    tuned = parse("--capacity-headroom", "0.8", "--max-stall-s", "3").tokenflow
+    assert (tuned.capacity_headroom, tuned.max_stall_s) == (0.8, 3.0)
+    assert (default.capacity_headroom, default.max_stall_s) != (0.8, 3.0)
+
+
+@pytest.mark.parametrize("option, value", [("--capacity-headroom", "0"), ("--max-stall-s", "-1")])
+def test_bad_overload_options_are_refused(option, value):
+    with pytest.raises(ValueError):
+        parse(option, value)
