@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 
@@ -16,9 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="A buffer-aware, preemptive LLM text-streaming server.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(
-        sub.add_parser("serve", help="serve a model over the OpenAI API (default: SmolLM2)")
-    )
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API (default: SmolLM2)")
+    add_engine_arguments(serve)
+    add_serve_arguments(serve)
     add_simulate_arguments(
         sub.add_parser("simulate", help="run the scheduling policies on a GPU cost model")
     )
@@ -28,8 +29,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """`serve --engine`: our engine, or vLLM's with TokenFlow's scheduler (docs/vllm.md)."""
+    group = parser.add_argument_group("engine choice")
+    group.add_argument(
+        "--engine",
+        choices=("tokenflow", "vllm"),
+        default="tokenflow",
+        help="vllm: run vLLM's OpenAI server with TokenFlow's scheduler; the other options "
+        "go to vLLM as given",
+    )
+    group.add_argument("--vllm-python", default=None, help="a Python with vLLM (default: this one)")
+
+
+def _serve_vllm(argv: list[str]) -> None:
+    """`tokenflow serve --engine vllm ...`: hand every other option to vLLM's server."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    ours, rest = parser.parse_known_args(argv)
+    if ours.engine != "vllm":
+        return
+    from tokenflow.integrations.vllm.serve import launch
+
+    launch(rest, ours.vllm_python)  # never returns
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tokenflow` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
+        _serve_vllm(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from tokenflow.serving.cli import run_serve

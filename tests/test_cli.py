@@ -1,0 +1,22 @@
+"""The `tokenflow` command's engine choice."""
+
+import importlib.util
+
+import pytest
+
+from tokenflow.cli import build_parser, main
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_serve_engine_vllm_without_vllm_is_one_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--engine", "vllm", "--model", "some-dir", "--tensor-parallel-size", "2"])
+    assert exit_info.value.code == 2
+    assert "vLLM is not installed" in capsys.readouterr().err
+
+
+def test_serve_engine_defaults_to_ours_and_rejects_unknown_engines(capsys):
+    assert build_parser().parse_args(["serve"]).engine == "tokenflow"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--engine", "sglang"])
+    assert "invalid choice" in capsys.readouterr().err
