@@ -114,9 +114,9 @@ class PackedInt4:
         self.scales_and_zeros = self.scales_and_zeros.contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, cols] -> [T, rows]."""
+        """x [T, cols] -> [T, rows] (the kernel needs contiguous rows)."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, GROUP_SIZE, self.scales_and_zeros
+            x.contiguous(), self.packed, GROUP_SIZE, self.scales_and_zeros
         )
 
     def nbytes(self) -> int:
