@@ -22,6 +22,8 @@ from tokenflow.engine.quant import Int4Weight, PackedInt4, can_pack
 TensorGetter = Callable[[str], torch.Tensor]
 # HF weight name -> its 4-bit codes, or None where the checkpoint stores it otherwise.
 Int4Getter = Callable[[str], Int4Weight | None]
+# Inputs of up to this many rows use a projection's int4 kernel, larger ones its dense copy.
+INT4_MAX_ROWS = 16
 
 
 class RMSNorm(nn.Module):
@@ -96,8 +98,11 @@ class Projection(nn.Module):
 
     On CPU, MKL's plain (NN) GEMM measured 1.4-2.2x faster than nn.Linear's transposed (NT)
     GEMM for 8-32 rows, the decode batch sizes; equal for 1 row and for prefill-sized inputs.
-    With `set_int4` the weight is held as packed 4-bit groups instead (CPU kernel) and the
-    dense one is dropped.
+    With `set_int4` the weight is also held as packed 4-bit groups (CPU kernel), used for inputs
+    of at most `INT4_MAX_ROWS` rows: decode steps, where reading the weight dominates.  Larger
+    inputs (big decode batches, prefill) are compute-bound and use the dense copy, whose GEMM
+    ran about 2x faster than the int4 kernel at 32 rows here (benchmarks/quant_kernels.py), as
+    llama.cpp switches to BLAS on dequantized weights for large batches.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -107,14 +112,13 @@ class Projection(nn.Module):
         self.int4: PackedInt4 | None = None
 
     def set_int4(self, weight: Int4Weight) -> None:
-        """Hold `weight` [out, in] packed for the CPU int4 kernel; free the dense weight."""
+        """Use `weight` [out, in]: packed for the int4 kernel, and dequantized as the dense one."""
         if weight.shape != tuple(self.weight.shape):
             raise ModelLoadError(
                 f"4-bit weight {weight.shape}, expected {tuple(self.weight.shape)}"
             )
         self.int4 = PackedInt4(weight, self.weight_t.dtype)
-        empty = torch.empty(0, dtype=self.weight_t.dtype, device=self.weight_t.device)
-        self.weight_t = nn.Parameter(empty, requires_grad=False)
+        self.weight.copy_(weight.dequantize())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -123,7 +127,7 @@ class Projection(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out], plus `residual` [T, out] when given (fused into the GEMM)."""
-        if self.int4 is not None:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             out = self.int4.matmul(x)
             if self.bias is not None:
                 out = out.add_(self.bias)
