@@ -112,3 +112,13 @@ def test_int4_model_in_bfloat16_keeps_the_dense_greedy_tokens(smollm, int4_model
     diff = (_prefill_logits(packed, prompt) - dense_logits).abs().max()
     assert diff < 0.5, diff
     assert _greedy(packed, prompt, 12) == _greedy(smollm, prompt, 12)
+
+
+def test_int4_is_refused_where_the_cpu_kernel_cannot_run(tiny_checkpoints):
+    # CUDA keeps the dequantized bf16/fp16 path; a safetensors directory has no 4-bit codes.
+    with pytest.raises(ValueError, match="int4"):
+        load_model(None, "cuda", weights="int4")
+    with pytest.raises(ValueError, match="int4"):
+        load_model(str(tiny_checkpoints["llama"][1]), "cpu", weights="int4")
+    with pytest.raises(ValueError, match="weights"):
+        load_model(None, "cpu", weights="int3")
