@@ -1,8 +1,10 @@
 """Our executor vs. transformers `generate` on the embedded SmolLM2-135M GGUF, same process.
 
-Decode tokens/s at several batch sizes and prefill tokens/s, ours driven directly with
-hand-built StepPlans (contiguous block tables), HF with `generate(do_sample=False)` and a fixed
-output length.  Both models come from the same GGUF (dequantized) and run in the same dtype.
+Decode tokens/s at several batch sizes (greedy, and sampled at temperature 1.0) and prefill
+tokens/s, ours driven directly with hand-built StepPlans (contiguous block tables), HF with
+`generate` and a fixed output length.  Both models come from the same GGUF: ours with
+`--weights` (auto: 4-bit packed weights, bfloat16 activations on CPU) and `--dtype`, HF
+dequantized in `--hf-dtype` (its best here; float32 by default).
 
     .venv/bin/python benchmarks/engine_vs_hf.py            # table
     .venv/bin/python benchmarks/engine_vs_hf.py --json     # [{metric, batch, ours_tps, ...}]
@@ -34,12 +36,12 @@ from tokenflow.engine import (  # noqa: E402
 )
 
 BLOCK_SIZE = 16
-GREEDY = SamplingParams(max_tokens=4096, temperature=0.0)
 
 
 @dataclass(frozen=True)
 class Row:
     metric: str  # "decode" or "prefill"
+    temperature: float
     batch: int
     ours_tps: float
     hf_tps: float
@@ -67,10 +69,11 @@ class Timing:
 class OurRunner:
     """Drives ModelExecutor with hand-built plans; request i owns a contiguous block range."""
 
-    def __init__(self, executor: ModelExecutor, max_len: int) -> None:
+    def __init__(self, executor: ModelExecutor, max_len: int, temperature: float = 0.0) -> None:
         self.executor = executor
         self.blocks_per_seq = -(-max_len // BLOCK_SIZE)
         self.step = 0
+        self.params = SamplingParams(max_tokens=4096, temperature=temperature)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> list[int]:
         self.step += 1
@@ -86,7 +89,7 @@ class OurRunner:
         stamps = [time.perf_counter()]
         last = self._execute(
             [
-                ScheduledChunk(f"r{i}", tuple(p), 0, self._table(i), True, GREEDY, 0)
+                ScheduledChunk(f"r{i}", tuple(p), 0, self._table(i), True, self.params, 0)
                 for i, p in enumerate(prompts)
             ]
         )
@@ -95,7 +98,13 @@ class OurRunner:
             last = self._execute(
                 [
                     ScheduledChunk(
-                        f"r{i}", (last[i],), len(p) + step - 1, self._table(i), True, GREEDY, step
+                        f"r{i}",
+                        (last[i],),
+                        len(p) + step - 1,
+                        self._table(i),
+                        True,
+                        self.params,
+                        step,
                     )
                     for i, p in enumerate(prompts)
                 ]
@@ -107,11 +116,12 @@ class OurRunner:
 class HFRunner:
     """transformers `generate`, stamped after every token by a stopping criterion."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, temperature: float = 0.0) -> None:
         self.model = model
+        self.temperature = temperature
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> Timing:
-        """Greedy-generate exactly `new_tokens` per prompt (EOS masked by min_new_tokens)."""
+        """Generate exactly `new_tokens` per prompt (EOS masked by min_new_tokens)."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         stamps: list[float] = []
@@ -122,12 +132,16 @@ class HFRunner:
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
         ids = torch.tensor(prompts)
+        sampling: dict[str, object] = {"do_sample": False}
+        if self.temperature > 0:  # plain sampling, as ours: no top-k / top-p
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0}
+            sampling["top_p"] = 1.0
         stamps.append(time.perf_counter())
         with torch.inference_mode():
             self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                do_sample=False,
+                **sampling,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 pad_token_id=0,
@@ -174,25 +188,30 @@ def load_hf(dtype: torch.dtype) -> torch.nn.Module:
 def run(args: argparse.Namespace) -> list[Row]:
     """Load both models and measure every row."""
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    model, config, _ = load_model(None, "cpu", dtype)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model, config, _ = load_model(None, "cpu", dtype, weights=args.weights)
     max_len = max(args.decode_prompt_len + args.decode_tokens, args.prefill_len) + 1
     max_batch = max(*args.batches, args.prefill_batch)
     blocks = max_batch * -(-max_len // BLOCK_SIZE)
-    kv_cache = TieredKVCache(config, blocks, 1, BLOCK_SIZE, "cpu", dtype)
-    ours = OurRunner(ModelExecutor(model, config, kv_cache, "cpu"), max_len)
-    hf = HFRunner(load_hf(dtype))
+    kv_cache = TieredKVCache(config, blocks, 1, BLOCK_SIZE, "cpu", model.dtype)
+    executor = ModelExecutor(model, config, kv_cache, "cpu")
+    hf_model = load_hf(getattr(torch, args.hf_dtype))
     rows = []
-    for batch in args.batches:
-        prompts = make_prompts(batch, args.decode_prompt_len, config.vocab_size, seed=batch)
-        steps = args.decode_tokens
-        ours_t, hf_t = compare(
-            lambda p=prompts, n=steps: ours.generate(p, n),
-            lambda p=prompts, n=steps: hf.generate(p, n),
-            args.repeats,
-        )
-        rows.append(Row("decode", batch, decode_tps(ours_t, batch), decode_tps(hf_t, batch)))
-        _progress(rows[-1], args)
+    for temperature in args.temperatures:
+        ours = OurRunner(executor, max_len, temperature)
+        hf = HFRunner(hf_model, temperature)
+        for batch in args.batches:
+            prompts = make_prompts(batch, args.decode_prompt_len, config.vocab_size, seed=batch)
+            steps = args.decode_tokens
+            ours_t, hf_t = compare(
+                lambda p=prompts, n=steps, r=ours: r.generate(p, n),
+                lambda p=prompts, n=steps, r=hf: r.generate(p, n),
+                args.repeats,
+            )
+            ours_tps, hf_tps = decode_tps(ours_t, batch), decode_tps(hf_t, batch)
+            rows.append(Row("decode", temperature, batch, ours_tps, hf_tps))
+            _progress(rows[-1], args)
+    ours, hf = OurRunner(executor, max_len), HFRunner(hf_model)
     prompts = make_prompts(args.prefill_batch, args.prefill_len, config.vocab_size, seed=0)
     ours_t, hf_t = compare(
         lambda: ours.generate(prompts, 1), lambda: hf.generate(prompts, 1), args.prefill_repeats
@@ -201,6 +220,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     rows.append(
         Row(
             "prefill",
+            0.0,
             args.prefill_batch,
             prefill_tps(ours_t, num_tokens),
             prefill_tps(hf_t, num_tokens),
@@ -212,20 +232,29 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 def _progress(row: Row, args: argparse.Namespace) -> None:
     if not args.json:
-        print(f"  measured {row.metric} batch {row.batch}", file=sys.stderr, flush=True)
+        print(
+            f"  measured {row.metric} T={row.temperature} batch {row.batch}: "
+            f"{row.ours_tps:.1f} vs {row.hf_tps:.1f} tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(
-        f"SmolLM2-135M (GGUF Q4_1 dequantized), {args.dtype}, {args.threads} threads; decode: "
+        f"SmolLM2-135M (GGUF Q4_1): ours weights={args.weights} dtype={args.dtype or 'auto'}, "
+        f"HF dequantized {args.hf_dtype}; {args.threads} threads; decode: "
         f"{args.decode_prompt_len}-token prompts, {args.decode_tokens} new tokens; prefill: "
         f"{args.prefill_batch} x {args.prefill_len} tokens; interleaved runs: {args.repeats} "
         f"decode (median step), {args.prefill_repeats} prefill (best run)"
     )
-    print(f"{'metric':<8} {'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8}")
+    print(
+        f"{'metric':<8} {'temp':>4} {'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours/HF':>8}"
+    )
     for row in rows:
         print(
-            f"{row.metric:<8} {row.batch:>5} {row.ours_tps:>11.1f} {row.hf_tps:>10.1f} "
+            f"{row.metric:<8} {row.temperature:>4.1f} {row.batch:>5} {row.ours_tps:>11.1f} "
+            f"{row.hf_tps:>10.1f} "
             f"{row.ratio:>7.2f}x"
         )
 
@@ -241,7 +270,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved decode runs")
     parser.add_argument("--prefill-repeats", type=int, default=5, help="interleaved prefill runs")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--weights", default="auto", choices=["auto", "int4", "dense"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     return parser.parse_args(argv)
 
 

@@ -1,8 +1,11 @@
 """Raw decode throughput of `tokenflow serve` vs. vLLM on this CPU, side by side, in one run.
 
-Both servers get the same SmolLM2-135M-Instruct weights (the embedded GGUF, converted once to
-safetensors: vLLM does not serve this GGUF), the same dtype and the same streaming /v1/completions
-requests: a ~32-token prompt, max_tokens = min_tokens = N, ignore_eos, temperature 0.  Ours runs
+Both servers get the same SmolLM2-135M-Instruct weights (the embedded GGUF; for vLLM converted
+once to safetensors, as vLLM does not serve this GGUF), each in its best configuration: vLLM in
+float32 and in bfloat16 (both measured, the faster one per concurrency counts), ours with its
+defaults (on CPU: the GGUF's 4-bit weights packed, bfloat16 activations; `--ours-dtype` to
+override), and the same streaming /v1/completions requests: a ~32-token prompt,
+max_tokens = min_tokens = N, ignore_eos, temperature 0.  Ours runs
 with `--policy fcfs --default-rate 1000`: no reading-rate pacing.  The servers run one after the
 other (2 cores): each is started, warmed up with one request, measured at every concurrency and
 stopped.  Throughput of a round = generated tokens (from `usage`) / wall time from the first send
@@ -72,7 +75,8 @@ class RoundResult:
 @dataclass(frozen=True)
 class Row:
     concurrency: int
-    vllm: RoundResult
+    vllm: RoundResult  # vLLM's faster dtype at this concurrency
+    vllm_dtype: str
     ours: RoundResult
 
     @property
@@ -195,16 +199,16 @@ def vllm_command(python: Path, model_dir: Path, port: int, dtype: str) -> list[s
     ]  # fmt: skip
 
 
-def ours_command(args: argparse.Namespace, dtype: str) -> list[str]:
+def ours_command(args: argparse.Namespace, dtype: str | None) -> list[str]:
     tokenflow = Path(sys.executable).parent / "tokenflow"
     max_streams = max(args.concurrency)
     # Room for every stream in the device KV tier, so nothing is preempted: raw throughput.
     kv_tokens = max(8192, max_streams * (64 + args.max_tokens + 16))
     return [
         str(tokenflow), "serve", "--host", "127.0.0.1", "--port", str(args.ours_port),
-        "--policy", "fcfs", "--default-rate", "1000", "--dtype", dtype,
+        "--policy", "fcfs", "--default-rate", "1000",
         "--max-num-seqs", str(max(32, max_streams)), "--device-kv-tokens", str(kv_tokens),
-        *shlex.split(args.ours_args),
+        *(["--dtype", dtype] if dtype else []), *shlex.split(args.ours_args),
     ]  # fmt: skip
 
 
@@ -294,13 +298,13 @@ def measure(name: str, url: str, model_id: str, args: argparse.Namespace) -> lis
 # -- the two runs --------------------------------------------------------------------------------
 def run_vllm(
     python: Path, model_dir: Path, args: argparse.Namespace
-) -> tuple[str, list[RoundResult]]:
-    """Measure vLLM in float32, or bfloat16 if it refuses float32; returns (dtype, results)."""
+) -> dict[str, list[RoundResult]]:
+    """Measure vLLM in each of `args.vllm_dtypes` it accepts; dtype -> results."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
     if args.vllm_omp_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_omp_bind
-    dtypes = [args.dtype] if args.dtype else ["float32", "bfloat16"]
-    for dtype in dtypes:
+    results: dict[str, list[RoundResult]] = {}
+    for dtype in args.vllm_dtypes:
         log = args.log_dir / f"vllm-{dtype}.log"
         cmd = vllm_command(python, model_dir, args.vllm_port, dtype)
         try:
@@ -308,37 +312,55 @@ def run_vllm(
                 url,
                 model_id,
             ):
-                return dtype, measure("vLLM", url, model_id, args)
+                results[dtype] = measure(f"vLLM {dtype}", url, model_id, args)
         except BenchError as error:
-            if dtype == dtypes[-1] or "exited" not in str(error):
+            if "exited" not in str(error):
                 raise
-            print(f"vLLM: refused {dtype} ({error}); retrying with {dtypes[-1]}", flush=True)
-    raise AssertionError("unreachable")
+            print(f"vLLM: refused {dtype} ({error})", flush=True)
+    if not results:
+        raise BenchError(f"vLLM refused every dtype of {args.vllm_dtypes}")
+    return results
 
 
-def run_ours(args: argparse.Namespace, dtype: str) -> list[RoundResult]:
-    """Measure `tokenflow serve` in the dtype vLLM ran in."""
+def run_ours(args: argparse.Namespace) -> list[RoundResult]:
+    """Measure `tokenflow serve` (its default dtype and weights unless --ours-dtype)."""
     log = args.log_dir / "tokenflow.log"
-    cmd = ours_command(args, dtype)
+    cmd = ours_command(args, args.ours_dtype)
     with running_server(
         "tokenflow", cmd, args.ours_port, log, args.startup_timeout, dict(os.environ)
     ) as (url, model_id):
         return measure("tokenflow", url, model_id, args)
 
 
-def print_table(rows: list[Row], dtype: str, args: argparse.Namespace) -> None:
+def best_rows(vllm: dict[str, list[RoundResult]], ours: list[RoundResult]) -> list[Row]:
+    """Per concurrency: vLLM's faster dtype against ours."""
+    rows = []
+    for index, mine in enumerate(ours):
+        dtype, best = max(
+            ((d, r[index]) for d, r in vllm.items()), key=lambda item: item[1].tokens_per_s
+        )
+        rows.append(Row(mine.concurrency, best, dtype, mine))
+    return rows
+
+
+def print_table(
+    rows: list[Row], vllm: dict[str, list[RoundResult]], args: argparse.Namespace
+) -> None:
     print(
-        f"\nSmolLM2-135M-Instruct, {dtype}, {args.max_tokens} tokens per stream, raw decode "
-        f"(no pacing), one server at a time, best of {args.repeats}, vLLM OMP bind "
-        f"{args.vllm_omp_bind or 'auto'}"
+        f"\nSmolLM2-135M-Instruct, vLLM {'/'.join(vllm)} (best counts), ours "
+        f"{args.ours_dtype or 'default (4-bit weights, bf16 on CPU)'}, {args.max_tokens} tokens "
+        f"per stream, raw decode (no pacing), one server at a time, best of {args.repeats}, "
+        f"vLLM OMP bind {args.vllm_omp_bind or 'auto'}, ours args {args.ours_args or '-'}"
     )
+    per_dtype = "".join(f" {'vLLM ' + d[:4]:>11}" for d in vllm)
     print(
-        f"{'streams':>7} {'vLLM tok/s':>11} {'ours tok/s':>11} {'ours/vLLM':>10} "
+        f"{'streams':>7}{per_dtype} {'ours tok/s':>11} {'ours/best':>10} "
         f"{'vLLM TPOT ms':>13} {'ours TPOT ms':>13}"
     )
-    for row in rows:
+    for index, row in enumerate(rows):
+        cells = "".join(f" {r[index].tokens_per_s:>11.1f}" for r in vllm.values())
         print(
-            f"{row.concurrency:>7} {row.vllm.tokens_per_s:>11.1f} {row.ours.tokens_per_s:>11.1f} "
+            f"{row.concurrency:>7}{cells} {row.ours.tokens_per_s:>11.1f} "
             f"{row.ratio:>9.2f}x {row.vllm.mean_tpot_ms:>13.1f} {row.ours.mean_tpot_ms:>13.1f}"
         )
 
@@ -347,19 +369,20 @@ def run(args: argparse.Namespace) -> list[Row]:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     python = ensure_vllm_venv(args.vllm_venv, args.log_dir)
     model_dir = ensure_hf_model(args.model_dir)
-    dtype, vllm_results = run_vllm(python, model_dir, args)
-    ours_results = run_ours(args, dtype)
-    rows = [Row(v.concurrency, v, o) for v, o in zip(vllm_results, ours_results, strict=True)]
-    print_table(rows, dtype, args)
+    vllm_results = run_vllm(python, model_dir, args)
+    rows = best_rows(vllm_results, run_ours(args))
+    print_table(rows, vllm_results, args)
     if args.json:
         records = [
             {
                 "concurrency": row.concurrency,
+                "vllm_dtype": row.vllm_dtype,
                 "vllm_tps": row.vllm.tokens_per_s,
+                **{f"vllm_{d}_tps": r[i].tokens_per_s for d, r in vllm_results.items()},
                 "ours_tps": row.ours.tokens_per_s,
                 "ratio": row.ratio,
             }
-            for row in rows
+            for i, row in enumerate(rows)
         ]
         args.json.write_text(json.dumps(records, indent=2) + "\n")
     return rows
@@ -384,8 +407,10 @@ def _add_load_options(parser: argparse.ArgumentParser) -> None:
         help="tokens per stream: max_tokens = min_tokens = N, ignore_eos (default 128)")
     add("--repeats", type=int, default=1,
         help="rounds per concurrency; the fastest counts (default %(default)s)")
-    add("--dtype", choices=["float32", "bfloat16"], default=None,
-        help="dtype for both servers (default: float32, bfloat16 if vLLM refuses float32)")
+    add("--vllm-dtypes", type=lambda t: t.split(","), default=["float32", "bfloat16"],
+        metavar="D,D", help="vLLM dtypes to measure; the faster counts (default float32,bfloat16)")
+    add("--ours-dtype", choices=["float32", "bfloat16"], default=None,
+        help="dtype for ours (default: the server's own, 4-bit weights with bf16 on CPU)")
     add("--json", type=Path, default=None, metavar="FILE",
         help="also write [{concurrency, vllm_tps, ours_tps, ratio}] to FILE")
 

@@ -96,3 +96,61 @@ def test_release_forgets_the_generator():
     sampler.release(["a", "never-seen"])
     assert sampler.num_generators == 0
     assert _draw(sampler, "a", params, 5) == first  # a fresh generator restarts the stream
+
+
+def test_batched_draws_follow_the_distribution():
+    # 4000 rows of the same logits, one draw each from 4000 seeds: frequencies match softmax.
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]]).repeat(4000, 1)
+    rows = [SamplingRow(f"r{i}", SamplingParams(temperature=1.0, seed=i), 0) for i in range(4000)]
+    tokens = torch.tensor(Sampler([EOS]).sample(logits, rows))
+    counts = torch.bincount(tokens, minlength=5).double() / 4000
+    expected = torch.softmax(logits[0], dim=-1).double()
+    assert counts[4] == 0  # a zero-probability token is never drawn
+    assert torch.allclose(counts, expected, atol=0.03), (counts, expected)
+
+
+def test_temperature_sharpens_the_batched_distribution():
+    logits = torch.tensor([[1.0, 0.0]]).repeat(2000, 1)
+    cold = [SamplingRow(f"c{i}", SamplingParams(temperature=0.25, seed=i), 0) for i in range(2000)]
+    hot = [SamplingRow(f"h{i}", SamplingParams(temperature=4.0, seed=i), 0) for i in range(2000)]
+    tokens = Sampler([EOS]).sample(torch.cat([logits, logits]), cold + hot)
+    cold_zero = tokens[:2000].count(0) / 2000  # expected 1 / (1 + e^-4) = 0.982
+    hot_zero = tokens[2000:].count(0) / 2000  # expected 1 / (1 + e^-0.25) = 0.562
+    assert abs(cold_zero - 0.982) < 0.02 and abs(hot_zero - 0.562) < 0.05
+
+
+def test_mixed_batch_applies_each_rows_own_top_k_and_top_p():
+    logits = _logits(4, seed=5)
+    params = [
+        SamplingParams(temperature=1.0, top_k=2, seed=1),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.3, seed=3),
+    ]
+    sampler = Sampler([EOS])
+    allowed = [
+        set(torch.topk(logits[0], 2).indices.tolist()),
+        _nucleus(logits[1], 0.5),
+        {int(logits[2].argmax())},
+        _nucleus(logits[3].masked_fill(logits[3] < torch.topk(logits[3], 3).values[-1], -1e9), 0.3),
+    ]
+    seen: list[set[int]] = [set() for _ in params]
+    for step in range(60):
+        rows = [SamplingRow(f"r{i}", p, step) for i, p in enumerate(params)]
+        for i, token in enumerate(sampler.sample(logits, rows)):
+            seen[i].add(token)
+    for i in range(4):
+        assert seen[i] <= allowed[i], (i, seen[i], allowed[i])
+    assert len(seen[0]) == 2  # both of the two best were drawn
+
+
+def _nucleus(row: torch.Tensor, top_p: float) -> set[int]:
+    """The smallest set of most likely tokens whose mass reaches top_p (reference)."""
+    probs, order = torch.sort(torch.softmax(row, dim=-1), descending=True)
+    kept, mass = set(), 0.0
+    for p, token in zip(probs.tolist(), order.tolist(), strict=True):
+        kept.add(token)
+        mass += p
+        if mass >= top_p:
+            break
+    return kept

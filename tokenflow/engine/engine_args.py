@@ -21,6 +21,7 @@ class EngineArgs:
     model: str | None = None  # GGUF file or HF safetensors directory; None: embedded SmolLM2
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: best for the device
+    weights: str = "auto"  # "auto" (GGUF 4-bit packed on CPU), "int4", "dense" (dequantized)
     policy: str = "tokenflow"
     block_size: int = 16
     device_kv_tokens: int = 8192  # device tier size, tokens (rounded down to whole blocks)
@@ -62,6 +63,8 @@ class EngineArgs:
             raise ValueError("step_target_ms must be a finite number > 0")
         if not (math.isfinite(self.default_rate_tps) and self.default_rate_tps > 0):
             raise ValueError("default_rate_tps must be a finite number > 0")
+        if self.weights not in ("auto", "int4", "dense"):
+            raise ValueError(f"weights must be auto, int4 or dense, got {self.weights!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -72,6 +75,13 @@ class EngineArgs:
         group.add_argument("--model", default=None, help="GGUF file or HF safetensors dir")
         group.add_argument("--device", default="auto")
         group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+        group.add_argument(
+            "--weights",
+            default="auto",
+            choices=["auto", "int4", "dense"],
+            help="auto: a GGUF's 4-bit weights stay packed on CPU (bf16 activations); "
+            "dense: dequantize to --dtype",
+        )
         group.add_argument("--policy", default="tokenflow", choices=POLICY_NAMES)
         for name in (
             "block_size",

@@ -74,7 +74,7 @@ class LLMEngine:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         dtype = _DTYPES[args.dtype] if args.dtype else None
-        model, config, tokenizer = load_model(args.model, self.device, dtype)
+        model, config, tokenizer = load_model(args.model, self.device, dtype, args.weights)
         if tokenizer is None:
             raise ModelLoadError(f"model {args.model} has no tokenizer (tokenizer.json) beside it")
         self.model_config = config

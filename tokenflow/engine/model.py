@@ -16,9 +16,14 @@ from torch import nn
 
 from tokenflow.engine.attention import AttentionMetadata, LayerKV, paged_attention
 from tokenflow.engine.model_config import ModelConfig, ModelLoadError, RopeScaling
+from tokenflow.engine.quant import Int4Weight, PackedInt4, can_pack
 
 # A checkpoint accessor: HF tensor name -> tensor; raises ModelLoadError when it is missing.
 TensorGetter = Callable[[str], torch.Tensor]
+# HF weight name -> its 4-bit codes, or None where the checkpoint stores it otherwise.
+Int4Getter = Callable[[str], Int4Weight | None]
+# Inputs of up to this many rows use a projection's int4 kernel, larger ones its dense copy.
+INT4_MAX_ROWS = 16
 
 
 class RMSNorm(nn.Module):
@@ -93,12 +98,27 @@ class Projection(nn.Module):
 
     On CPU, MKL's plain (NN) GEMM measured 1.4-2.2x faster than nn.Linear's transposed (NT)
     GEMM for 8-32 rows, the decode batch sizes; equal for 1 row and for prefill-sized inputs.
+    With `set_int4` the weight is also held as packed 4-bit groups (CPU kernel), used for inputs
+    of at most `INT4_MAX_ROWS` rows: decode steps, where reading the weight dominates.  Larger
+    inputs (big decode batches, prefill) are compute-bound and use the dense copy, whose GEMM
+    ran about 2x faster than the int4 kernel at 32 rows here (benchmarks/quant_kernels.py), as
+    llama.cpp switches to BLAS on dequantized weights for large batches.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.int4: PackedInt4 | None = None
+
+    def set_int4(self, weight: Int4Weight) -> None:
+        """Use `weight` [out, in]: packed for the int4 kernel, and dequantized as the dense one."""
+        if weight.shape != tuple(self.weight.shape):
+            raise ModelLoadError(
+                f"4-bit weight {weight.shape}, expected {tuple(self.weight.shape)}"
+            )
+        self.int4 = PackedInt4(weight, self.weight_t.dtype)
+        self.weight.copy_(weight.dequantize())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -107,6 +127,11 @@ class Projection(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out], plus `residual` [T, out] when given (fused into the GEMM)."""
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            out = self.int4.matmul(x)
+            if self.bias is not None:
+                out = out.add_(self.bias)
+            return out if residual is None else out.add_(residual)
         if residual is not None:
             out = torch.addmm(residual, x, self.weight_t)
             return out if self.bias is None else out.add_(self.bias)
@@ -248,8 +273,12 @@ class LlamaModel(nn.Module):
         hidden = self.norm(hidden.index_select(0, attn.sample_rows))  # [S, H]
         return self.lm_head(hidden).float()  # [S, V]
 
-    def load_weights(self, get: TensorGetter) -> None:
-        """Copy every weight from a checkpoint with transformers names; fuse Q/K/V, gate/up."""
+    def load_weights(self, get: TensorGetter, get_int4: Int4Getter | None = None) -> None:
+        """Copy every weight from a checkpoint with transformers names; fuse Q/K/V, gate/up.
+
+        With `get_int4`, the layers' projections whose parts all come back as 4-bit codes are
+        packed for the int4 kernel; the rest (and embeddings, norms) are loaded dense.
+        """
         config = self.config
         if self.embed_tokens is None:
             _copy(self.lm_head.weight, get, "model.embed_tokens.weight")
@@ -258,25 +287,50 @@ class LlamaModel(nn.Module):
             _copy(self.lm_head.weight, get, "lm_head.weight")
         _copy(self.norm.weight, get, "model.norm.weight")
         for index, layer in enumerate(self.layers):
-            _load_layer(layer, get, f"model.layers.{index}.", config)
+            _load_layer(layer, get, f"model.layers.{index}.", config, get_int4)
 
 
-def _load_layer(layer: DecoderLayer, get: TensorGetter, prefix: str, config: ModelConfig) -> None:
+def _load_layer(
+    layer: DecoderLayer,
+    get: TensorGetter,
+    prefix: str,
+    config: ModelConfig,
+    get_int4: Int4Getter | None,
+) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     _copy(layer.input_layernorm.weight, get, prefix + "input_layernorm.weight")
     _copy(layer.post_attention_layernorm.weight, get, prefix + "post_attention_layernorm.weight")
     qkv = [f"{prefix}self_attn.{p}_proj" for p in ("q", "k", "v")]
     kv_rows = config.num_kv_heads * config.head_dim
     qkv_rows = (config.num_heads * config.head_dim, kv_rows, kv_rows)
-    _copy_fused(attn.qkv_proj.weight, get, [name + ".weight" for name in qkv], qkv_rows)
+    _load_projection(attn.qkv_proj, get, get_int4, [name + ".weight" for name in qkv], qkv_rows)
     if config.attention_bias:
         _copy_fused(attn.qkv_proj.bias, get, [name + ".bias" for name in qkv], qkv_rows)
-    _copy(attn.o_proj.weight, get, prefix + "self_attn.o_proj.weight")
+    o_name = prefix + "self_attn.o_proj.weight"
+    _load_projection(attn.o_proj, get, get_int4, [o_name], [config.hidden_size])
     if config.attention_output_bias:
         _copy(attn.o_proj.bias, get, prefix + "self_attn.o_proj.bias")
     gate_up = [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]
-    _copy_fused(mlp.gate_up_proj.weight, get, gate_up, [config.intermediate_size] * 2)
-    _copy(mlp.down_proj.weight, get, prefix + "mlp.down_proj.weight")
+    _load_projection(mlp.gate_up_proj, get, get_int4, gate_up, [config.intermediate_size] * 2)
+    down = prefix + "mlp.down_proj.weight"
+    _load_projection(mlp.down_proj, get, get_int4, [down], [config.hidden_size])
+
+
+def _load_projection(
+    proj: Projection,
+    get: TensorGetter,
+    get_int4: Int4Getter | None,
+    names: Sequence[str],
+    rows: Sequence[int],
+) -> None:
+    """Pack the parts as one int4 weight when all are 4-bit and the kernel takes the shape."""
+    parts = [get_int4(name) for name in names] if get_int4 is not None else []
+    if parts and all(p is not None for p in parts):
+        fused = Int4Weight.concat_rows([p for p in parts if p is not None])
+        if can_pack(fused.shape):
+            proj.set_int4(fused)
+            return
+    _copy_fused(proj.weight, get, names, rows)
 
 
 def _copy(dst: torch.Tensor, get: TensorGetter, name: str) -> None:

@@ -1,9 +1,14 @@
 """Token selection per request: greedy, or temperature / top-k / top-p with a private generator.
 
+All sampled rows of a step go through one vectorized pass: temperature, top-k (one `topk` to the
+largest k of the batch), top-p (one sort, only over rows that ask for it), softmax, then an
+inverse-CDF draw (cumsum + searchsorted) with one uniform number per row.
+
 Each sampling request owns a CPU `torch.Generator`, created on its first sampled token and kept
-until the request is released, so its random stream depends only on its seed and on how many
-tokens it has drawn, never on which other requests share the batch.  Unseeded requests get a
-seed derived from the engine seed and a stable hash of the request id.
+until the request is released; it draws exactly one uniform per sampled token, so a request's
+random stream depends only on its seed and on how many tokens it has drawn, never on which
+other requests share the batch.  Unseeded requests get a seed derived from the engine seed and a
+stable hash of the request id.
 """
 
 from __future__ import annotations
@@ -56,8 +61,9 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if row.params.temperature > 0]
         if random_rows:
             picked = logits[random_rows].float().cpu()  # [R, vocab]
-            for local, index in enumerate(random_rows):
-                tokens[index] = self._sample_row(picked[local], rows[index])
+            drawn = self._sample_rows(picked, [rows[i] for i in random_rows])
+            for index, token in zip(random_rows, drawn, strict=True):
+                tokens[index] = token
         return tokens
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -74,18 +80,20 @@ class Sampler:
             masked[index, banned] = float("-inf")
         return logits if masked is None else masked
 
-    def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
-        """logits [vocab] float32 on CPU -> token id drawn with the request's generator."""
-        params = row.params
-        scaled = logits / params.temperature
-        if params.top_k > 0 and params.top_k < scaled.shape[0]:
-            kth = torch.topk(scaled, params.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    def _sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """logits [R, vocab] float32 on CPU -> one token per row, each from its own generator."""
+        temperatures = torch.tensor([row.params.temperature for row in rows])
+        scaled = logits / temperatures[:, None]
+        scaled = _top_k(scaled, [row.params.top_k for row in rows])
         probs = torch.softmax(scaled, dim=-1)
-        if params.top_p < 1.0:
-            probs = _top_p(probs, params.top_p)
-        generator = self._generator(row)
-        return int(torch.multinomial(probs, 1, generator=generator).item())
+        top_p = [row.params.top_p for row in rows]
+        if min(top_p) < 1.0:
+            probs = _top_p(probs, top_p)
+        uniforms = torch.tensor(
+            [torch.rand(1, generator=self._generator(row), dtype=torch.float64) for row in rows],
+            dtype=torch.float64,
+        )
+        return draw_inverse_cdf(probs, uniforms).tolist()
 
     def _generator(self, row: SamplingRow) -> torch.Generator:
         generator = self._generators.get(row.request_id)
@@ -101,10 +109,45 @@ class Sampler:
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise."""
-    sorted_probs, order = torch.sort(probs, descending=True)
+def _top_k(scaled: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """Mask all but each row's k best logits (k = 0 or >= vocab: keep all); ties at the kth kept."""
+    vocab = scaled.shape[-1]
+    ks = [k if 0 < k < vocab else 0 for k in top_k]
+    if not any(ks):
+        return scaled
+    values = torch.topk(scaled, max(ks), dim=-1).values  # [R, max_k], descending
+    kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])  # [R, 1]
+    kth[torch.tensor([k == 0 for k in ks])] = float("-inf")
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _top_p(probs: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose mass reaches its top_p.
+
+    probs [R, vocab]; only rows with top_p < 1 are sorted.  The kept mass is not renormalised:
+    the inverse-CDF draw scales by each row's total.
+    """
+    needs = [i for i, p in enumerate(top_p) if p < 1.0]
+    sub = probs[needs]
+    sorted_probs, order = torch.sort(sub, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token survives
-    kept = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return kept / kept.sum()
+    limits = torch.tensor([top_p[i] for i in needs])[:, None]
+    sorted_probs = sorted_probs.masked_fill(mass_before >= limits, 0.0)  # the top token survives
+    out = probs.clone()
+    out[needs] = torch.zeros_like(sub).scatter_(1, order, sorted_probs)
+    return out
+
+
+def draw_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [R, vocab] (unnormalised, >= 0), uniforms [R] in [0, 1) -> token ids [R].
+
+    Token i is drawn with probability probs[i] / sum(probs): the first index whose cumulative
+    mass exceeds u * total.  A zero-probability token is never the answer (its cdf is flat).
+    """
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [R, vocab]; float64 keeps the tail exact
+    total = cdf[:, -1]
+    # Strictly below the total even when u * total rounds up to it.
+    targets = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    targets = targets[:, None]  # [R, 1]
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)

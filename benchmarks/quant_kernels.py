@@ -1,0 +1,79 @@
+"""Micro-benchmark of torch's CPU matmul kernels at SmolLM2-135M's projection shapes.
+
+Dense float32 and bfloat16 GEMMs against `aten._weight_int8pack_mm` (int8, per-row scales) and
+`aten._weight_int4pack_mm_for_cpu` (int4, groups of 32), each with float32 and bfloat16
+activations, at several row counts (batch sizes).  Best of `--repeats` calls, microseconds.
+
+    .venv/bin/python benchmarks/quant_kernels.py --threads 1 --rows 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+# name -> (out_features, in_features) of SmolLM2-135M's fused projections and its LM head
+SHAPES = {
+    "qkv": (960, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+
+
+def best_us(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of `repeats` calls after 3 warm-ups, in microseconds."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def kernels(rows: int, out_features: int, in_features: int) -> dict[str, Callable[[], object]]:
+    """Every kernel variant for x [rows, in] @ w [out, in].T."""
+    x = torch.randn(rows, in_features)
+    xb = x.bfloat16()
+    weight_t = torch.randn(in_features, out_features)
+    weight_tb = weight_t.bfloat16()
+    int8 = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+    row_scales = torch.rand(out_features)
+    codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_zeros = torch.rand(in_features // 32, out_features, 2)
+    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return {
+        "fp32": lambda: torch.mm(x, weight_t),
+        "bf16": lambda: torch.mm(xb, weight_tb),
+        "int8/fp32": lambda: torch.ops.aten._weight_int8pack_mm(x, int8, row_scales),
+        "int8/bf16": lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, row_scales.bfloat16()),
+        "int4/fp32": lambda: int4(x, packed, 32, scales_zeros),
+        "int4/bf16": lambda: int4(xb, packed, 32, scales_zeros.bfloat16()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    names = list(kernels(1, 16, 32))
+    print(f"best of {args.repeats}, microseconds, {args.threads} thread(s)")
+    print(f"{'rows':>4} {'shape':>8} " + " ".join(f"{n:>10}" for n in names))
+    for rows in args.rows:
+        for shape_name, (out_features, in_features) in SHAPES.items():
+            variants = kernels(rows, out_features, in_features)
+            cells = " ".join(f"{best_us(fn, args.repeats):>10.0f}" for fn in variants.values())
+            print(f"{rows:>4} {shape_name:>8} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
