@@ -47,9 +47,24 @@ def solo(engine):
     return tokens["solo"]
 
 
-def test_a_poison_temperature_fails_only_its_own_request(engine, solo):
-    # 1e-40 passes SamplingParams (>= 0) but divides logits into inf/nan inside the sampler.
-    poison = SamplingParams(max_tokens=12, temperature=1e-40)
+def test_a_tiny_temperature_is_served_and_hurts_no_one(engine, solo):
+    # 1e-40 passes SamplingParams (>= 0); the sampler must not divide the logits into inf/nan.
+    tiny = SamplingParams(max_tokens=12, temperature=1e-40, ignore_eos=True)
+    tokens, ends = run(engine, {"tiny": tiny, "innocent": GREEDY})
+    assert ends["tiny"] == ("length", None) and len(tokens["tiny"]) == 12
+    assert ends["innocent"] == ("length", None) and tokens["innocent"] == solo
+
+
+def test_a_poison_sampling_row_fails_only_its_own_request(engine, solo, monkeypatch):
+    original = engine.executor.sampler._sample_rows
+
+    def sample_rows(logits, rows):
+        if any(row.request_id == "poison" for row in rows):
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return original(logits, rows)
+
+    monkeypatch.setattr(engine.executor.sampler, "_sample_rows", sample_rows)
+    poison = SamplingParams(max_tokens=12, temperature=1.0)  # a sampled row, not greedy
     tokens, ends = run(engine, {"poison": poison, "innocent": GREEDY})
     assert ends["poison"][0] == "error" and "sampling failed" in ends["poison"][1]
     assert ends["innocent"] == ("length", None)

@@ -62,14 +62,14 @@ def test_the_issue_repro_tiny_temperature_beside_an_innocent_stream(served, solo
 def test_a_request_failing_in_the_engine_fails_alone(served, solo, monkeypatch):
     engine, url = served
     sampler = engine.engine.executor.sampler
-    original = sampler._sample_row
+    original = sampler._sample_rows
 
-    def sample_row(logits, row):
-        if row.params.seed == POISON_SEED:
+    def sample_rows(logits, rows):
+        if any(row.params.seed == POISON_SEED for row in rows):
             raise RuntimeError("poisoned row")
-        return original(logits, row)
+        return original(logits, rows)
 
-    monkeypatch.setattr(sampler, "_sample_row", sample_row)
+    monkeypatch.setattr(sampler, "_sample_rows", sample_rows)
     poison = {**INNOCENT, "temperature": 0.7, "seed": POISON_SEED}
     innocent, failed = run_together(url, INNOCENT, poison)
     assert innocent.is_complete and innocent.text == solo
