@@ -9,9 +9,9 @@ policies' decisions scan them all.
 Calibration: `python benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800` times
 `schedule()` + `update()` of whole steps (full decisions included at their natural frequency)
 while each policy serves a burst on a simulated H200, and fits the line by least squares.  The
-defaults below are the mean of two such runs on the development machine (a shared 2-core VM,
+defaults below are the mean of two such runs on the development machine (a 2-core VM, quiet,
 Python 3.11; figures in docs/results.md).  A server CPU is faster; the charge is still small
-beside a GPU step (~0.4-0.6 ms for FCFS, ~2 ms for TokenFlow at 500 active requests, against
+beside a GPU step (~0.35 ms for FCFS, ~0.8 ms for TokenFlow at 500 active requests, against
 steps of 20-60 ms), but no longer zero.
 """
 
@@ -46,13 +46,14 @@ class SchedulerOverhead:
 def default_overhead(policy: str) -> SchedulerOverhead:
     """The calibrated per-step charge of `policy` (see the module docstring)."""
     calibrated = {
-        # benchmarks/scheduler_overhead.py --per-step, two runs (200 and 400 measured steps):
-        # fcfs 0.357 ms + 0.350 us, 0.374 + 0.366; chunked 0.324 + 0.444, 0.357 + 0.547;
-        # andes 0.373 + 0.379, 0.352 + 0.466; tokenflow 1.095 + 3.047, 0.684 + 1.505.
-        "fcfs": SchedulerOverhead(0.366e-3, 0.358e-6),
-        "chunked": SchedulerOverhead(0.341e-3, 0.496e-6),
-        "andes": SchedulerOverhead(0.363e-3, 0.423e-6),
-        "tokenflow": SchedulerOverhead(0.890e-3, 2.276e-6),
+        # benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800 --steps 200, twice,
+        # on a quiet development machine, with the overload policy of issue 7:
+        # fcfs 0.228 ms + 0.230 us; chunked 0.233 + 0.262, 0.235 + 0.296;
+        # andes 0.224 + 0.227, 0.224 + 0.226; tokenflow 0.382 + 0.802, 0.393 + 0.786.
+        "fcfs": SchedulerOverhead(0.228e-3, 0.230e-6),
+        "chunked": SchedulerOverhead(0.234e-3, 0.279e-6),
+        "andes": SchedulerOverhead(0.224e-3, 0.227e-6),
+        "tokenflow": SchedulerOverhead(0.387e-3, 0.794e-6),
     }
     if policy not in calibrated:
         raise ValueError(f"no calibrated scheduler overhead for policy {policy!r}")
