@@ -279,3 +279,16 @@ def test_survey_utility_matches_the_documented_formula():
     for cand in survey(config, view, [r1, r2, r3], 1).candidates:
         expected = utility(config, cand.request.buffered_s(clock.t), cand.is_resident)
         assert abs(cand.utility - expected) < 1e-12
+
+
+def test_admission_is_paced_by_one_interval_of_prefill():
+    view = small_view(4000)
+    policy = TokenFlowPolicy(TokenFlowConfig(working_set_host_share=100.0))
+    per_token_s = view.estimator.prefill_time_s(1000) / 1000
+    prompt = int(0.2 / per_token_s)  # each newcomer takes ~0.2 s of the 0.5 s interval to prefill
+    waiting = [make_request(f"n{i}", num_prompt=prompt, max_tokens=1) for i in range(4)]
+    started = Survey([], 0.0, 0, 0)
+    admitted = policy._admit(replace(view, running=[], waiting=waiting), started, 1e9)
+    assert [r.request_id for r in admitted] == ["n0", "n1"]
+    alone = policy._admit(replace(view, running=[], waiting=waiting[:1]), started, 1e9)
+    assert [r.request_id for r in alone] == ["n0"]

@@ -8,9 +8,10 @@ within `critical_slack_s` of running dry), one decision runs in named phases:
                      When the working set's reading rates exceed Gamma, the policy degrades:
                      no one is admitted and members are served by arrival (see 3);
 2. admission       - waiting requests join the working set in arrival order while it is below
-                     W_sched, their rates stay within `capacity_headroom` x Gamma, and their
+                     W_sched, their rates stay within `capacity_headroom` x Gamma, their
                      prefill finds free device blocks or blocks that safe pauses free (each
-                     pause also needs host room for its unsynced tail);
+                     pause also needs host room for its unsynced tail), and their prefills fit
+                     in one interval (so Gamma is measured as the batch fills, not guessed);
 3. balancing       - who is on the device: pinned members, then streams stalled for
                      `max_stall_s` (the stall bound), then by utility - or, degraded, streams
                      about to stall before the others, each group first come, first served;
@@ -58,6 +59,7 @@ class TokenFlowPolicy(Policy):
         self._targets: list[Start] = []
         self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
         self._rate_cap_tps = math.inf  # one stream's share of capacity at the feasible batch
+        self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
         self.num_decisions = 0
         self.num_degraded_decisions = 0
 
@@ -135,16 +137,22 @@ class TokenFlowPolicy(Policy):
             view.preempted, key=lambda r: (r.last_consume_s + 1.0 / r.rate_tps, r.sort_key)
         )
         waiting: list[Request] = []
-        budget = self._spare_rate_tps
+        budget, prefill_budget = self._spare_rate_tps, self._prefill_budget_s
         for request in view.waiting:  # arrival order; no later request passes an earlier one
-            if self._demand_tps(request) > budget and (waiting or view.running or preempted):
+            idle = not (waiting or view.running or preempted)
+            prefill_s = view.estimator.prefill_time_s(request.num_tokens)
+            if not idle and (self._demand_tps(request) > budget or prefill_s > prefill_budget):
                 break  # (an idle engine always takes the head, whatever its rate)
             budget -= self._demand_tps(request)
+            prefill_budget -= prefill_s
             waiting.append(request)
         starts = fcfs_starts(view, candidates=preempted + waiting)
         num_new = len(starts) - len(preempted)
         if num_new > 0:
             self._spare_rate_tps -= sum(map(self._demand_tps, waiting[:num_new]))
+            self._prefill_budget_s -= sum(
+                view.estimator.prefill_time_s(r.num_tokens) for r in waiting[:num_new]
+            )
         return starts
 
     def _survey_started(self, view: SchedulingView, growth: int) -> Survey:
@@ -215,11 +223,15 @@ class TokenFlowPolicy(Policy):
             key=lambda c: (c.utility, c.request.sort_key),
         )
         extra_rate = 0.0
+        self._prefill_budget_s = self.config.schedule_interval_s
         admitted: list[Request] = []
         for request in view.waiting:
             rate = self._demand_tps(request)
             if size >= limit or (size and extra_rate + rate > spare_rate_tps):
                 break  # (an empty working set always takes the head, whatever its rate)
+            prefill_s = view.estimator.prefill_time_s(request.num_tokens)
+            if admitted and prefill_s > self._prefill_budget_s:
+                break  # paced: what one interval can prefill, so Gamma is measured as it fills
             need = view.start_blocks(request)
             while need > free and pausable:
                 pause = pausable.pop(0)
@@ -229,6 +241,7 @@ class TokenFlowPolicy(Policy):
             if need > free:
                 break
             free -= need + view.reserve_blocks(request)
+            self._prefill_budget_s -= prefill_s
             admitted.append(request)
             size += 1
             extra_rate += rate
