@@ -113,7 +113,9 @@ class AsyncEngine:
         self.default_rate_tps = args.default_rate_tps
         self.tokenizer = self.engine.tokenizer
         self._max_num_requests = args.max_num_requests
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        # SimpleQueue: its put() is reentrant, so stop() is safe from a signal handler that
+        # interrupts this thread inside get() (a Queue's lock would deadlock there).
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._num_pending_adds = 0
         self._lock = threading.Lock()  # guards _num_pending_adds, _death and queueing adds
@@ -194,7 +196,7 @@ class AsyncEngine:
         self.engine.close()
 
     def stop(self) -> None:
-        """Ask `run_loop()` to return (from any thread)."""
+        """Ask `run_loop()` to return (from any thread, or a signal handler)."""
         self._commands.put(None)
 
     # -- the engine loop -------------------------------------------------------------------------
