@@ -1,90 +1,414 @@
-"""All eight of the paper's setups in the simulator, every policy, one Markdown report.
+"""The paper's eight setups in the simulator, every policy, several seeds: docs/results.md.
 
-    python benchmarks/paper_setups.py [--out docs/results] [--reuse]
+    python -m benchmarks.paper_setups [--seeds 3] [--setups 4090-a,h200-b] [--policies ...]
+                                     [--no-ablations] [--workers 2] [--report-only]
 
-For each setup it runs `tokenflow simulate --setup NAME --json ... --plot ...` (or, with
---reuse, reads the JSON already there), then writes `results.md`-ready tables: the headline
-metrics per policy and tokenflow's change against fcfs in the same run.
+Every (setup, policy, seed, variant) run is cached as JSON under --cache-dir, keyed by a hash of
+the `tokenflow` sources, so an interrupted run resumes and a run after a code change starts
+over.  Runs go to at most two worker processes.  Then it writes, from the cache:
+
+- docs/results/<setup>.json: per policy, every seed's summary and the median / min / max;
+- docs/results/<setup>.png: TTFT against stall per policy (medians, min-max error bars);
+- docs/results/summary.json: tokenflow / fcfs ratios against the issue's targets, ablations;
+- docs/results.md: all of it as tables, keeping the hand-written notes block.
+
+The ablations run tokenflow on the setups of the previous report (4090-b, h200-b) with each
+mechanism switched off (SPEC section 4; the paper's completion times: 66.00 s full, 127.28 s
+without offload, 82.76 s without write-through, 74.43 s without load-evict overlap).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import multiprocessing
 import subprocess
 import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SETUPS = ("4090-a", "4090-b", "4090-c", "4090-d", "h200-a", "h200-b", "h200-c", "h200-d")
+from tqdm import tqdm
+
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.report import Spread, aggregate, plot_spread
+from tokenflow.sim.runner import SimConfig, run_simulation
+from tokenflow.sim.setups import get_setup, paper_setups
+from tokenflow.workload import generate
+
+ROOT = Path(__file__).resolve().parent.parent
+SETUPS = tuple(paper_setups())
+POLICIES = ("fcfs", "chunked", "andes", "tokenflow")
+VARIANTS = {
+    "full": {},
+    "no-offload": {"offload": False},
+    "no-write-through": {"write_through": False},
+    "no-load-evict-overlap": {"overlap_load_evict": False},
+}
+PAPER_ABLATION_S = {
+    "full": 66.00,
+    "no-offload": 127.28,
+    "no-write-through": 82.76,
+    "no-load-evict-overlap": 74.43,
+}
+ABLATION_SETUPS = ("4090-b", "h200-b")
+TIGHT_TTFT_SETUPS = ("h200-b", "h200-c", "4090-a")  # P99 TTFT <= 0.3x fcfs there
+NOTES_BEGIN, NOTES_END = "<!-- notes: kept when regenerated -->", "<!-- /notes -->"
+
+
+@dataclass(frozen=True)
+class Job:
+    setup: str
+    policy: str
+    seed: int
+    variant: str = "full"
+
+    @property
+    def key(self) -> str:
+        return f"{self.setup}.{self.policy}.{self.variant}.s{self.seed}"
+
+
+def code_version() -> str:
+    """Hash of every tokenflow source file: a cached run is reused only for the same code."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "tokenflow").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def git_commit() -> str:
+    """Short commit of the checkout, '+changes' when the tokenflow sources differ from it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+changes" if git("status", "--porcelain", "tokenflow") else "")
+
+
+def run_job(job: Job) -> tuple[Job, dict]:
+    """Simulate one job (in a worker process)."""
+    setup = get_setup(job.setup, seed=job.seed)
+    config = SimConfig(
+        gpu=setup.gpu,
+        model=setup.model,
+        memory_fraction=setup.memory_fraction,
+        host_memory_gib=setup.host_memory_gib,
+        **VARIANTS[job.variant],
+    )
+    result = run_simulation(generate(setup.workload), job.policy, config)
+    record = {
+        "seed": job.seed,
+        "summary": result.summary.to_dict(),
+        "num_steps": result.num_steps,
+        "num_loads": result.num_loads,
+        "num_recomputes": result.num_recomputes,
+        "d2h_gib": round(result.d2h_gib, 3),
+        "h2d_gib": round(result.h2d_gib, 3),
+        "scheduler_cpu_s": round(result.scheduler_cpu_s, 3),
+        "wall_s": round(result.wall_s, 2),
+    }
+    return job, record
+
+
+def run_all(jobs: list[Job], cache: Path, workers: int) -> tuple[dict[Job, dict], float]:
+    """Results of `jobs`, from the cache or simulated now; and the wall time spent simulating."""
+    results: dict[Job, dict] = {}
+    todo = []
+    for job in jobs:
+        path = cache / f"{job.key}.json"
+        if path.exists():
+            results[job] = json.loads(path.read_text())
+        else:
+            todo.append(job)
+    started = time.perf_counter()
+    if todo:
+        # Longest first (H200, tokenflow) so the two workers finish together.
+        todo.sort(key=lambda j: (not j.setup.startswith("h200"), j.policy != "tokenflow"))
+        cache.mkdir(parents=True, exist_ok=True)
+        with multiprocessing.Pool(max(1, min(workers, 2))) as pool:
+            for job, record in tqdm(
+                pool.imap_unordered(run_job, todo), total=len(todo), desc="simulations"
+            ):
+                (cache / f"{job.key}.json").write_text(json.dumps(record, indent=1))
+                results[job] = record
+    return results, time.perf_counter() - started
+
+
+def record_invocation(cache: Path, wall_s: float, num_simulated: int, workers: int) -> list[dict]:
+    """Append this invocation's simulation time to the cache's log (when it simulated
+    anything) and return the log: the report states the wall time of all runs of this code."""
+    log = cache / "_invocations.json"
+    invocations = json.loads(log.read_text()) if log.exists() else []
+    if num_simulated:
+        invocations.append(
+            {"wall_s": round(wall_s, 1), "num_simulated": num_simulated, "workers": workers}
+        )
+        cache.mkdir(parents=True, exist_ok=True)
+        log.write_text(json.dumps(invocations, indent=1))
+    return invocations
+
+
+# -- aggregation ----------------------------------------------------------------------------------
+def spreads_of(results: dict[Job, dict], setup: str, policy: str, variant: str = "full"):
+    runs = [
+        r["summary"]
+        for j, r in results.items()
+        if (j.setup, j.policy, j.variant)
+        == (
+            setup,
+            policy,
+            variant,
+        )
+    ]
+    return aggregate(runs) if runs else None
+
+
+def targets(setup: str, tf: dict[str, Spread], fcfs: dict[str, Spread]) -> dict:
+    """The issue's targets on medians of tokenflow against fcfs, each with pass/fail."""
+
+    def ratio(key: str) -> float:
+        base = fcfs[key].median
+        return tf[key].median / base if base else float("inf")
+
+    ttft_bound = 0.3 if setup in TIGHT_TTFT_SETUPS else 1.0
+    stall_bound_s = max(2.0, 2.0 * fcfs["rebuffer_mean_s"].median)
+    stall_s = tf["rebuffer_mean_s"].median
+    checks = {  # name: (value, passed, target)
+        "p99_ttft": (ratio("ttft_p99_s"), ratio("ttft_p99_s") <= ttft_bound, f"<= {ttft_bound}x"),
+        "effective_tps": (r := ratio("effective_throughput_tps"), r >= 1.3, ">= 1.3x"),
+        "qoe": (r := ratio("qoe_mean"), r >= 1.0, ">= 1.0x"),
+        "mean_stall_s": (stall_s, stall_s <= stall_bound_s, f"<= {stall_bound_s:.2f} s"),
+        "raw_tps": (r := ratio("throughput_tps"), r >= 0.97, ">= 0.97x"),
+    }
+    return {
+        name: {"value": value, "pass": bool(passed), "target": target}
+        for name, (value, passed, target) in checks.items()
+    }
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def fmt(s: Spread, digits: int) -> str:
+    return f"{s.median:.{digits}f} [{s.minimum:.{digits}f}-{s.maximum:.{digits}f}]"
+
+
 COLUMNS = (
-    ("throughput_tps", "tok/s", "{:.0f}"),
-    ("effective_throughput_tps", "eff tok/s", "{:.0f}"),
-    ("ttft_mean_s", "TTFT mean s", "{:.1f}"),
-    ("ttft_p99_s", "TTFT P99 s", "{:.1f}"),
-    ("rebuffer_mean_s", "stall mean s", "{:.1f}"),
-    ("qoe_mean", "QoE", "{:.3f}"),
-    ("num_preemptions", "preemptions", "{:d}"),
+    ("throughput_tps", "tok/s", 0),
+    ("effective_throughput_tps", "eff tok/s", 0),
+    ("ttft_mean_s", "TTFT mean s", 1),
+    ("ttft_p99_s", "TTFT P99 s", 1),
+    ("rebuffer_mean_s", "stall mean s", 1),
+    ("rebuffer_p99_s", "stall P99 s", 1),
+    ("qoe_mean", "QoE", 3),
 )
 
 
-def run_setup(name: str, out: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "tokenflow.cli",
-        "simulate",
-        "--setup",
-        name,
-        "--no-progress",
-        "--json",
-        str(out / f"{name}.json"),
-        "--plot",
-        str(out / f"{name}.png"),
+def setup_section(setup: str, per_policy: dict[str, dict[str, Spread]], extra: dict) -> list[str]:
+    desc = paper_setups()[setup].description
+    lines = [f"\n### {setup} ({desc})\n", f"![{setup}](results/{setup}.png)\n"]
+    lines.append("| policy | " + " | ".join(t for _, t, _ in COLUMNS) + " | preemptions |")
+    lines.append("|---" * (len(COLUMNS) + 2) + "|")
+    for policy, spreads in per_policy.items():
+        cells = [fmt(spreads[k], d) for k, _, d in COLUMNS]
+        lines.append(f"| {policy} | " + " | ".join(cells) + f" | {extra[policy]} |")
+    return lines
+
+
+def targets_table(all_targets: dict[str, dict]) -> list[str]:
+    names = ("p99_ttft", "effective_tps", "qoe", "mean_stall_s", "raw_tps")
+    titles = ("P99 TTFT", "eff. throughput", "QoE", "mean stall", "raw throughput")
+    lines = ["| setup | " + " | ".join(titles) + " |", "|---" * (len(names) + 1) + "|"]
+    for setup, checks in all_targets.items():
+        cells = []
+        for name in names:
+            c = checks[name]
+            unit = " s" if name == "mean_stall_s" else "x"
+            verdict = "pass" if c["pass"] else "**FAIL**"
+            cells.append(f"{c['value']:.2f}{unit} ({c['target']}) {verdict}")
+        lines.append(f"| {setup} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def ablation_table(ablations: dict[str, dict[str, Spread]]) -> list[str]:
+    lines = [
+        "| setup | " + " | ".join(VARIANTS) + " |",
+        "|---" * (len(VARIANTS) + 1) + "|",
     ]
-    subprocess.run(command, check=True)
+    paper = [f"{PAPER_ABLATION_S[v]:.2f} s" for v in VARIANTS]
+    for v_index, variant in enumerate(VARIANTS):
+        if variant != "full":
+            paper[v_index] += f" ({PAPER_ABLATION_S[variant] / PAPER_ABLATION_S['full'] - 1:+.1%})"
+    lines.append("| paper | " + " | ".join(paper) + " |")
+    for setup, by_variant in ablations.items():
+        full = by_variant.get("full")
+        cells = []
+        for variant in VARIANTS:
+            s = by_variant.get(variant)
+            if s is None:
+                cells.append("n/a")
+                continue
+            cell = f"{fmt(s, 1)} s"
+            if variant != "full" and full is not None:
+                cell += f" ({s.median / full.median - 1:+.1%})"
+            cells.append(cell)
+        lines.append(f"| {setup} | " + " | ".join(cells) + " |")
+    return lines
 
 
-def change(new: float, old: float) -> str:
-    return "n/a" if old == 0 else f"{(new - old) / old * 100:+.1f}%"
+def keep_notes(path: Path) -> str:
+    text = path.read_text() if path.exists() else ""
+    if NOTES_BEGIN in text and NOTES_END in text:
+        return text[text.index(NOTES_BEGIN) : text.index(NOTES_END) + len(NOTES_END)]
+    return f"{NOTES_BEGIN}\n{NOTES_END}"
 
 
-def markdown(out: Path) -> str:
-    lines = []
-    summary = [
-        "| setup | throughput | effective throughput | mean TTFT | P99 TTFT |",
-        "|---" * 5 + "|",
+def header(meta: dict) -> list[str]:
+    tf_config = ", ".join(f"{k}={v}" for k, v in asdict(TokenFlowConfig()).items())
+    return [
+        "# Results: the paper's setups in the honest simulator",
+        "",
+        "Generated by `benchmarks/paper_setups.py`, from the repository root (tables not edited):",
+        "",
+        "```bash",
+        f"python -m benchmarks.paper_setups --seeds {len(meta['seeds'])}",
+        "```",
+        "",
+        f"- code: commit `{meta['commit']}`, tokenflow sources hash `{meta['code_version']}`",
+        f"- tokenflow policy defaults: {tf_config}",
+        f"- seeds {meta['seeds']}: each cell is the median [min-max] over them",
+        f"- {meta['num_runs']} runs simulated in {meta['wall_s'] / 60:.1f} min wall on "
+        f"{meta['workers']} worker processes ({meta['num_invocations']} invocation(s); "
+        f"{meta['sum_run_s'] / 60:.1f} min summed over the runs), on a shared 2-core machine",
     ]
-    for name in SETUPS:
-        records = {r["policy"]: r for r in json.loads((out / f"{name}.json").read_text())}
-        lines.append(f"\n### {name}\n")
-        lines.append("| policy | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
-        lines.append("|---" * (len(COLUMNS) + 1) + "|")
-        for policy, r in records.items():
-            cells = [fmt.format(r[key]) for key, _, fmt in COLUMNS]
-            lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-        tf, fc = records["tokenflow"], records["fcfs"]
-        summary.append(
-            f"| {name} | {change(tf['throughput_tps'], fc['throughput_tps'])} | "
-            f"{change(tf['effective_throughput_tps'], fc['effective_throughput_tps'])} | "
-            f"{change(tf['ttft_mean_s'], fc['ttft_mean_s'])} | "
-            f"{change(tf['ttft_p99_s'], fc['ttft_p99_s'])} |"
-        )
-    return "\n".join(summary) + "\n" + "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--reuse", action="store_true", help="read existing JSON, run nothing")
-    args = parser.parse_args()
+def write_report(args: argparse.Namespace, results: dict[Job, dict], meta: dict) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not args.reuse:
-        for name in SETUPS:
-            print(f"simulating {name} ...", file=sys.stderr)
-            run_setup(name, out)
-    (out / "tables.md").write_text(markdown(out))
-    print(markdown(out))
+    all_targets, per_setup_lines = {}, []
+    for setup in args.setups:
+        per_policy = {p: s for p in args.policies if (s := spreads_of(results, setup, p))}
+        if not per_policy:
+            continue
+        runs = {
+            p: [
+                r
+                for j, r in sorted(results.items(), key=lambda x: x[0].seed)
+                if (j.setup, j.policy, j.variant) == (setup, p, "full")
+            ]
+            for p in per_policy
+        }
+        extra = {
+            p: int(sorted(r["summary"]["num_preemptions"] for r in runs[p])[len(runs[p]) // 2])
+            for p in per_policy
+        }
+        setup_json = {
+            "setup": setup,
+            "description": paper_setups()[setup].description,
+            **meta,
+            "policies": {
+                p: {"spread": {k: v.to_dict() for k, v in per_policy[p].items()}, "runs": runs[p]}
+                for p in per_policy
+            },
+        }
+        (out / f"{setup}.json").write_text(json.dumps(setup_json, indent=1) + "\n")
+        plot_spread(out / f"{setup}.png", setup, per_policy)
+        if "tokenflow" in per_policy and "fcfs" in per_policy:
+            all_targets[setup] = targets(setup, per_policy["tokenflow"], per_policy["fcfs"])
+        per_setup_lines += setup_section(setup, per_policy, extra)
+    ablations = {
+        setup: {
+            v: s["makespan_s"]
+            for v in VARIANTS
+            if (s := spreads_of(results, setup, "tokenflow", v))
+        }
+        for setup in ABLATION_SETUPS
+        if not args.no_ablations
+    }
+    summary = {
+        **meta,
+        "targets": all_targets,
+        "ablations": {
+            setup: {v: s.to_dict() for v, s in by_v.items()} for setup, by_v in ablations.items()
+        },
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    md = Path(args.markdown)
+    lines = header(meta) + ["", keep_notes(md), "", "## TokenFlow against FCFS: the targets", ""]
+    lines.append(
+        "Medians over seeds, tokenflow / fcfs. Targets (issue 7): P99 TTFT <= fcfs everywhere "
+        "and <= 0.3x on h200-b, h200-c and 4090-a; effective throughput >= 1.3x; QoE >= fcfs; "
+        "mean stall <= max(2 s, 2x fcfs); raw throughput >= 0.97x."
+    )
+    lines += ["", *targets_table(all_targets)]
+    if ablations:
+        lines += ["", "## Ablations (SPEC section 4): completion time (makespan) of tokenflow", ""]
+        lines += ablation_table(ablations)
+    lines += ["", "## Per setup, every policy", *per_setup_lines, ""]
+    md.write_text("\n".join(lines))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3, help="workload seeds 0 .. N-1")
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="processes (at most 2)")
+    parser.add_argument("--cache-dir", default=str(ROOT / "build" / "paper_setups"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    parser.add_argument("--markdown", default=str(ROOT / "docs" / "results.md"))
+    parser.add_argument("--report-only", action="store_true", help="simulate nothing new")
+    args = parser.parse_args(argv)
+    args.setups = [s for s in args.setups.split(",") if s]
+    args.policies = [p for p in args.policies.split(",") if p]
+    for name in args.setups:
+        get_setup(name)
+    unknown = set(args.policies) - set(POLICIES)
+    if unknown or args.seeds < 1:
+        parser.error(f"unknown policies {sorted(unknown)} or --seeds < 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    seeds = list(range(args.seeds))
+    jobs = [Job(s, p, seed) for s in args.setups for p in args.policies for seed in seeds]
+    if not args.no_ablations and "tokenflow" in args.policies:
+        jobs += [
+            Job(s, "tokenflow", seed, v)
+            for s in ABLATION_SETUPS
+            if s in args.setups
+            for v in VARIANTS
+            if v != "full"
+            for seed in seeds
+        ]
+    version = code_version()
+    cache = Path(args.cache_dir) / version
+    if args.report_only:
+        jobs = [j for j in jobs if (cache / f"{j.key}.json").exists()]
+    num_cached = sum((cache / f"{j.key}.json").exists() for j in jobs)
+    results, wall_s = run_all(jobs, cache, args.workers)
+    invocations = record_invocation(cache, wall_s, len(jobs) - num_cached, args.workers)
+    meta = {
+        "commit": git_commit(),
+        "code_version": version,
+        "seeds": seeds,
+        "workers": min(args.workers, 2),
+        "wall_s": sum(i["wall_s"] for i in invocations),
+        "num_invocations": len(invocations),
+        "num_runs": len(jobs),
+        "sum_run_s": sum(r["wall_s"] for r in results.values()),
+    }
+    write_report(args, results, meta)
+    print(
+        f"{len(jobs)} runs ({len(jobs) - num_cached} simulated) in {wall_s:.0f} s wall; "
+        f"wrote {args.markdown}",
+        file=sys.stderr,
+    )
     return 0
 
 

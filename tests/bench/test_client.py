@@ -18,8 +18,8 @@ from tokenflow.bench.client import (
     run_workload,
     synthetic_prompt,
 )
-from tokenflow.bench.report import report_records
 from tokenflow.metrics import summarize
+from tokenflow.report import report_records
 from tokenflow.serving.app import build_app
 from tokenflow.workload import WorkloadRequest
 

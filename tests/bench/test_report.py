@@ -5,14 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenflow.bench.report import (
+import pytest
+
+from tokenflow.metrics import RequestTrace, summarize
+from tokenflow.report import (
+    Spread,
+    aggregate,
     format_table,
     pick_timeline_requests,
     plot_report,
+    plot_spread,
     report_records,
+    spread,
     write_json,
 )
-from tokenflow.metrics import RequestTrace, summarize
 
 
 def traces(offset: float) -> list[RequestTrace]:
@@ -60,3 +66,36 @@ def test_empty_runs_still_plot(tmp_path: Path) -> None:
     assert "0/1" in format_table(summaries)
     plot_report(tmp_path / "e.png", summaries, {"broken": failed})
     assert (tmp_path / "e.png").exists()
+
+
+def test_spread_is_median_min_max() -> None:
+    assert spread([3.0, 1.0, 2.0]) == Spread(2.0, 1.0, 3.0)
+    assert spread([4.0, 1.0, 2.0, 10.0]) == Spread(3.0, 1.0, 10.0)  # even: mean of the middle
+    assert spread([5]).to_dict() == {"median": 5.0, "min": 5.0, "max": 5.0}
+    with pytest.raises(ValueError):
+        spread([])
+
+
+def test_aggregate_over_seeds_per_metric() -> None:
+    runs = [summarize(traces(offset)).to_dict() for offset in (0.2, 3.0, 1.0)]
+    result = aggregate(runs, keys=("ttft_mean_s", "throughput_tps"))
+    assert set(result) == {"ttft_mean_s", "throughput_tps"}
+    ttfts = sorted(r["ttft_mean_s"] for r in runs)
+    assert result["ttft_mean_s"] == Spread(ttfts[1], ttfts[0], ttfts[2])
+    assert ttfts[0] < ttfts[1] < ttfts[2]  # the three runs really differ
+
+
+def test_aggregate_defaults_cover_the_reported_metrics() -> None:
+    runs = [summarize(traces(offset)).to_dict() for offset in (0.2, 1.0)]
+    keys = set(aggregate(runs))
+    assert {"ttft_mean_s", "ttft_p99_s", "rebuffer_mean_s", "rebuffer_p99_s", "qoe_mean"} <= keys
+    assert {"effective_throughput_tps", "throughput_tps"} <= keys
+
+
+def test_plot_spread_writes_a_png(tmp_path: Path) -> None:
+    spreads = {
+        name: aggregate([summarize(traces(o)).to_dict() for o in offsets])
+        for name, offsets in (("fcfs", (1.0, 2.0, 3.0)), ("tokenflow", (0.1, 0.2, 0.3)))
+    }
+    plot_spread(tmp_path / "p.png", "setup", spreads)
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")

@@ -107,3 +107,26 @@ def test_begin_load_without_host_copy_is_an_error():
     kv = manager()
     with pytest.raises(ValueError):
         kv.begin_load("nobody", 4)
+
+
+def test_without_offload_eviction_drops_and_nothing_is_written_through():
+    kv = KVTierManager(KVConfig(8, 8, 4, block_bytes=100, offload=False))
+    kv.allocate("a", 10)
+    assert kv.plan_write_through([("a", 10)], budget_blocks=4) == []
+    assert kv.evict("a", 10) is None  # the scheduler then drops the KV for recompute
+    assert kv.num_device_blocks_of("a") == 3 and kv.num_free_host_blocks == 8
+    kv.check_integrity()
+
+
+def test_without_load_evict_overlap_synced_blocks_wait_for_the_eviction():
+    kv = KVTierManager(KVConfig(6, 8, 4, block_bytes=100, free_synced_on_evict=False))
+    kv.allocate("a", 10)
+    kv.plan_write_through([("a", 10)], budget_blocks=2)  # blocks 0, 1 synced
+    free_before = kv.num_free_device_blocks
+    plan = kv.evict("a", 10)
+    assert plan is not None and len(plan.copies) == 1  # only the tail is copied
+    assert kv.num_free_device_blocks == free_before  # but nothing is reusable yet
+    kv.check_integrity()
+    kv.end_step()
+    assert kv.num_free_device_blocks == 6
+    kv.check_integrity()

@@ -6,7 +6,7 @@ from tests.core.helpers import make_core, make_request
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import CopyKind
-from tokenflow.core.policies.balance import Candidate
+from tokenflow.core.policies.balance import Candidate, Survey, survey
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import PreemptMode, RequestState
 
@@ -34,7 +34,7 @@ def three_streams(tokenflow_config=None):
     core.add_request(r2)
     while clock.t < 0.99:
         core.step()
-    r3 = make_request("R3", num_prompt=20, max_tokens=60, rate=5.0, arrival=clock.t)
+    r3 = make_request("R3", num_prompt=20, max_tokens=60, rate=2.0, arrival=clock.t)
     core.add_request(r3)
     return core, clock, (r1, r2, r3)
 
@@ -86,22 +86,20 @@ def test_working_set_limit_smooths_toward_the_running_count():
     assert eager.working_set_limit(view) > cautious.working_set_limit(view)
 
 
-def test_over_capacity_working_set_degrades_to_fcfs_without_admission():
+def test_over_capacity_working_set_degrades_without_admission():
     core, clock, (r1, r2, r3) = three_streams()
     view = core.scheduler.view(clock.t)
     policy: TokenFlowPolicy = core.scheduler.policy
     assert policy.check_schedulable(view, 0.0)
-    huge = replace(view, running=[replace_rate(r, 1e9) for r in view.running])
-    assert not policy.check_schedulable(huge, 0.0)
-    moves = policy.decide(huge)
-    assert moves.preemptions == () and all(s.request_id != "R3" for s in moves.starts)
-    assert policy.num_degraded_decisions == 1
-
-
-def replace_rate(request, rate):
-    clone = make_request(request.request_id, rate=rate)
-    clone.state = request.state
-    return clone
+    assert [s.request_id for s in policy.decide(view).starts] == ["R3"]
+    assert policy.num_degraded_decisions == 0
+    # The same situation with readers far faster than the engine: nobody is admitted.
+    for r in (r1, r2):
+        r.rate_tps = 1e4
+    fresh = TokenFlowPolicy(TokenFlowConfig())
+    assert not fresh.check_schedulable(view, 0.0)
+    assert all(s.request_id != "R3" for s in fresh.decide(view).starts)
+    assert fresh.num_degraded_decisions == 1
 
 
 def test_reload_or_recompute_follows_the_link_speed():
@@ -116,9 +114,14 @@ def test_reload_or_recompute_follows_the_link_speed():
         assert start.by_load is expect_load
 
 
-def cand(name, utility, blocks, pinned=False, resident=True):
-    request = make_request(name)
-    return Candidate(request, utility, blocks, resident, pinned, not pinned)
+def cand(name, utility, blocks, pinned=False, resident=True, arrival=0.0, rate=20.0, **flags):
+    request = make_request(name, arrival=arrival, rate=rate)
+    request.arrival_index = int(arrival * 1000)
+    fields = dict(
+        is_urgent=False, is_overdue=False, reclaim_blocks=0, unsynced_blocks=0, resume_s=0.0
+    )
+    fields.update(flags)
+    return Candidate(request, utility, blocks, resident, pinned, not pinned, **fields)
 
 
 def small_view(num_device_blocks):
@@ -127,18 +130,16 @@ def small_view(num_device_blocks):
     return replace(view, kv=KVTierManager(KVConfig(num_device_blocks, 0, 4)))
 
 
-def test_balance_greedy_then_adjacent_swap_improves_utility():
+def picked(policy, view, cands, by_arrival=False):
+    return [c.request.request_id for c in policy.balance(view, cands, by_arrival)]
+
+
+def test_balance_is_greedy_by_utility_under_memory():
     view = small_view(10)
     policy = TokenFlowPolicy(TokenFlowConfig())
-    # greedy takes A (6), skips B (5, no room), takes C (4): utility 1.0 + 0.5
+    # greedy takes A (6), skips B (5, no room), takes C (4)
     a, b, c = cand("A", 1.0, 6), cand("B", 0.9, 5), cand("C", 0.5, 4)
-    picked = [x.request.request_id for x in policy.balance(view, [a, b, c])]
-    assert picked == ["A", "C"]
-    # B before C in order; swapping C (inside) for B (outside) fits (6 + 5 > 10: no) -> stays
-    b_small = cand("B", 0.9, 4)
-    c_big = cand("C", 0.5, 5)
-    picked = [x.request.request_id for x in policy.balance(view, [a, b_small, c_big])]
-    assert picked == ["A", "B"]
+    assert picked(policy, view, [c, b, a]) == ["A", "C"]
 
 
 def test_pinned_members_are_always_kept():
@@ -146,8 +147,90 @@ def test_pinned_members_are_always_kept():
     policy = TokenFlowPolicy(TokenFlowConfig())
     low_pinned = cand("P", -5.0, 8, pinned=True)
     high = cand("H", 3.0, 8)
-    picked = [x.request.request_id for x in policy.balance(view, [high, low_pinned])]
-    assert picked == ["P"]
+    assert picked(policy, view, [high, low_pinned]) == ["P"]
+
+
+def test_degraded_balance_serves_by_arrival_streams_about_to_stall_first():
+    view = small_view(4)
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    early = cand("early", 0.1, 4, arrival=0.0, is_urgent=True)
+    late = cand("late", 0.9, 4, arrival=1.0, is_urgent=True)
+    assert picked(policy, view, [late, early]) == ["late"]  # normal: by utility
+    assert picked(policy, view, [late, early], by_arrival=True) == ["early"]
+    # a member far from stalling yields to a later one about to stall
+    calm = cand("calm", 0.1, 4, arrival=0.0)
+    assert picked(policy, view, [calm, late], by_arrival=True) == ["late"]
+
+
+def test_a_stream_stalled_past_the_bound_goes_first():
+    view = small_view(4)
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    stalled = cand("stalled", 0.5, 4, resident=False, arrival=0.0, rate=5.0, is_overdue=True)
+    fresh = cand("fresh", 0.9, 4, resident=False, arrival=1.0, rate=20.0)
+    assert picked(policy, view, [fresh, stalled]) == ["stalled"]
+    assert picked(policy, view, [fresh, stalled], by_arrival=True) == ["stalled"]
+
+
+def test_overdue_comes_from_the_reader_model():
+    core, clock, (r1, r2, r3) = three_streams()
+    config = TokenFlowConfig(max_stall_s=1.0)
+    view = core.scheduler.view(r2.last_consume_s + 1 / r2.rate_tps + 1.5)
+    by_id = {c.request.request_id: c for c in survey(config, view, [r1, r2, r3], 1).candidates}
+    assert by_id["R2"].is_overdue and by_id["R2"].is_urgent  # stalled 1.5 s > 1 s
+    assert not by_id["R3"].is_overdue and not by_id["R3"].is_urgent  # not started: no stall
+
+
+def test_equal_newcomers_start_by_arrival_so_none_is_passed_over():
+    view = small_view(4)
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    slow_early = cand("early", 0.5, 4, resident=False, arrival=0.0, rate=2.0)
+    fast_late = cand("late", 0.5, 4, resident=False, arrival=1.0, rate=20.0)
+    assert picked(policy, view, [fast_late, slow_early]) == ["early"]
+
+
+def full_view(num_device_blocks, num_host_blocks):
+    """A view whose device tier is fully owned by someone else (no free blocks)."""
+    view = small_view(num_device_blocks)
+    kv = KVTierManager(KVConfig(num_device_blocks, num_host_blocks, 4))
+    kv.allocate("owner", num_device_blocks * 4)
+    return replace(view, kv=kv, running=[], preempted=[])
+
+
+def admit_with(view, pausable, waiting):
+    policy = TokenFlowPolicy(TokenFlowConfig(working_set_host_share=100.0))
+    started = Survey(pausable, 0.0, 0, sum(c.footprint_blocks for c in pausable))
+    return [r.request_id for r in policy._admit(replace(view, waiting=waiting), started, 1e9)]
+
+
+def test_admission_counts_the_blocks_a_pause_frees():
+    view = full_view(20, 100)
+    small = cand("small", 0.0, 4, reclaim_blocks=4, unsynced_blocks=0)
+    newcomer = make_request("new", num_prompt=40, max_tokens=1)  # 10 blocks
+    assert admit_with(view, [small], [newcomer]) == []
+    big = cand("big", 0.0, 12, reclaim_blocks=12, unsynced_blocks=0)
+    assert admit_with(view, [big], [newcomer]) == ["new"]
+    assert admit_with(view, [small, big], [newcomer]) == ["new"]
+
+
+def test_admission_needs_host_room_for_each_pause():
+    view = full_view(20, 5)
+    a = cand("a", 0.0, 6, reclaim_blocks=6, unsynced_blocks=4)
+    b = cand("b", 0.0, 6, reclaim_blocks=6, unsynced_blocks=4)
+    newcomer = make_request("new", num_prompt=40, max_tokens=1)  # 10 blocks: needs both
+    assert admit_with(view, [a, b], [newcomer]) == []  # host room for one pause only
+    roomy = full_view(20, 8)
+    assert admit_with(roomy, [a, b], [newcomer]) == ["new"]
+
+
+def test_admission_stops_at_the_rate_budget_in_arrival_order():
+    core, clock, (r1, r2, r3) = three_streams()
+    view = core.scheduler.view(clock.t)
+    policy: TokenFlowPolicy = core.scheduler.policy
+    spare = policy.config.capacity_headroom * policy.capacity_tps(view) - r1.rate_tps - r2.rate_tps
+    greedy = make_request("R4", num_prompt=4, max_tokens=2, rate=spare + 1.0, arrival=clock.t)
+    modest = make_request("R5", num_prompt=4, max_tokens=2, rate=0.1, arrival=clock.t + 1)
+    assert policy.admit(replace(view, waiting=[greedy, modest])) == []  # R5 may not pass R4
+    assert policy.admit(replace(view, waiting=[modest])) == [modest]
 
 
 def test_oom_victim_is_the_pausable_stream_with_most_buffer_offloaded():

@@ -61,6 +61,10 @@ def test_small_custom_run_writes_json_and_plot(tmp_path, capsys):
         (["--workload", "burst", "--rates", "-5"], "rate"),
         (["--setup", "4090-a", "--policies", "fifo"], "unknown policy"),
         (["--workload", "burst", "--gpu", "tpu"], "tpu"),
+        (["--setup", "4090-a", "--capacity-headroom", "3"], "capacity_headroom"),
+        (["--setup", "4090-a", "--max-stall-s", "-1"], "max_stall_s"),
+        (["--workload", "burst", "--copy-pieces-per-block", "0"], "copy_pieces_per_block"),
+        (["--workload", "burst", "--sched-overhead-ms", "-1"], "fixed_s"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, words, capsys):
@@ -75,3 +79,37 @@ def test_malformed_trace_line_names_the_line(tmp_path, capsys):
     assert main(["simulate", "--workload", "trace", "--trace", str(trace), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert ":2" in err and len(err.strip().splitlines()) == 1
+
+
+PRESSED = [
+    "simulate",
+    "--gpu",
+    "rtx4090",
+    "--memory-fraction",
+    "0.66",
+    "--host-memory-gib",
+    "4",
+    "--workload",
+    "burst",
+    "--num-requests",
+    "12",
+    "--prompt-len",
+    "512:0",
+    "--output-len",
+    "400:0",
+    "--rates",
+    "20:1",
+    "--policies",
+    "tokenflow",
+    "--no-progress",
+]
+
+
+def test_cost_and_ablation_flags_reach_the_run(capsys):
+    assert main(PRESSED) == 0
+    default = capsys.readouterr().out
+    assert " 0 loads" not in default  # the case reloads by default
+    flags = ["--no-offload", "--sched-overhead-ms", "0", "--sched-overhead-us-per-request", "0"]
+    assert main([*PRESSED, *flags]) == 0
+    ablated = capsys.readouterr().out
+    assert " 0 loads" in ablated and "0.0 s scheduler CPU" in ablated

@@ -1,7 +1,7 @@
 import pytest
 
 from tokenflow.sim.cost_model import CostModel, CostModelConfig, attention_pairs
-from tokenflow.sim.hardware import get_gpu, get_model
+from tokenflow.sim.hardware import get_gpu, get_model, gpu_specs
 
 
 @pytest.fixture
@@ -70,8 +70,31 @@ def test_step_overhead_is_charged_once(h200_llama: CostModel) -> None:
     assert diff == pytest.approx(0.004)
 
 
-def test_copy_time_is_bytes_over_pcie(h200_llama: CostModel) -> None:
-    assert h200_llama.copy_time_s(50_000_000_000) == pytest.approx(1.0)
+def test_copy_time_is_latency_per_op_plus_bytes_over_effective_pcie(
+    h200_llama: CostModel,
+) -> None:
+    assert h200_llama.copy_time_s(50_000_000_000) == pytest.approx(1.0 + 5e-6)
+    assert h200_llama.copy_time_s(0, num_ops=10) == pytest.approx(50e-6)
+
+
+def test_a_block_is_copied_as_one_piece_per_layer_k_and_v(h200_llama: CostModel) -> None:
+    block_bytes = 16 * h200_llama.model.kv_bytes_per_token  # 2 MiB for Llama3-8B
+    piece_s = 5e-6 + block_bytes / 64 / 50e9  # 32 layers x (K, V) = 64 pieces of 32 KiB
+    assert h200_llama.block_copy_time_s(block_bytes) == pytest.approx(64 * piece_s)
+    # far below the 50 GB/s the link moves in large copies
+    assert block_bytes / h200_llama.block_copy_time_s(block_bytes) < 6e9
+
+
+def test_copy_knobs_override_the_preset(h200_llama: CostModel) -> None:
+    config = CostModelConfig(pcie_bytes_per_s=10e9, copy_latency_s=0.0, copy_pieces_per_block=1)
+    custom = CostModel(h200_llama.gpu, h200_llama.model, config)
+    assert custom.block_copy_time_s(10_000_000) == pytest.approx(1e-3)
+
+
+def test_effective_pcie_is_below_peak_on_every_preset() -> None:
+    for gpu in gpu_specs().values():
+        assert 0.7 * gpu.pcie_peak_bytes_per_s <= gpu.pcie_bytes_per_s < gpu.pcie_peak_bytes_per_s
+        assert 1e-6 <= gpu.copy_latency_s <= 1e-5
 
 
 def test_kv_pool_bytes(h200_llama: CostModel) -> None:

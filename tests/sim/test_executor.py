@@ -15,10 +15,10 @@ BLOCK_SIZE = 16
 PARAMS = SamplingParams(max_tokens=100)
 
 
-def make_executor(overlap_load_evict: bool = True, seed: int = 0) -> SimExecutor:
+def make_executor(blocking_evictions: bool = False, seed: int = 0) -> SimExecutor:
     cost = CostModel(get_gpu("h200"), get_model("llama3-8b"))
     return SimExecutor(
-        cost, SimClock(), BLOCK_SIZE, seed=seed, overlap_load_evict=overlap_load_evict
+        cost, SimClock(), BLOCK_SIZE, seed=seed, blocking_evictions=blocking_evictions
     )
 
 
@@ -53,12 +53,16 @@ def copies(kind: CopyKind, n: int) -> tuple[BlockCopy, ...]:
 
 
 def make_plan(
-    chunks: tuple[ScheduledChunk, ...] = (), num_d2h: int = 0, num_h2d: int = 0, step: int = 0
+    chunks: tuple[ScheduledChunk, ...] = (),
+    num_d2h: int = 0,
+    num_h2d: int = 0,
+    step: int = 0,
+    num_evict: int = 0,
 ) -> StepPlan:
     return StepPlan(
         step_index=step,
         chunks=chunks,
-        device_to_host=copies(CopyKind.WRITE_THROUGH, num_d2h),
+        device_to_host=copies(CopyKind.EVICT, num_evict) + copies(CopyKind.WRITE_THROUGH, num_d2h),
         host_to_device=copies(CopyKind.LOAD, num_h2d),
         released_request_ids=(),
     )
@@ -146,20 +150,41 @@ def test_clock_advances_by_the_step_duration() -> None:
     assert executor.last_step_duration_s > 0
 
 
+def test_block_copy_pays_a_latency_per_layer_piece() -> None:
+    executor = make_executor()
+    gpu = get_gpu("h200")
+    piece_bytes = executor.block_bytes // 64  # Llama3-8B: 32 layers x (K, V)
+    expected = 64 * (gpu.copy_latency_s + piece_bytes / gpu.pcie_bytes_per_s)
+    assert executor.block_copy_s == pytest.approx(expected)
+    assert executor.block_copy_s > 5 * executor.block_bytes / gpu.pcie_bytes_per_s
+
+
 def test_copies_overlap_each_other_and_compute_by_default() -> None:
     executor = make_executor()
-    block_s = executor.block_bytes / get_gpu("h200").pcie_bytes_per_s
-    executor.execute(make_plan((decode("a", 100),), num_d2h=2000, num_h2d=1000))
-    assert executor.last_step_duration_s == pytest.approx(2000 * block_s)
-    assert executor.total_d2h_bytes == 2000 * executor.block_bytes
-    assert executor.total_h2d_bytes == 1000 * executor.block_bytes
+    block_s = executor.block_copy_s
+    executor.execute(make_plan((decode("a", 100),), num_d2h=200, num_h2d=100))
+    assert executor.last_step_duration_s == pytest.approx(200 * block_s)
+    assert executor.total_d2h_bytes == 200 * executor.block_bytes
+    assert executor.total_h2d_bytes == 100 * executor.block_bytes
 
 
-def test_without_load_evict_overlap_copies_add_up() -> None:
-    executor = make_executor(overlap_load_evict=False)
-    block_s = executor.block_bytes / get_gpu("h200").pcie_bytes_per_s
-    executor.execute(make_plan((decode("a", 100),), num_d2h=2000, num_h2d=1000))
-    assert executor.last_step_duration_s == pytest.approx(3000 * block_s)
+def test_evictions_overlap_compute_with_write_through() -> None:
+    executor = make_executor()
+    chunks = (prefill("a", 0, 2048, samples=True),)
+    bare = make_executor()
+    bare.execute(make_plan(chunks))
+    executor.execute(make_plan(chunks, num_evict=10))
+    assert executor.last_step_duration_s == pytest.approx(bare.last_step_duration_s)
+
+
+def test_write_back_makes_the_preempting_step_wait_for_its_eviction() -> None:
+    chunks = (prefill("a", 0, 2048, samples=True),)
+    bare = make_executor(blocking_evictions=True)
+    bare.execute(make_plan(chunks, num_d2h=5))  # write-through-like copies still overlap
+    executor = make_executor(blocking_evictions=True)
+    executor.execute(make_plan(chunks, num_evict=10, num_d2h=5))
+    expected = 10 * executor.block_copy_s + bare.last_step_duration_s
+    assert executor.last_step_duration_s == pytest.approx(expected)
 
 
 def test_small_copies_hide_behind_compute() -> None:

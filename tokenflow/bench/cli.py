@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from tokenflow.bench.client import ENDPOINTS, BenchRun, ClientConfig, run_workload
-from tokenflow.bench.report import format_table, plot_report, write_json
 from tokenflow.metrics import MetricsConfig, Summary, summarize
+from tokenflow.report import format_table, plot_report, write_json
 from tokenflow.workload import WorkloadRequest
 from tokenflow.workload_cli import add_workload_arguments, workload_from_args
 

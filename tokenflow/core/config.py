@@ -30,9 +30,20 @@ class SchedulerConfig:
     link_bytes_per_s: float = 25e9  # host <-> device copy bandwidth, each direction
     initial_decode_step_s: float = 0.02  # step-time guesses until measurements arrive
     initial_prefill_token_s: float = 2e-4
+    # What each extra decoding stream adds to a step until measured (None: 10% of a batch-1
+    # step).  Gamma at batches never run yet is extrapolated with it, so a deployment that knows
+    # its hardware (the simulator's cost model) should give it.
+    initial_decode_seq_s: float | None = None
+    initial_decode_token_s: float = 0.0  # what each context token adds (attention), until measured
 
     def __post_init__(self) -> None:
-        _check_positive(self, *(f.name for f in fields(self)))
+        priors = ("initial_decode_seq_s", "initial_decode_token_s")
+        _check_positive(self, *(f.name for f in fields(self) if f.name not in priors))
+        if not (math.isfinite(self.initial_decode_token_s) and self.initial_decode_token_s >= 0):
+            raise ValueError("initial_decode_token_s must be finite and >= 0")
+        seq_s = self.initial_decode_seq_s
+        if seq_s is not None and not (0 <= seq_s < self.initial_decode_step_s):
+            raise ValueError("initial_decode_seq_s must be in [0, initial_decode_step_s)")
         if self.min_new_token_ratio > self.init_new_token_ratio:
             raise ValueError("min_new_token_ratio must not exceed init_new_token_ratio")
 
@@ -42,13 +53,17 @@ class TokenFlowConfig:
     """Parameters of the buffer-aware policy (SPEC section 3)."""
 
     schedule_interval_s: float = 0.5  # delta-t between scheduling decisions under stress
-    buffer_conservativeness: float = 2.0  # mu: pause j only if b_j >= mu*r_j*(evict+load+sched)
+    # mu: pause j only if its buffer covers mu x (evict + load + one interval), plus the critical
+    # slack (beyond the paper: a stream paused with less would be critical at once and thrash)
+    buffer_conservativeness: float = 2.0
     working_set_smoothing: float = 0.2  # lambda: W_sched = W_static - lambda*(W_static - N_run)
+    working_set_host_share: float = 4.0  # W_static counts device memory + this share of it on host
     critical_slack_s: float = 2.0  # T_critical: a buffer this close to dry means stress
     stall_penalty: float = 1.0  # gamma: weight of the empty-buffer term in a stream's priority
     value_horizon_s: float = 8.0  # a token's value falls to 0 when this much reading is buffered
     switch_penalty: float = 0.2  # utility lost by bringing a stream back to the device
-    local_search_passes: int = 2  # passes of adjacent swaps after the greedy pick
+    capacity_headroom: float = 1.0  # admit only while reading rates stay <= this share of Gamma
+    max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
 
     def __post_init__(self) -> None:
@@ -59,8 +74,10 @@ class TokenFlowConfig:
             raise ValueError("working_set_smoothing (lambda) must be in [0, 1]")
         if self.critical_slack_s < 0 or self.stall_penalty < 0 or self.switch_penalty < 0:
             raise ValueError("critical_slack_s, stall_penalty and switch_penalty must be >= 0")
-        if self.local_search_passes < 0:
-            raise ValueError("local_search_passes must be >= 0")
+        if self.working_set_host_share < 0 or self.max_stall_s < 0:
+            raise ValueError("working_set_host_share and max_stall_s must be >= 0")
+        if not 0.0 < self.capacity_headroom <= 2.0:
+            raise ValueError("capacity_headroom must be in (0, 2]")
 
 
 @dataclass(frozen=True)

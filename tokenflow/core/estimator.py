@@ -1,10 +1,12 @@
 """Step-time and capacity estimates learned from the executor's measured step durations.
 
-A decode step over B streams is modelled as t = a + b*B, fitted by ridge least squares over a
-sliding window of recent decode-only steps.  Because the window is recent, b carries the current
-attention cost per stream (it grows with context), so capacity B / t(B) is "at the current
-batch", as the policy needs.  The ridge pulls toward the configured guesses, so a window without
-variety in B still gives sane values.  Prefill cost is a per-token mean over recent prefills.
+A decode step over B streams holding C context tokens in all is modelled as t = a + b*B + c*C
+(weights and overhead, per-stream work, attention reads), fitted by ridge least squares over a
+sliding window of recent decode-only steps.  Separating c from b matters for capacity: early in
+a burst contexts are short, and Gamma must be judged at the contexts the streams will have over
+their lives, not at today's.  The ridge pulls toward the configured guesses, so a window without
+variety in B or C still gives sane values.  Prefill cost is a per-token mean over recent
+prefills.
 """
 
 from __future__ import annotations
@@ -17,47 +19,90 @@ class StepTimeEstimator:
 
     _RIDGE = 0.05  # weight of the prior, per observation
 
-    def __init__(self, decode_step_s: float, prefill_token_s: float, window: int = 64) -> None:
-        # Prior: a batch-1 decode takes decode_step_s, 90% of it fixed (weights, overhead).
-        self._prior = (decode_step_s * 0.9, decode_step_s * 0.1)
-        self._base_s, self._per_seq_s = self._prior
+    def __init__(
+        self,
+        decode_step_s: float,
+        prefill_token_s: float,
+        window: int = 64,
+        per_seq_s: float | None = None,
+        per_context_token_s: float = 0.0,
+    ) -> None:
+        # Prior: a batch-1 decode takes decode_step_s; each stream adds per_seq_s (default: 10%
+        # of it, the rest fixed: weights, overhead) and each context token per_context_token_s.
+        if per_seq_s is None:
+            per_seq_s = decode_step_s * 0.1
+        self._prior_seq_s, self._prior_token_s = per_seq_s, per_context_token_s
+        self._base_s = max(decode_step_s - per_seq_s, 0.0)
+        self._per_seq_s, self._per_token_s = per_seq_s, per_context_token_s
         self._prefill_token_s = prefill_token_s
-        self._decode_obs: deque[tuple[int, float]] = deque(maxlen=window)
+        self._decode_obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_obs: deque[float] = deque(maxlen=32)
+        self._mean_context = 0.0  # context tokens per stream over the window
 
-    def observe(self, num_decode: int, num_prefill_tokens: int, duration_s: float) -> None:
-        """Record one step's measured duration."""
+    def observe(
+        self,
+        num_decode: int,
+        num_prefill_tokens: int,
+        duration_s: float,
+        decode_context_tokens: int = 0,
+    ) -> None:
+        """Record one step's measured duration (`decode_context_tokens`: summed over the
+        decoding streams, the tokens each attends to)."""
         if duration_s <= 0:
             return
         if num_prefill_tokens == 0 and num_decode > 0:
-            self._decode_obs.append((num_decode, duration_s))
+            self._decode_obs.append((num_decode, decode_context_tokens, duration_s))
             self._refit()
         elif num_prefill_tokens > 0:
-            rest = max(duration_s - self.decode_time_s(num_decode), 0.0)
+            decode_s = self._base_s + self._per_seq_s * num_decode
+            rest = max(duration_s - decode_s - self._per_token_s * decode_context_tokens, 0.0)
             self._prefill_obs.append(rest / num_prefill_tokens)
             self._prefill_token_s = sum(self._prefill_obs) / len(self._prefill_obs)
 
     def _refit(self) -> None:
-        """Ridge regression of t on (1, B), centred, with the prior slope as the ridge target."""
-        n = len(self._decode_obs)
-        mean_b = sum(b for b, _ in self._decode_obs) / n
-        mean_t = sum(t for _, t in self._decode_obs) / n
-        var_b = sum((b - mean_b) ** 2 for b, _ in self._decode_obs)
-        cov = sum((b - mean_b) * (t - mean_t) for b, t in self._decode_obs)
-        ridge = self._RIDGE * n * max(mean_b, 1.0)
-        slope = (cov + ridge * self._per_seq_s) / (var_b + ridge)
-        self._per_seq_s = max(slope, 0.0)
-        self._base_s = max(mean_t - self._per_seq_s * mean_b, 0.0)
+        """Ridge regression of t on (1, B, C), centred, with the priors as the ridge targets.
 
-    def decode_time_s(self, num_decode: int) -> float:
-        """Predicted duration of a decode step over `num_decode` streams."""
-        return max(self._base_s + self._per_seq_s * num_decode, 1e-6)
+        C is scaled to thousands of tokens so both slopes' ridges weigh alike."""
+        obs = self._decode_obs
+        n = len(obs)
+        mean_b = sum(b for b, _, _ in obs) / n
+        mean_c = sum(c for _, c, _ in obs) / n / 1000.0
+        mean_t = sum(t for _, _, t in obs) / n
+        sbb = sbc = scc = sbt = sct = 0.0
+        for b, c, t in obs:
+            db, dc, dt = b - mean_b, c / 1000.0 - mean_c, t - mean_t
+            sbb += db * db
+            sbc += db * dc
+            scc += dc * dc
+            sbt += db * dt
+            sct += dc * dt
+        ridge_b = self._RIDGE * n * max(mean_b, 1.0)
+        ridge_c = self._RIDGE * n * max(mean_c, 1.0)
+        prior_c = self._prior_token_s * 1000.0
+        # [sbb + rb, sbc; sbc, scc + rc] [b; c] = [sbt + rb*b0; sct + rc*c0]
+        m11, m12, m22 = sbb + ridge_b, sbc, scc + ridge_c
+        v1, v2 = sbt + ridge_b * self._prior_seq_s, sct + ridge_c * prior_c
+        det = m11 * m22 - m12 * m12
+        slope_b = max((v1 * m22 - m12 * v2) / det, 0.0)
+        slope_c = max((m11 * v2 - m12 * v1) / det, 0.0)
+        self._per_seq_s, self._per_token_s = slope_b, slope_c / 1000.0
+        self._base_s = max(mean_t - slope_b * mean_b - slope_c * mean_c, 0.0)
+        self._mean_context = mean_c * 1000.0 / max(mean_b, 1.0)
+
+    def decode_time_s(self, num_decode: int, context_tokens: float | None = None) -> float:
+        """Predicted duration of a decode step over `num_decode` streams holding
+        `context_tokens` each (default: the recent mean)."""
+        if context_tokens is None:
+            context_tokens = self._mean_context
+        per_stream = self._per_seq_s + self._per_token_s * context_tokens
+        return max(self._base_s + per_stream * num_decode, 1e-6)
 
     def prefill_time_s(self, num_tokens: int) -> float:
         """Predicted time to recompute `num_tokens` tokens of KV."""
         return self._prefill_token_s * num_tokens
 
-    def capacity_tps(self, batch_size: int) -> float:
-        """Tokens/s generated when decoding `batch_size` streams (at current contexts)."""
+    def capacity_tps(self, batch_size: int, context_tokens: float | None = None) -> float:
+        """Tokens/s generated when decoding `batch_size` streams of `context_tokens` each
+        (default: at recent contexts)."""
         batch_size = max(batch_size, 1)
-        return batch_size / self.decode_time_s(batch_size)
+        return batch_size / self.decode_time_s(batch_size, context_tokens)

@@ -26,6 +26,9 @@ class KVConfig:
     num_host_blocks: int
     block_size: int = 16
     block_bytes: int = 1  # bytes of one block, all layers, K and V (copy budgets are in bytes)
+    # Mechanism switches (ablations of SPEC section 4; the defaults are the paper's design):
+    offload: bool = True  # False: an eviction drops the KV (recompute) and nothing is written
+    free_synced_on_evict: bool = True  # False: a victim's blocks wait for its whole eviction
 
     def __post_init__(self) -> None:
         if self.num_device_blocks < 1:
@@ -102,6 +105,17 @@ class KVTierManager:
             > self._synced_tokens.get(request_id, 0) // self.block_size
         )
 
+    @property
+    def num_evicting_blocks(self) -> int:
+        """Device blocks whose eviction copy is queued this step (the eviction queue)."""
+        return len(self._release_after_step)
+
+    def num_blocks_to_load(self, request_id: str, num_tokens: int) -> int:
+        """Blocks of a loading request not yet planned for copying (0 if it is not loading)."""
+        if request_id not in self._loaded_blocks:
+            return 0
+        return self.blocks_for(num_tokens) - self._loaded_blocks[request_id]
+
     # -- device allocation ------------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         """True when the device table can grow to cover `num_tokens` tokens."""
@@ -133,6 +147,8 @@ class KVTierManager:
         eviction instead.  Stops at `budget_blocks` copies or when the host tier is full.
         """
         copies: list[BlockCopy] = []
+        if not self.config.offload:
+            return copies
         bs = self.block_size
         for request_id, num_tokens in candidates:
             if len(copies) >= budget_blocks:
@@ -163,12 +179,16 @@ class KVTierManager:
     def evict(self, request_id: str, num_tokens: int) -> EvictionPlan | None:
         """Offload a request: free its synced device blocks now, copy the unsynced rest.
 
-        Returns None, changing nothing, when the host tier cannot take the rest (the caller then
-        drops the KV for recompute).  Copied device blocks are released at `end_step()`.
+        Returns None, changing nothing, when the host tier cannot take the rest or offloading is
+        off (the caller then drops the KV for recompute).  Copied device blocks are released at
+        `end_step()`; so are the synced ones when `free_synced_on_evict` is off (no load-evict
+        overlap: the memory is reusable only once the eviction completes).
         """
         device = self._device_tables.get(request_id, [])
         host = self._host_tables.get(request_id, [])
         needed = self.blocks_for(num_tokens)
+        if not self.config.offload:
+            return None
         if needed - len(host) > len(self._free_host) or len(device) < needed:
             return None
         host = self._host_tables.setdefault(request_id, host)
@@ -179,9 +199,10 @@ class KVTierManager:
             BlockCopy(request_id, CopyKind.EVICT, device[i], host[i])
             for i in range(first_unsynced, needed)
         )
-        self._free_device.extend(reversed(device[:first_unsynced]))
+        synced_now = first_unsynced if self.config.free_synced_on_evict else 0
+        self._free_device.extend(reversed(device[:synced_now]))
         self._free_device.extend(reversed(device[needed:]))
-        self._release_after_step.extend(device[first_unsynced:needed])
+        self._release_after_step.extend(device[synced_now:needed])
         self._device_tables.pop(request_id, None)
         self._loaded_blocks.pop(request_id, None)
         self._synced_tokens[request_id] = num_tokens

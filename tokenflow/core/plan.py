@@ -78,6 +78,11 @@ class StepPlan:
         return sum(1 for c in self.chunks if c.is_decode)
 
     @property
+    def num_decode_context_tokens(self) -> int:
+        """Tokens the decoding streams attend to, summed (the step's attention reads)."""
+        return sum(c.start_position + 1 for c in self.chunks if c.is_decode)
+
+    @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.device_to_host or self.host_to_device)
 

@@ -21,6 +21,8 @@ from tokenflow.core.plan import (
 from tokenflow.core.policies.base import Moves, Policy, Preemption, SchedulingView, Start
 from tokenflow.core.request import FinishReason, PreemptMode, Request, RequestState
 
+_COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
+
 
 class Scheduler:
     """Owns the requests, the KV tier manager and a policy; knows nothing of models or clocks."""
@@ -30,7 +32,10 @@ class Scheduler:
         self.kv = KVTierManager(kv_config)
         self.policy = policy
         self.estimator = StepTimeEstimator(
-            config.initial_decode_step_s, config.initial_prefill_token_s
+            config.initial_decode_step_s,
+            config.initial_prefill_token_s,
+            per_seq_s=config.initial_decode_seq_s,
+            per_context_token_s=config.initial_decode_token_s,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -252,8 +257,12 @@ class Scheduler:
 
     # -- copies ---------------------------------------------------------------------------------
     def _copy_budget_blocks(self, num_chunks: int) -> int:
-        """Blocks one link direction moves while the step computes (at least one)."""
-        step_s = self.estimator.decode_time_s(num_chunks)
+        """Blocks one link direction moves while the step computes (at least one).
+
+        Sized to a share of the predicted step, not all of it: a step whose copies outlast its
+        compute is measured longer, which would widen the next budget and lengthen steps for
+        good; below 1 the prediction contracts back to the compute time."""
+        step_s = _COPY_SHARE_OF_STEP * self.estimator.decode_time_s(num_chunks)
         block_bytes = self.kv.config.block_bytes
         return max(1, int(self.config.link_bytes_per_s * step_s / block_bytes))
 
@@ -282,7 +291,12 @@ class Scheduler:
         """Apply a finished step at time `now_s`: new tokens, finished requests, loaded KV."""
         self.kv.end_step()
         duration_s = now_s - self._step_started_s
-        self.estimator.observe(plan.num_decode_tokens, plan.num_prefill_tokens, duration_s)
+        self.estimator.observe(
+            plan.num_decode_tokens,
+            plan.num_prefill_tokens,
+            duration_s,
+            plan.num_decode_context_tokens,
+        )
         for request in self._loads_completing:
             if request.state is RequestState.LOADING:
                 request.state = RequestState.RUNNING

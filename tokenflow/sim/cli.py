@@ -11,9 +11,11 @@ import os
 import sys
 from dataclasses import replace
 
-from tokenflow.bench.report import format_table, plot_report, write_json
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES, parse_policy_names
+from tokenflow.report import format_table, plot_report, write_json
+from tokenflow.sim.cost_model import CostModelConfig
+from tokenflow.sim.overhead import SchedulerOverhead
 from tokenflow.sim.runner import SimConfig, SimResult, run_simulation
 from tokenflow.sim.setups import get_setup, paper_setups
 from tokenflow.workload import WorkloadRequest, generate
@@ -36,8 +38,50 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     tf = parser.add_argument_group("tokenflow policy and ablations")
     tf.add_argument("--schedule-interval", type=float, default=TokenFlowConfig.schedule_interval_s)
     tf.add_argument("--mu", type=float, default=TokenFlowConfig.buffer_conservativeness)
-    tf.add_argument("--no-write-through", action="store_true", help="ablation")
-    tf.add_argument("--no-load-evict-overlap", action="store_true", help="ablation")
+    tf.add_argument(
+        "--capacity-headroom",
+        type=float,
+        default=TokenFlowConfig.capacity_headroom,
+        help="admit while reading rates stay <= this share of capacity (docs/overload.md)",
+    )
+    tf.add_argument(
+        "--max-stall-s",
+        type=float,
+        default=TokenFlowConfig.max_stall_s,
+        help="a stream stalled this long goes on the device first",
+    )
+    tf.add_argument("--no-offload", action="store_true", help="ablation: preempt by recompute only")
+    tf.add_argument(
+        "--no-write-through",
+        action="store_true",
+        help="ablation: write-back, the preempting step waits for its eviction",
+    )
+    tf.add_argument(
+        "--no-load-evict-overlap",
+        action="store_true",
+        help="ablation: a victim's memory is reusable only once its eviction completes",
+    )
+    cost = parser.add_argument_group("costs (defaults: the GPU preset's, see docs/results.md)")
+    cost.add_argument("--pcie-gbps", type=float, default=None, help="effective GB/s per direction")
+    cost.add_argument("--copy-latency-us", type=float, default=None, help="per copy operation")
+    cost.add_argument(
+        "--copy-pieces-per-block",
+        type=int,
+        default=None,
+        help="copy operations per KV block (default 2 x layers; 1: block-contiguous layout)",
+    )
+    cost.add_argument(
+        "--sched-overhead-ms",
+        type=float,
+        default=None,
+        help="scheduler CPU ms per step, fixed part (default: the policy's calibrated one)",
+    )
+    cost.add_argument(
+        "--sched-overhead-us-per-request",
+        type=float,
+        default=None,
+        help="scheduler CPU us per step per unfinished request (with --sched-overhead-ms)",
+    )
     add_workload_arguments(parser, default_kind=None)
     out = parser.add_argument_group("output")
     out.add_argument("--json", default=None, help="write one object per policy to this file")
@@ -56,16 +100,34 @@ def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimCon
     tokenflow = TokenFlowConfig(
         schedule_interval_s=args.schedule_interval,
         buffer_conservativeness=args.mu,
-        write_through=not args.no_write_through,
+        capacity_headroom=args.capacity_headroom,
+        max_stall_s=args.max_stall_s,
     )
     config = SimConfig(
         gpu=args.gpu or (setup.gpu if setup else "h200"),
         model=args.model or (setup.model if setup else "llama3-8b"),
         memory_fraction=args.memory_fraction or (setup.memory_fraction if setup else 0.3),
         host_memory_gib=args.host_memory_gib or (setup.host_memory_gib if setup else 128.0),
+        offload=not args.no_offload,
+        write_through=not args.no_write_through,
         overlap_load_evict=not args.no_load_evict_overlap,
+        cost=CostModelConfig(
+            pcie_bytes_per_s=args.pcie_gbps * 1e9 if args.pcie_gbps else None,
+            copy_latency_s=None if args.copy_latency_us is None else args.copy_latency_us * 1e-6,
+            copy_pieces_per_block=args.copy_pieces_per_block,
+        ),
+        scheduler_overhead=_overhead(args),
     )
     return workload, replace(config, tokenflow=tokenflow)
+
+
+def _overhead(args: argparse.Namespace) -> SchedulerOverhead | None:
+    if args.sched_overhead_ms is None and args.sched_overhead_us_per_request is None:
+        return None
+    return SchedulerOverhead(
+        fixed_s=(args.sched_overhead_ms or 0.0) * 1e-3,
+        per_request_s=(args.sched_overhead_us_per_request or 0.0) * 1e-6,
+    )
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -99,7 +161,7 @@ def _report(
         print(
             f"  {r.policy}: {r.num_steps} steps, {r.num_loads} loads, {r.num_recomputes} "
             f"recomputes, {r.d2h_gib:.0f} GiB to host, {r.h2d_gib:.0f} GiB to device, "
-            f"simulated in {r.wall_s:.1f} s"
+            f"{r.scheduler_cpu_s:.1f} s scheduler CPU, simulated in {r.wall_s:.1f} s"
         )
     if args.json:
         write_json(args.json, summaries)

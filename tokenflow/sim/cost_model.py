@@ -12,6 +12,12 @@ cores or by device memory, so each is charged its own roofline and the three are
 
 time = step overhead + sum over components of max(FLOPs / (peak * eff), bytes / (bw * eff)).
 
+Host <-> device copies: a KV block is not one contiguous piece.  With the usual layer-major
+layout (one K and one V tensor per layer, as vLLM and SGLang allocate them) a block's KV is
+2 x num_layers pieces, each its own copy operation, so one block costs
+pieces x (per-operation latency + piece bytes / effective PCIe bandwidth).
+`copy_pieces_per_block=1` models a block-contiguous layout (or a gather kernel).
+
 Ignored: activations traffic, norms/rotary/softmax elementwise work, kernel-launch gaps inside a
 step (folded into `step_overhead_s`), tensor parallelism.
 """
@@ -32,12 +38,17 @@ class CostModelConfig:
 
     compute_efficiency: float = 0.6  # achieved / peak tensor FLOP/s of large GEMMs
     bandwidth_efficiency: float = 0.8  # achieved / peak device-memory bandwidth
-    # Fixed CPU-side cost of one iteration (scheduling, input preparation, sampling, output
-    # processing, launch gaps).  Engines are not free here: vLLM's profile of Llama 3 8B on one
-    # H100 found the GPU busy only 38% of the time before v0.6.0 (blog.vllm.ai/2024/09/05/
-    # perf-update.html), and SGLang/vLLM decode steps still carry a few ms beyond the kernels.
+    # Fixed CPU-side cost of one iteration (input preparation, sampling, output processing,
+    # launch gaps; the scheduler's own decision time is charged apart, see sim/overhead.py).
+    # Engines are not free here: vLLM's profile of Llama 3 8B on one H100 found the GPU busy
+    # only 38% of the time before v0.6.0 (blog.vllm.ai/2024/09/05/perf-update.html), and
+    # SGLang/vLLM decode steps still carry a few ms beyond the kernels.
     step_overhead_s: float = 0.004
     prefill_token_overhead_s: float = 0.0  # extra CPU cost per prefill token (input building)
+    # Host <-> device copies; None takes the GPU preset's figure.
+    pcie_bytes_per_s: float | None = None  # effective bandwidth per direction
+    copy_latency_s: float | None = None  # fixed cost of one copy operation
+    copy_pieces_per_block: int | None = None  # copy operations per KV block (None: 2 x layers)
 
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "bandwidth_efficiency"):
@@ -48,6 +59,14 @@ class CostModelConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.pcie_bytes_per_s is not None and not self.pcie_bytes_per_s > 0:
+            raise ValueError(f"pcie_bytes_per_s must be > 0, got {self.pcie_bytes_per_s!r}")
+        if self.copy_latency_s is not None and not self.copy_latency_s >= 0:
+            raise ValueError(f"copy_latency_s must be >= 0, got {self.copy_latency_s!r}")
+        if self.copy_pieces_per_block is not None and self.copy_pieces_per_block < 1:
+            raise ValueError(
+                f"copy_pieces_per_block must be >= 1, got {self.copy_pieces_per_block}"
+            )
 
 
 class CostModel:
@@ -72,6 +91,12 @@ class CostModel:
             4.0 * model.num_layers * model.num_attention_heads * model.head_dim
         )
         self._kv_bytes_per_token = model.kv_bytes_per_token
+        cfg = self.config
+        self.pcie_bytes_per_s = cfg.pcie_bytes_per_s or gpu.pcie_bytes_per_s
+        self.copy_latency_s = (
+            gpu.copy_latency_s if cfg.copy_latency_s is None else cfg.copy_latency_s
+        )
+        self.copy_pieces_per_block = cfg.copy_pieces_per_block or 2 * model.num_layers
 
     def compute_time_s(
         self,
@@ -113,9 +138,13 @@ class CostModel:
             + decode_attention_s
         )
 
-    def copy_time_s(self, num_bytes: int) -> float:
-        """Seconds to move `num_bytes` over PCIe in one direction."""
-        return num_bytes / self.gpu.pcie_bytes_per_s
+    def copy_time_s(self, num_bytes: int, num_ops: int = 1) -> float:
+        """Seconds to move `num_bytes` over PCIe in one direction in `num_ops` copy operations."""
+        return num_ops * self.copy_latency_s + num_bytes / self.pcie_bytes_per_s
+
+    def block_copy_time_s(self, block_bytes: int) -> float:
+        """Seconds to copy one KV block of `block_bytes` (all its pieces) in one direction."""
+        return self.copy_time_s(block_bytes, self.copy_pieces_per_block)
 
     def kv_pool_bytes(self, memory_fraction: float) -> int:
         """KV memory left when `memory_fraction` of the GPU holds the weights and the KV pool."""

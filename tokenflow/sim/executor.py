@@ -3,10 +3,13 @@
 Timing of one step (plan.py's contract: copies and the forward pass run concurrently):
 
 - compute: the cost model's roofline over the step's chunks;
-- device -> host and host -> device copies: bytes / PCIe bandwidth each.  PCIe is full duplex, so
-  the two directions overlap each other and the compute: duration = max(compute, d2h, h2d).
-  With `overlap_load_evict=False` (the paper's "without load-evict overlap" ablation) loads and
-  evictions share one copy engine: duration = max(compute, d2h + h2d).
+- device -> host and host -> device copies: blocks x the cost model's block copy time (its
+  pieces, each a per-operation latency plus bytes over the effective PCIe bandwidth).  PCIe is
+  full duplex, so the two directions overlap each other and the compute:
+  duration = max(compute, d2h, h2d).
+- With `blocking_evictions=True` (write-back: the "without write-through" ablation) the step
+  that preempts waits for its eviction copies before it computes:
+  duration = evict + max(compute, other d2h, h2d).
 
 Chunks are costed by shape, not role: a single-token chunk is memory-bound attention over its
 context (a decode), a longer one is a compute-bound prefill.  Every single-token chunk is
@@ -20,7 +23,7 @@ own `stop_token_ids` are skipped too.
 
 from __future__ import annotations
 
-from tokenflow.core.plan import SampledToken, StepPlan, StepResult
+from tokenflow.core.plan import CopyKind, SampledToken, StepPlan, StepResult
 from tokenflow.sim.clock import SimClock
 from tokenflow.sim.cost_model import CostModel
 
@@ -36,7 +39,7 @@ class SimExecutor:
         clock: SimClock,
         block_size: int,
         seed: int = 0,
-        overlap_load_evict: bool = True,
+        blocking_evictions: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size!r}")
@@ -44,10 +47,10 @@ class SimExecutor:
         self._clock = clock
         self._block_size = block_size
         self._seed = seed
-        self._overlap_load_evict = overlap_load_evict
+        self._blocking_evictions = blocking_evictions
         block_bytes = block_size * cost_model.model.kv_bytes_per_token
         self._block_bytes = block_bytes
-        self._block_copy_s = cost_model.copy_time_s(block_bytes)
+        self._block_copy_s = cost_model.block_copy_time_s(block_bytes)
         self._total_compute_s = 0.0
         self._total_d2h_bytes = 0
         self._total_h2d_bytes = 0
@@ -64,6 +67,11 @@ class SimExecutor:
     def total_compute_s(self) -> float:
         """Sum of the forward-pass times of all steps (copies excluded)."""
         return self._total_compute_s
+
+    @property
+    def block_copy_s(self) -> float:
+        """Seconds to copy one KV block in one direction (latency of its pieces included)."""
+        return self._block_copy_s
 
     @property
     def total_d2h_bytes(self) -> int:
@@ -93,8 +101,13 @@ class SimExecutor:
         num_h2d = len(plan.host_to_device)
         d2h_s = num_d2h * self._block_copy_s
         h2d_s = num_h2d * self._block_copy_s
-        copy_s = max(d2h_s, h2d_s) if self._overlap_load_evict else d2h_s + h2d_s
-        duration_s = max(compute_s, copy_s)
+        if self._blocking_evictions and num_d2h:
+            evict_s = self._block_copy_s * sum(
+                1 for c in plan.device_to_host if c.kind is CopyKind.EVICT
+            )
+            duration_s = evict_s + max(compute_s, d2h_s - evict_s, h2d_s)
+        else:
+            duration_s = max(compute_s, d2h_s, h2d_s)
 
         self._clock.advance(duration_s)
         self._num_steps += 1

@@ -20,7 +20,10 @@ class GpuSpec:
     bf16_flops_per_s: float
     hbm_bytes_per_s: float  # device memory bandwidth (HBM or GDDR)
     memory_bytes: int
-    pcie_bytes_per_s: float  # achieved host <-> device bandwidth, per direction
+    pcie_bytes_per_s: float  # effective pinned-memory host <-> device bandwidth, per direction
+    pcie_peak_bytes_per_s: float = 0.0  # the link's nominal rate (documentation; 0: unknown)
+    # Fixed cost of one host <-> device copy operation (a cudaMemcpyAsync: launch + DMA setup).
+    copy_latency_s: float = 5e-6
 
     def __post_init__(self) -> None:
         for field_name in ("bf16_flops_per_s", "hbm_bytes_per_s", "memory_bytes"):
@@ -28,6 +31,10 @@ class GpuSpec:
                 raise ValueError(f"GPU {self.name}: {field_name} must be > 0")
         if self.pcie_bytes_per_s <= 0:
             raise ValueError(f"GPU {self.name}: pcie_bytes_per_s must be > 0")
+        if self.pcie_peak_bytes_per_s and self.pcie_bytes_per_s > self.pcie_peak_bytes_per_s:
+            raise ValueError(f"GPU {self.name}: effective PCIe bandwidth exceeds the peak")
+        if not self.copy_latency_s >= 0:
+            raise ValueError(f"GPU {self.name}: copy_latency_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -104,22 +111,28 @@ class ModelSpec:
 
 def gpu_specs() -> dict[str, GpuSpec]:
     """Known GPUs by canonical name (a fresh dict on each call)."""
-    # PCIe: Gen5 x16 is 64 GB/s per direction on paper (NVIDIA lists 128 GB/s bidirectional);
-    # pinned-memory copies reach ~50 GB/s.  Gen4 x16 is 32 GB/s on paper, ~25 GB/s achieved.
-    pcie_gen5 = 50e9
-    pcie_gen4 = 25e9
+    # PCIe, per direction: Gen5 x16 is 64 GB/s nominal (63 GB/s after 128b/130b encoding;
+    # NVIDIA lists 128 GB/s bidirectional), Gen4 x16 32 GB/s (31.5).  Published pinned-memory
+    # measurements (CUDA's bandwidthTest and nvbandwidth on H100/H200 hosts, vendor and forum
+    # reports for RTX 4090/A100 workstations) reach ~50-55 GB/s and ~24-26 GB/s: about 80% of
+    # nominal, lost to TLP headers and flow control.  We take 50 and 25 GB/s.
+    # Per copy: cudaMemcpyAsync costs a few microseconds of launch and DMA setup however small
+    # the copy (microbenchmarks report ~2-5 us to issue, ~5-10 us end to end for a small
+    # pinned transfer); copies queued back to back pipeline, so 5 us per operation is charged.
+    gen5 = {"pcie_bytes_per_s": 50e9, "pcie_peak_bytes_per_s": 64e9, "copy_latency_s": 5e-6}
+    gen4 = {"pcie_bytes_per_s": 25e9, "pcie_peak_bytes_per_s": 32e9, "copy_latency_s": 5e-6}
     return {
         # H200 SXM: 1,979 TFLOPS bf16 with sparsity -> 989.5 dense; HBM3e 4.8 TB/s; 141 GB.
-        "H200": GpuSpec("H200", 989.5e12, 4.8e12, 141 * _GIB, pcie_gen5),
+        "H200": GpuSpec("H200", 989.5e12, 4.8e12, 141 * _GIB, **gen5),
         # H100 SXM: 1,979 TFLOPS bf16 with sparsity -> 989.5 dense; HBM3 3.35 TB/s; 80 GB.
-        "H100": GpuSpec("H100 SXM", 989.5e12, 3.35e12, 80 * _GIB, pcie_gen5),
+        "H100": GpuSpec("H100 SXM", 989.5e12, 3.35e12, 80 * _GIB, **gen5),
         # A100 80GB SXM: 312 TFLOPS bf16 dense; HBM2e 2,039 GB/s; 80 GB.
-        "A100": GpuSpec("A100 80GB SXM", 312e12, 2.039e12, 80 * _GIB, pcie_gen4),
+        "A100": GpuSpec("A100 80GB SXM", 312e12, 2.039e12, 80 * _GIB, **gen4),
         # RTX A6000: 154.8 TFLOPS bf16 dense (309.7 with sparsity); GDDR6 768 GB/s; 48 GB.
-        "A6000": GpuSpec("RTX A6000", 154.8e12, 768e9, 48 * _GIB, pcie_gen4),
+        "A6000": GpuSpec("RTX A6000", 154.8e12, 768e9, 48 * _GIB, **gen4),
         # RTX 4090 (Ada whitepaper): 165.2 TFLOPS bf16 with fp32 accumulate, dense;
         # GDDR6X 1,008 GB/s; 24 GB.
-        "RTX4090": GpuSpec("RTX 4090", 165.2e12, 1008e9, 24 * _GIB, pcie_gen4),
+        "RTX4090": GpuSpec("RTX 4090", 165.2e12, 1008e9, 24 * _GIB, **gen4),
     }
 
 

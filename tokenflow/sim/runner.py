@@ -16,9 +16,10 @@ from tokenflow.core.request import Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.metrics import MetricsConfig, RequestTrace, Summary, summarize
 from tokenflow.sim.clock import SimClock
-from tokenflow.sim.cost_model import CostModel
+from tokenflow.sim.cost_model import CostModel, CostModelConfig
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.hardware import get_gpu, get_model
+from tokenflow.sim.overhead import OverheadCharge, SchedulerOverhead, default_overhead
 from tokenflow.workload import WorkloadRequest
 
 _GIB = 2**30
@@ -30,15 +31,27 @@ class SimulationStalled(RuntimeError):
 
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulated deployment: hardware, memory split and policy parameters."""
+    """One simulated deployment: hardware, memory split, costs, ablations and policy parameters.
+
+    Ablations (SPEC section 4), each off by default:
+    - `offload=False`: preemption by recompute only (no host copy is ever made or loaded);
+    - `write_through=False`: write-back, the preempting step waits for its whole eviction;
+    - `overlap_load_evict=False`: a victim's device memory (synced blocks included) is not
+      reusable until its eviction completes.
+    """
 
     gpu: str = "h200"
     model: str = "llama3-8b"
     memory_fraction: float = 0.3  # of GPU memory for weights + device KV pool
     host_memory_gib: float = 128.0  # host KV tier
     block_size: int = 16
+    offload: bool = True
+    write_through: bool = True
     overlap_load_evict: bool = True
     check_integrity: bool = False
+    cost: CostModelConfig = field(default_factory=CostModelConfig)
+    # Scheduler CPU time charged per step; None: the policy's calibrated default.
+    scheduler_overhead: SchedulerOverhead | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tokenflow: TokenFlowConfig = field(default_factory=TokenFlowConfig)
     andes: AndesConfig = field(default_factory=AndesConfig)
@@ -57,32 +70,59 @@ class SimResult:
     d2h_gib: float
     h2d_gib: float
     compute_s: float  # simulated time the device spent computing (the rest: copies, idle)
+    scheduler_cpu_s: float  # simulated time charged for the scheduler's own CPU work
     wall_s: float
 
 
 def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecutor]:
-    """The core wired to a cost-model executor and a simulated clock."""
-    cost_model = CostModel(get_gpu(config.gpu), get_model(config.model))
+    """The core wired to a cost-model executor, a simulated clock and the overhead charge."""
+    cost_model = CostModel(get_gpu(config.gpu), get_model(config.model), config.cost)
     block_bytes = config.block_size * cost_model.model.kv_bytes_per_token
     kv_config = KVConfig(
         num_device_blocks=cost_model.kv_pool_bytes(config.memory_fraction) // block_bytes,
         num_host_blocks=int(config.host_memory_gib * _GIB) // block_bytes,
         block_size=config.block_size,
         block_bytes=block_bytes,
+        offload=config.offload,
+        free_synced_on_evict=config.overlap_load_evict,
     )
     scheduler_config = replace(
         config.scheduler,
-        link_bytes_per_s=cost_model.gpu.pcie_bytes_per_s,
+        # What the link achieves per block, latency of its pieces included: copy budgets and
+        # the policies' I/O estimates then match what the executor charges.
+        link_bytes_per_s=block_bytes / cost_model.block_copy_time_s(block_bytes),
         initial_decode_step_s=1.0 / cost_model.decode_tokens_per_s(1, 1024),
+        initial_decode_seq_s=decode_seq_s(cost_model),
+        initial_decode_token_s=decode_token_s(cost_model),
         initial_prefill_token_s=1.0 / cost_model.prefill_tokens_per_s(2048),
     )
-    policy_obj = make_policy(policy, scheduler_config, config.tokenflow, config.andes)
+    write_through = config.write_through and config.tokenflow.write_through
+    tokenflow = replace(config.tokenflow, write_through=write_through)
+    policy_obj = make_policy(policy, scheduler_config, tokenflow, config.andes)
     scheduler = Scheduler(scheduler_config, kv_config, policy_obj)
     clock = SimClock()
     executor = SimExecutor(
-        cost_model, clock, config.block_size, overlap_load_evict=config.overlap_load_evict
+        cost_model, clock, config.block_size, blocking_evictions=not write_through
     )
-    return EngineCore(scheduler, executor, clock, config.check_integrity), executor
+    overhead = config.scheduler_overhead or default_overhead(policy)
+    charge = OverheadCharge(overhead, clock, lambda: scheduler.num_unfinished)
+    core = EngineCore(scheduler, executor, clock, config.check_integrity, on_plan=charge)
+    return core, executor
+
+
+def decode_token_s(cost_model: CostModel, batch: int = 64) -> float:
+    """What each context token adds to a decode step, from the cost model (an estimator prior:
+    the hardware is known, so Gamma at batches and contexts not yet run need not be guessed)."""
+    short = batch / cost_model.decode_tokens_per_s(batch, 1024)
+    long = batch / cost_model.decode_tokens_per_s(batch, 2048)
+    return max(long - short, 0.0) / (batch * 1024)
+
+
+def decode_seq_s(cost_model: CostModel, batch: int = 64) -> float:
+    """What each extra stream adds to a decode step besides its context (estimator prior)."""
+    one = 1.0 / cost_model.decode_tokens_per_s(1, 1024)
+    many = batch / cost_model.decode_tokens_per_s(batch, 1024)
+    return max(max(many - one, 0.0) / (batch - 1) - 1024 * decode_token_s(cost_model), 0.0)
 
 
 def make_request(item: WorkloadRequest) -> Request:
@@ -141,6 +181,7 @@ def run_simulation(
         d2h_gib=executor.total_d2h_bytes / _GIB,
         h2d_gib=executor.total_h2d_bytes / _GIB,
         compute_s=executor.total_compute_s,
+        scheduler_cpu_s=_overhead_total_s(core),
         wall_s=time.perf_counter() - started,
     )
 
@@ -149,6 +190,11 @@ def executor_clock(core: EngineCore) -> SimClock:
     clock = core.clock
     assert isinstance(clock, SimClock)
     return clock
+
+
+def _overhead_total_s(core: EngineCore) -> float:
+    charge = core.on_plan
+    return charge.total_s if isinstance(charge, OverheadCharge) else 0.0
 
 
 def _trace(request: Request) -> RequestTrace:

@@ -9,16 +9,19 @@ keeps per-member work to plain arithmetic on attributes so Python stays near tha
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.kv_manager import KVTierManager
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.request import Request, RequestState
 
 _RUNNING = RequestState.RUNNING
 _LOADING = RequestState.LOADING
+_PREEMPTED = RequestState.PREEMPTED
+PrefillTime = Callable[[int], float]
 
 
 class Candidate(NamedTuple):
@@ -30,6 +33,11 @@ class Candidate(NamedTuple):
     is_resident: bool  # on the device now (running or loading)
     is_pinned: bool  # must stay: mid-prefill, loading, or unsafe to pause
     is_pausable: bool  # running, decoding, and its buffer covers a safe pause
+    is_urgent: bool  # started, and its reader runs dry within the critical slack
+    is_overdue: bool  # started, and its reader has stalled for max_stall_s or longer
+    reclaim_blocks: int  # device blocks a pause frees (0 unless pausable)
+    unsynced_blocks: int  # host blocks a pause takes for its unsynced tail (0 unless pausable)
+    resume_s: float  # link or compute time to bring a paused member back (0 otherwise)
 
 
 @dataclass(frozen=True)
@@ -62,14 +70,30 @@ def pause_threshold_s(
     synced_tokens: int,
     block_size: int,
     seconds_per_block: float,
+    resume_queue_s: float = 0.0,
 ) -> float:
     """Buffer (seconds of reading) a stream needs to be paused safely: mu times the round trip
-    (evict its unsynced blocks, load all back, one interval) plus the critical slack, so that a
-    paused stream is not critical the moment it stops (which would thrash)."""
+    (evict its unsynced blocks, wait behind the resumes already queued, load all back, one
+    interval) plus the critical slack, so that a paused stream is not critical the moment it
+    stops (which would thrash).  The queue term makes pausing self-limiting: the more streams
+    wait off the device, the larger a buffer must be before another joins them."""
     blocks = -(-computed_tokens // block_size)
     unsynced = blocks - synced_tokens // block_size
-    round_trip_s = (unsynced + blocks) * seconds_per_block + config.schedule_interval_s
+    round_trip_s = (
+        (unsynced + blocks) * seconds_per_block + resume_queue_s + config.schedule_interval_s
+    )
     return config.buffer_conservativeness * round_trip_s + config.critical_slack_s
+
+
+def resume_time_s(
+    request: Request, kv: KVTierManager, seconds_per_block: float, prefill_s: PrefillTime
+) -> float:
+    """Time to bring a paused stream back: loading its host copy, or recomputing if faster."""
+    recompute = prefill_s(request.num_tokens)
+    if kv.has_host_copy(request.request_id, request.num_computed_tokens):
+        load = kv.blocks_for(request.num_computed_tokens) * seconds_per_block
+        return load if load < recompute else recompute
+    return recompute
 
 
 def survey(
@@ -85,7 +109,10 @@ def survey(
     stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
     exp = math.exp
     free_host = kv.num_free_host_blocks
-    min_threshold = pause_threshold_s(config, 0, 0, bs, seconds_per_block)
+    critical, max_stall = config.critical_slack_s, config.max_stall_s
+    prefill_s = view.estimator.prefill_time_s
+    queue_s = sum(resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted)
+    min_threshold = pause_threshold_s(config, 0, 0, bs, seconds_per_block, queue_s)
     candidates: list[Candidate] = []
     sum_rate = 0.0
     sum_tokens = sum_lifetime = 0
@@ -103,20 +130,43 @@ def survey(
         footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
         decoding = state is _RUNNING and num_out > 0 and r.num_computed_tokens >= num_tokens - 1
         pausable = False
+        reclaim = unsynced = 0
         if decoding and buffered >= min_threshold:
             computed, synced = r.num_computed_tokens, kv.synced_tokens(r.request_id)
+            unsynced = kv.blocks_for(computed) - synced // bs
             # Pausing needs host room for the unsynced rest, or the KV would be dropped and
             # recomputed (a preemption then costs compute instead of link time).
-            pausable = kv.blocks_for(computed) - synced // bs <= free_host and buffered >= (
-                pause_threshold_s(config, computed, synced, bs, seconds_per_block)
+            pausable = unsynced <= free_host and buffered >= (
+                pause_threshold_s(config, computed, synced, bs, seconds_per_block, queue_s)
             )
+            if pausable:
+                reclaim = kv.num_device_blocks_of(r.request_id)
+            else:
+                unsynced = 0
+        resume = 0.0
+        if state is _PREEMPTED:
+            resume = resume_time_s(r, kv, seconds_per_block, prefill_s)
+        # slack: seconds until the reader wants a token that does not exist (< 0: stalling)
+        slack = r.last_consume_s + 1.0 / r.rate_tps - now if num_out else 0.0
         # utility(), inlined: this loop runs over every member at every decision
         value = 1.0 - buffered * inv_horizon
         score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
         if not resident:
             score -= switch
         candidates.append(
-            Candidate(r, score, footprint, resident, resident and not pausable, pausable)
+            Candidate(
+                r,
+                score,
+                footprint,
+                resident,
+                resident and not pausable,
+                pausable,
+                num_out > 0 and slack < critical,
+                num_out > 0 and slack <= -max_stall,
+                reclaim,
+                unsynced,
+                resume,
+            )
         )
         sum_rate += r.rate_tps
         sum_tokens += num_tokens
@@ -126,46 +176,63 @@ def survey(
 
 
 def balance(
-    candidates: list[Candidate], capacity_blocks: int, max_seqs: int, passes: int
+    candidates: list[Candidate],
+    capacity_blocks: int,
+    max_seqs: int,
+    by_arrival: bool = False,
+    resume_budget_s: float = math.inf,
 ) -> list[Candidate]:
-    """Who is on the device next: pinned members first, then greedy by utility (ties: higher
-    rate, then arrival) while memory and max_seqs allow, improved by adjacent swaps."""
-    order = sorted(candidates, key=_balance_order)
-    chosen = [False] * len(order)
-    used = count = 0
-    for i, cand in enumerate(order):
-        if count < max_seqs and (cand.is_pinned or used + cand.footprint_blocks <= capacity_blocks):
-            chosen[i] = True
-            used += cand.footprint_blocks
-            count += 1
-    for _ in range(passes):
-        used, improved = improve_by_swaps(order, chosen, used, capacity_blocks)
-        if not improved:
+    """Who is on the device next: greedy in priority order while memory and max_seqs allow.
+
+    Priority: pinned members, then streams stalled for `max_stall_s` or longer (the stall
+    bound), then by utility (ties: see `_utility_order`) or, when the working set is over
+    capacity (`by_arrival`), streams about to stall before the others, each group in arrival
+    order (SPEC section 3: degrade to first come, first served).
+
+    Resumes of paused members share `resume_budget_s` of link (or recompute) time per
+    decision, so rotation never asks more of the link than it moves in an interval; a resume
+    that does not fit waits for the next decision (the first one always fits).
+
+    The paper follows the greedy pick with adjacent-swap local search.  In a list ordered by the
+    same utility the search maximises, no swap can help: an unselected member that precedes a
+    selected one was skipped for lack of room, and swapping it in needs more room still.  So
+    there is none here.
+    """
+    order = sorted(candidates, key=_arrival_order if by_arrival else _utility_order)
+    picked: list[Candidate] = []
+    used = 0
+    resume_s = 0.0
+    for cand in order:
+        if len(picked) >= max_seqs:
             break
-    return [c for c, keep in zip(order, chosen, strict=True) if keep]
+        if not cand.is_pinned and used + cand.footprint_blocks > capacity_blocks:
+            continue
+        if cand.resume_s > 0.0:
+            if resume_s > 0.0 and resume_s + cand.resume_s > resume_budget_s:
+                continue
+            resume_s += cand.resume_s
+        picked.append(cand)
+        used += cand.footprint_blocks
+    return picked
 
 
-def _balance_order(c: Candidate) -> tuple[bool, float, float, float, int]:
+def _utility_order(c: Candidate) -> tuple[bool, bool, float, bool, float, float, int]:
+    """Ties on utility: started streams before newcomers; among started, the faster reader
+    (SPEC), among newcomers the earlier arrival (so none is passed over indefinitely)."""
     r = c.request
-    return (not c.is_pinned, -c.utility, -r.rate_tps, r.arrival_s, r.arrival_index)
+    newcomer = not r.output_token_ids
+    tie = r.arrival_s if newcomer else -r.rate_tps
+    return (
+        not c.is_pinned,
+        not c.is_overdue,
+        -c.utility,
+        newcomer,
+        tie,
+        r.arrival_s,
+        r.arrival_index,
+    )
 
 
-def improve_by_swaps(
-    order: list[Candidate], chosen: list[bool], used: int, capacity_blocks: int
-) -> tuple[int, bool]:
-    """One pass of adjacent (selected, unselected) swaps that raise the total utility without
-    breaking memory; returns the new memory use and whether anything changed."""
-    improved = False
-    for a in range(len(order) - 1):
-        b = a + 1
-        if chosen[a] == chosen[b]:
-            continue
-        inside, outside = (a, b) if chosen[a] else (b, a)
-        if order[inside].is_pinned:
-            continue
-        new_used = used - order[inside].footprint_blocks + order[outside].footprint_blocks
-        if order[outside].utility > order[inside].utility and new_used <= capacity_blocks:
-            chosen[inside], chosen[outside] = False, True
-            used = new_used
-            improved = True
-    return used, improved
+def _arrival_order(c: Candidate) -> tuple[bool, bool, bool, float, int]:
+    r = c.request
+    return (not c.is_pinned, not c.is_overdue, not c.is_urgent, r.arrival_s, r.arrival_index)

@@ -3,13 +3,17 @@
 Everything takes `dict[str, Summary]` (run or policy name -> its summary) and, for plots, the
 runs' `RequestTrace`s, so the simulator reports its runs with the same code as the HTTP
 benchmark.  Plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch).
+Repeated runs (seeds) are summarised as median and min-max by `aggregate`, and plotted by
+`plot_spread`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -152,4 +156,81 @@ def plot_report(
     throughput.set(title="throughput", ylabel="tokens/s")
     _plot_bars(ttft, summaries, [("ttft_p99_s", "P99 TTFT"), ("ttft_mean_s", "mean TTFT")])
     ttft.set(title="time to first token", ylabel="seconds")
+    figure.savefig(path, dpi=100)
+
+
+# -- spread over seeds --------------------------------------------------------------------------
+# The metrics every multi-seed report gives as median and min-max.
+SPREAD_KEYS = (
+    "ttft_mean_s",
+    "ttft_p99_s",
+    "rebuffer_mean_s",
+    "rebuffer_p99_s",
+    "qoe_mean",
+    "effective_throughput_tps",
+    "throughput_tps",
+    "makespan_s",
+)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of one metric over repeated runs (e.g. workload seeds)."""
+
+    median: float
+    minimum: float
+    maximum: float
+
+    def to_dict(self) -> dict[str, float]:
+        """{"median": ..., "min": ..., "max": ...}"""
+        return {"median": self.median, "min": self.minimum, "max": self.maximum}
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """Median (the mean of the middle two for an even count), minimum and maximum."""
+    if not values:
+        raise ValueError("spread of no values")
+    ordered = sorted(float(v) for v in values)
+    return Spread(statistics.median(ordered), ordered[0], ordered[-1])
+
+
+def aggregate(
+    runs: Sequence[Mapping[str, float | int]], keys: Sequence[str] = SPREAD_KEYS
+) -> dict[str, Spread]:
+    """Per metric, the spread over `runs` (each a `Summary.to_dict()` or a JSON record)."""
+    return {key: spread([run[key] for run in runs]) for key in keys}
+
+
+def plot_spread(
+    path: str | os.PathLike[str], title: str, spreads: Mapping[str, Mapping[str, Spread]]
+) -> None:
+    """TTFT against stall per policy: medians as points, min-max as error bars (two panels:
+    means, and P99s).  `spreads` maps policy -> `aggregate()` of its runs."""
+    figure = Figure(figsize=(12, 5), layout="constrained")
+    FigureCanvasAgg(figure)
+    panels = figure.subplots(1, 2)
+    for ax, (ttft_key, stall_key, label) in zip(
+        panels,
+        (("ttft_mean_s", "rebuffer_mean_s", "mean"), ("ttft_p99_s", "rebuffer_p99_s", "P99")),
+        strict=True,
+    ):
+        for index, (policy, metrics) in enumerate(spreads.items()):
+            x, y = metrics[ttft_key], metrics[stall_key]
+            ax.errorbar(
+                [x.median],
+                [y.median],
+                xerr=[[x.median - x.minimum], [x.maximum - x.median]],
+                yerr=[[y.median - y.minimum], [y.maximum - y.median]],
+                fmt="o",
+                capsize=4,
+                color=f"C{index}",
+                label=policy,
+            )
+        ax.set(
+            title=f"{title}: {label} TTFT vs {label} stall",
+            xlabel=f"{label} TTFT (s)",
+            ylabel=f"{label} stall per request (s)",
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     figure.savefig(path, dpi=100)
