@@ -5,7 +5,7 @@ Prefilled whole (the engine before chunking was made universal), that prompt's s
 every stream; chunked to a target step time, no step is much longer than the target.  Both runs
 use the same engine, requests and policy; only the chunk sizing differs.
 
-    python benchmarks/longest_step.py [--policy fcfs] [--context 4096] [--num-short 8]
+    python benchmarks/longest_step.py [--policy fcfs] [--context 2048] [--num-short 8]
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def run(engine: LLMEngine, args: argparse.Namespace, chunked: bool) -> list[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="fcfs")
-    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--num-short", type=int, default=8)
-    parser.add_argument("--short-output", type=int, default=48)
+    parser.add_argument("--short-output", type=int, default=24)
     parser.add_argument("--step-target-ms", type=float, default=EngineArgs.step_target_ms)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads (as `serve`)")
     args = parser.parse_args()
     print(f"policy {args.policy}, context {args.context}, {args.num_short} short streams")
     for chunked in (False, True):
@@ -56,6 +57,7 @@ def main() -> None:
                 device_kv_tokens=2 * args.context,
                 max_prefill_tokens=args.context,
                 step_target_ms=args.step_target_ms,
+                num_threads=args.num_threads,
             )
         )
         steps = run(engine, args, chunked)

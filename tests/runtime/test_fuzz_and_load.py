@@ -103,7 +103,7 @@ def test_fuzzed_bodies_get_a_4xx_or_an_answer_and_never_hurt_an_innocent(served)
     expected = asyncio.run(solo())
 
     @settings(
-        max_examples=40,
+        max_examples=30,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )

@@ -35,6 +35,18 @@ def served(tiny_model_dir):
     engine.close()
 
 
+async def stream_and_act(http: httpx.AsyncClient, body: dict, action) -> list[str]:
+    """Stream `body`; call `action()` once the first data frame arrived; return the frames."""
+    frames: list[str] = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                frames.append(line[len("data: ") :])
+                if len(frames) == 1:
+                    action()
+    return frames
+
+
 def run_together(url: str, *bodies: dict):
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
@@ -110,13 +122,10 @@ def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model
 
             async def go():
                 async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-                    stream = asyncio.ensure_future(read_stream(http, "/v1/completions", slow))
-                    await asyncio.sleep(0.5)
-                    broken["on"] = True
-                    return await stream
+                    return await stream_and_act(http, slow, lambda: broken.update(on=True))
 
-            failed = asyncio.run(go())
-            assert failed.status == 200 and failed.is_done and failed.errors
+            frames = asyncio.run(go())
+            assert frames[-1] == "[DONE]" and "engine loop died" in frames[-2]
             assert wait_until(lambda: not engine.health().is_alive, timeout_s=10)
             health = httpx.get(f"{url}/health")
             assert health.status_code == 503 and health.json()["status"] == "dead"
@@ -135,16 +144,17 @@ def test_shutdown_ends_live_streams_with_an_error_frame(tiny_model_dir):
 
             async def go():
                 async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-                    streams = [
+                    others = [
                         asyncio.ensure_future(read_stream(http, "/v1/completions", slow))
-                        for _ in range(3)
+                        for _ in range(2)
                     ]
-                    await asyncio.sleep(0.5)
-                    engine.stop()
-                    return await asyncio.gather(*streams)
+                    first = await stream_and_act(http, slow, engine.stop)
+                    return first, await asyncio.gather(*others)
 
-            results = asyncio.run(go())
-            assert all(r.is_done and "shutting down" in r.errors[0] for r in results)
+            first, others = asyncio.run(go())
+            assert first[-1] == "[DONE]" and "shutting down" in first[-2]
+            # Each other stream ends with its own error: a frame, or a 503 if it came too late.
+            assert all((r.is_done and r.errors) or r.status == 503 for r in others)
             assert httpx.get(f"{url}/health").status_code == 503
     finally:
         engine.close()

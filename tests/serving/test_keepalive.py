@@ -50,3 +50,15 @@ def test_official_client_parses_streams_with_keepalives() -> None:
         chunks = list(chat)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == " t0 t1 t2"
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_keepalives_fill_a_pause_between_tokens() -> None:
+    # A stream paused by preemption looks like this to the server: no delta for a while.
+    engine = FakeEngine(token_delay_s=0.3)
+    with serve_in_thread(build_app(engine, KEEPALIVE)) as url:
+        body = {"prompt": "x", "max_tokens": 2, "stream": True}
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=10).text
+    _, _, rest = text.partition('"finish_reason":null')
+    between, _, _ = rest.partition('"finish_reason":"length"')
+    assert between.count(": keep-alive\n\n") >= 2
+    assert text.endswith("data: [DONE]\n\n")

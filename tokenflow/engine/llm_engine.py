@@ -36,6 +36,10 @@ from tokenflow.engine.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
+# Below this a prefill chunk's fixed cost (one pass over the weights) dominates its step: smaller
+# chunks would multiply the steps a long prompt takes without shortening any step much.
+_MIN_PREFILL_CHUNK_TOKENS = 128
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -211,7 +215,7 @@ class LLMEngine:
         num_decodes = sum(1 for r in self.scheduler.running if not r.is_prefilling)
         budget_s = max(self.args.step_target_ms / 1000, estimator.decode_time_s(num_decodes))
         chunk = int(budget_s / max(estimator.prefill_time_s(1), 1e-9))
-        chunk = min(max(chunk, self.args.block_size), self.args.max_prefill_tokens)
+        chunk = min(max(chunk, _MIN_PREFILL_CHUNK_TOKENS), self.args.max_prefill_tokens)
         self.scheduler.policy.prefill_chunk_tokens = num_decodes + chunk
 
     def _fail_plan(self, plan: StepPlan, err: Exception) -> list[GenerationDelta]:

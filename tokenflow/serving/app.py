@@ -201,7 +201,7 @@ class _BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._refuse(send)
+            await self._refuse(receive, send)
             return
         buffered: list[Message] = []
         num_bytes = 0
@@ -212,7 +212,7 @@ class _BodyLimit:
                 break
             num_bytes += len(message.get("body", b""))
             if num_bytes > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(receive, send, more_body=message.get("more_body", False))
                 return
             if not message.get("more_body", False):
                 break
@@ -222,7 +222,14 @@ class _BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, receive: Receive, send: Send, more_body: bool = True) -> None:
+        """Answer 413.  The rest of the body is read and dropped first (up to 8x the limit), so
+        a client still sending it can read the answer instead of a reset connection."""
+        num_dropped = 0
+        while more_body and num_dropped <= 8 * self.max_bytes:
+            message = await receive()
+            num_dropped += len(message.get("body", b""))
+            more_body = message["type"] == "http.request" and message.get("more_body", False)
         error = ApiError(413, f"the request body exceeds {self.max_bytes} bytes", code="too_large")
         content = error.body().model_dump_json().encode()
         headers = [
