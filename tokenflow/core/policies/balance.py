@@ -111,7 +111,10 @@ def survey(
     free_host = kv.num_free_host_blocks
     critical, max_stall = config.critical_slack_s, config.max_stall_s
     prefill_s = view.estimator.prefill_time_s
-    queue_s = sum(resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted)
+    resume_of = {
+        r.request_id: resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted
+    }
+    queue_s = sum(resume_of.values())
     min_threshold = pause_threshold_s(config, 0, 0, bs, seconds_per_block, queue_s)
     candidates: list[Candidate] = []
     sum_rate = 0.0
@@ -145,7 +148,9 @@ def survey(
                 unsynced = 0
         resume = 0.0
         if state is _PREEMPTED:
-            resume = resume_time_s(r, kv, seconds_per_block, prefill_s)
+            resume = resume_of.get(r.request_id)
+            if resume is None:  # a member surveyed outside the view's preempted list
+                resume = resume_time_s(r, kv, seconds_per_block, prefill_s)
         # slack: seconds until the reader wants a token that does not exist (< 0: stalling)
         slack = r.last_consume_s + 1.0 / r.rate_tps - now if num_out else 0.0
         # utility(), inlined: this loop runs over every member at every decision

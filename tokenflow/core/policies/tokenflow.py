@@ -85,10 +85,7 @@ class TokenFlowPolicy(Policy):
         self.num_decisions += 1
         growth = self.growth_tokens(view)
         started = self._survey_started(view, growth)
-        capacity, batch = self._capacity(view, started)
-        # No reader takes more than one stream's share of the feasible batch.
-        self._rate_cap_tps = capacity / batch
-        demand = sum(self._demand_tps(c.request) for c in started.candidates)
+        capacity, demand = self._capacity_and_demand(view, started)
         degraded = demand > capacity
         admitted: list[Request] = []
         self._spare_rate_tps = 0.0
@@ -172,6 +169,13 @@ class TokenFlowPolicy(Policy):
         batch = max(1, min(view.config.max_num_seqs, int(view.kv.config.num_device_blocks / beta)))
         return view.estimator.capacity_tps(batch, beta * view.kv.block_size), batch
 
+    def _capacity_and_demand(self, view: SchedulingView, started: Survey) -> tuple[float, float]:
+        """(Gamma, the members' demand); sets the per-reader cap `_demand_tps` applies: no
+        reader takes more than one stream's share of the feasible batch."""
+        capacity, batch = self._capacity(view, started)
+        self._rate_cap_tps = capacity / batch
+        return capacity, sum(self._demand_tps(c.request) for c in started.candidates)
+
     def capacity_tps(self, view: SchedulingView) -> float:
         """Gamma: tokens/s the engine generates at the feasible batch, the number of members
         the device tier holds at their mean lifetime footprint (capped by max_num_seqs), each
@@ -180,10 +184,7 @@ class TokenFlowPolicy(Policy):
 
     def check_schedulable(self, view: SchedulingView, extra_rate_tps: float) -> bool:
         """True when the working set's total reading rate stays within capacity."""
-        started = self._survey_started(view, 1)
-        capacity, batch = self._capacity(view, started)
-        self._rate_cap_tps = capacity / batch
-        demand = sum(self._demand_tps(c.request) for c in started.candidates)
+        capacity, demand = self._capacity_and_demand(view, self._survey_started(view, 1))
         return demand + extra_rate_tps <= capacity
 
     # -- phase 2: admission ---------------------------------------------------------------------
@@ -252,9 +253,7 @@ class TokenFlowPolicy(Policy):
         W_sched, their rates fit in the spare capacity (with headroom), and each finds free
         memory or memory that safe pauses free (with host room for their unsynced tails)."""
         started = self._survey_started(view, 1)
-        capacity, batch = self._capacity(view, started)
-        self._rate_cap_tps = capacity / batch
-        demand = sum(self._demand_tps(c.request) for c in started.candidates)
+        capacity, demand = self._capacity_and_demand(view, started)
         return self._admit(view, started, self.config.capacity_headroom * capacity - demand)
 
     # -- phase 3: buffer balancing --------------------------------------------------------------
