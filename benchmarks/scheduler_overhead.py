@@ -23,8 +23,9 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
-from tokenflow.core.config import AndesConfig, SchedulerConfig, TokenFlowConfig
+from tokenflow.core.config import AndesConfig, TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES, make_policy
 from tokenflow.core.policies.andes import AndesPolicy
 from tokenflow.core.policies.base import Policy, SchedulingView
@@ -32,40 +33,63 @@ from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.sim.runner import SimConfig, build_engine, make_request
 from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
+WAITING_SHARE = 0.11  # of the active requests that arrive after the warm-up (never started)
+WARM_STEPS = 500  # steps of service before timing: at 400 active ~256 running, ~50 preempted
 
-def busy_view(num_active: int, warm_steps: int = 300) -> SchedulingView:
-    """A scheduler view with `num_active` requests after `warm_steps` of tokenflow service."""
-    core, _ = build_engine(SimConfig(), "tokenflow")
+
+def _burst(num_requests: int, first_id: int = 0, arrival_s: float = 0.0) -> list:
     spec = WorkloadSpec(
         kind="burst",
-        num_requests=num_active,
+        num_requests=num_requests,
         prompt=LengthDist(512, 128),
         output=LengthDist(4096, 1024, minimum=16, maximum=8192),
         rates=RateMix.parse("15:0.4,20:0.6"),
+        seed=first_id,
     )
-    for item in generate(spec):
+    items = generate(spec)
+    return [
+        replace(item, request_id=f"r{first_id + i}", arrival_s=arrival_s)
+        for i, item in enumerate(items)
+    ]
+
+
+def busy_core(policy: str, num_active: int, warm_steps: int):
+    """A simulated H200 (Llama3-8B, 30% memory) after `policy` served a burst for `warm_steps`,
+    with WAITING_SHARE of `num_active` arriving just now: running, preempted and waiting
+    requests with real buffers and KV."""
+    core, executor = build_engine(SimConfig(), policy)
+    num_waiting = round(WAITING_SHARE * num_active)
+    for item in _burst(num_active - num_waiting):
         core.add_request(make_request(item))
     for _ in range(warm_steps):
         core.step()
+    for item in _burst(num_waiting, first_id=num_active, arrival_s=core.clock.now()):
+        core.add_request(make_request(item))
+    return core, executor
+
+
+def composition(state) -> str:
+    """Running / preempted / waiting counts of a scheduler or a view."""
+    scheduler = state
+    return (
+        f"{len(scheduler.running)} running, {len(scheduler.preempted)} preempted, "
+        f"{len(scheduler.waiting)} waiting"
+    )
+
+
+def busy_view(num_active: int, warm_steps: int = WARM_STEPS) -> SchedulingView:
+    """The view `busy_core` leaves under tokenflow: every policy decides on this same state."""
+    core, _ = busy_core("tokenflow", num_active, warm_steps)
     return core.scheduler.view(core.clock.now())
 
 
-def step_cpu_ms(name: str, num_active: int, warm_steps: int, steps: int) -> float:
-    """Mean scheduler CPU ms per step (schedule + update) while `name` serves a burst."""
-    core, executor = build_engine(SimConfig(), name)
-    spec = WorkloadSpec(
-        kind="burst",
-        num_requests=num_active,
-        prompt=LengthDist(512, 128),
-        output=LengthDist(4096, 1024, minimum=16, maximum=8192),
-        rates=RateMix.parse("15:0.4,20:0.6"),
-    )
-    for item in generate(spec):
-        core.add_request(make_request(item))
-    for _ in range(warm_steps):
-        core.step()
+def step_cpu_ms(name: str, num_active: int, warm_steps: int, steps: int) -> tuple[list[float], str]:
+    """Scheduler CPU ms of each of `steps` steps (schedule + update, the executor excluded)
+    while `name` serves from `busy_core`, and the state's composition when timing starts."""
+    core, executor = busy_core(name, num_active, warm_steps)
     scheduler, clock = core.scheduler, core.clock
-    total = 0.0
+    state = composition(scheduler)
+    samples = []
     for _ in range(steps):
         start = time.perf_counter()
         plan = scheduler.schedule(clock.now())
@@ -73,8 +97,8 @@ def step_cpu_ms(name: str, num_active: int, warm_steps: int, steps: int) -> floa
         result = executor.execute(plan)
         resume = time.perf_counter()
         scheduler.update(plan, result, clock.now())
-        total += (middle - start) + (time.perf_counter() - resume)
-    return total / steps * 1e3
+        samples.append(((middle - start) + (time.perf_counter() - resume)) * 1e3)
+    return samples, state
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -86,14 +110,14 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def per_step(sizes: list[int], steps: int) -> int:
-    """Print per-step CPU time per policy and size, and the fixed + per-request fit."""
-    print(f"{'policy':10s} {'active':>6s} {'ms/step':>9s}")
+    """Print mean per-step CPU time per policy and size, and the fixed + per-request fit."""
+    print(f"{'policy':10s} {'active':>6s} {'ms/step':>9s}  state")
     for name in POLICY_NAMES:
         ys = []
         for size in sizes:
-            ms = step_cpu_ms(name, size, warm_steps=100, steps=steps)
-            ys.append(ms)
-            print(f"{name:10s} {size:6d} {ms:9.3f}", flush=True)
+            samples, state = step_cpu_ms(name, size, warm_steps=100, steps=steps)
+            ys.append(statistics.fmean(samples))
+            print(f"{name:10s} {size:6d} {ys[-1]:9.3f}  {state}", flush=True)
         fixed, slope = fit_line([float(s) for s in sizes], ys)
         print(f"{name:10s} fit: {fixed:.4f} ms + {slope * 1e3:.3f} us x active", flush=True)
     return 0
@@ -120,38 +144,60 @@ def time_decision(view: SchedulingView, name: str, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
+def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
+    """Decision and per-step medians of every policy at every size."""
+    rows = []
+    for size in sizes:
+        view = busy_view(size)
+        print(f"{size} active, decision state: {composition(view)}", file=sys.stderr)
+        for name in POLICY_NAMES:
+            step_samples, state = step_cpu_ms(name, size, warm_steps=WARM_STEPS, steps=steps)
+            rows.append(
+                {
+                    "policy": name,
+                    "num_active": size,
+                    "ms_per_decision": round(time_decision(view, name, repeats), 4),
+                    "ms_per_step": round(statistics.median(step_samples), 4),
+                    "step_state": state,
+                }
+            )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    base = {r["num_active"]: r for r in rows if r["policy"] == "fcfs"}
+    print(
+        f"{'policy':10s} {'active':>6s} {'ms/decision':>12s} {'x fcfs':>7s} "
+        f"{'ms/step':>8s} {'x fcfs':>7s}  per-step state"
+    )
+    for r in rows:
+        fcfs = base[r["num_active"]]
+        decision_ratio = r["ms_per_decision"] / max(fcfs["ms_per_decision"], 1e-9)
+        step_ratio = r["ms_per_step"] / max(fcfs["ms_per_step"], 1e-9)
+        print(
+            f"{r['policy']:10s} {r['num_active']:6d} {r['ms_per_decision']:12.3f} "
+            f"{decision_ratio:7.1f} {r['ms_per_step']:8.3f} {step_ratio:7.2f}  {r['step_state']}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,400,1000")
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=200, help="timed decisions per policy")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per policy and size")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--per-step", action="store_true", help="calibrate the simulator")
-    parser.add_argument("--steps", type=int, default=200, help="measured steps (--per-step)")
     args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
-        return per_step([int(s) for s in args.sizes.split(",")], args.steps)
-    rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        view = busy_view(size)
-        print(
-            f"{size} active: {len(view.running)} running, {len(view.preempted)} preempted, "
-            f"{len(view.waiting)} waiting",
-            file=sys.stderr,
-        )
-        for name in POLICY_NAMES:
-            ms = time_decision(view, name, args.repeats)
-            rows.append({"policy": name, "num_active": size, "ms_per_decision": round(ms, 4)})
+        return per_step(sizes, args.steps)
+    rows = side_by_side(sizes, args.repeats, args.steps)
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
-    fcfs = {r["num_active"]: r["ms_per_decision"] for r in rows if r["policy"] == "fcfs"}
-    print(f"{'policy':10s} {'active':>6s} {'ms/decision':>12s} {'x fcfs':>8s}")
-    for r in rows:
-        ratio = r["ms_per_decision"] / max(fcfs[r["num_active"]], 1e-9)
-        print(f"{r['policy']:10s} {r['num_active']:6d} {r['ms_per_decision']:12.3f} {ratio:8.1f}")
+    else:
+        print_table(rows)
     return 0
 
 
 if __name__ == "__main__":
-    _ = SchedulerConfig  # the view carries the config the policies are built with
     raise SystemExit(main())

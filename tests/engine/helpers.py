@@ -63,8 +63,15 @@ def chunk(
     samples_token: bool = True,
     params: SamplingParams = GREEDY,
 ) -> ScheduledChunk:
-    return ScheduledChunk(
-        request_id, tuple(token_ids), start, tuple(blocks), samples_token, params, num_output_tokens
+    return ScheduledChunk(  # the whole table every time: a delta from index 0
+        request_id,
+        tuple(token_ids),
+        start,
+        tuple(blocks),
+        0,
+        samples_token,
+        params,
+        num_output_tokens,
     )
 
 
@@ -85,7 +92,8 @@ def our_logits(
 ) -> torch.Tensor:
     """Run one step's forward directly: logits [num_sampled, vocab] in plan order."""
     with torch.inference_mode():
-        inputs = build_model_inputs(chunks, kv_cache.block_size, kv_cache.device)
+        tables = {c.request_id: c.new_block_ids for c in chunks}
+        inputs = build_model_inputs(chunks, tables, kv_cache.block_size, kv_cache.device)
         return model(inputs.input_ids, inputs.positions, inputs.attn, kv_cache.device_layers)
 
 

@@ -13,9 +13,12 @@ and owned; synced_tokens never exceeds what the host table covers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenflow.core.plan import BlockCopy, CopyKind
+
+_EMPTY: list[int] = []  # read-only stand-in for a missing table (never appended to)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,15 @@ class KVTierManager:
 
     def device_block_ids(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._device_tables.get(request_id, ()))
+
+    def device_table(self, request_id: str) -> list[int]:
+        """The live device table of a request (empty if none): read it, never modify it."""
+        return self._device_tables.get(request_id, _EMPTY)
+
+    @property
+    def device_tables(self) -> Mapping[str, list[int]]:
+        """Every live device table by request id (hot paths): read them, never modify them."""
+        return self._device_tables
 
     def num_device_blocks_of(self, request_id: str) -> int:
         return len(self._device_tables.get(request_id, ()))

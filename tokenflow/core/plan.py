@@ -8,12 +8,17 @@ Semantics of one step, which every executor (real or simulated) must honour:
 3. For each chunk the executor computes and stores the KV of `token_ids` at positions
    `start_position ...` into the chunk's device blocks, and, when `samples_token` is true, samples
    one next token from the logits of the chunk's last position.
+
+Block tables cross the seam as deltas (as in vLLM v1): a chunk carries only the device blocks
+its request's table gained since the plan that last included it, and where they go; a table
+that was freed (preemption) comes again whole, from index 0.  An executor that needs tables
+keeps them with `BlockTables`.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenflow.core.request import FinishReason, SamplingParams
 
@@ -45,7 +50,10 @@ class ScheduledChunk:
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose KV this step computes
     start_position: int  # sequence position of token_ids[0]
-    block_ids: tuple[int, ...]  # device block table covering [0, start_position + len(token_ids))
+    # The device block table covering [0, start_position + len(token_ids)) is the executor's
+    # table for this request cut at block_table_start, then extended by new_block_ids.
+    new_block_ids: tuple[int, ...]
+    block_table_start: int
     samples_token: bool  # the chunk ends the known sequence: sample the next token
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far (min_tokens masking, seeded sampling)
@@ -68,23 +76,54 @@ class StepPlan:
     device_to_host: tuple[BlockCopy, ...]  # write-through and eviction copies
     host_to_device: tuple[BlockCopy, ...]  # loads
     released_request_ids: tuple[str, ...]  # requests gone since the last plan: drop their state
+    # Derived from chunks (one pass, at construction):
+    num_prefill_tokens: int = field(init=False)
+    num_decode_tokens: int = field(init=False)
+    num_decode_context_tokens: int = field(init=False)  # decodes' attention reads, summed
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if c.is_decode)
-
-    @property
-    def num_decode_context_tokens(self) -> int:
-        """Tokens the decoding streams attend to, summed (the step's attention reads)."""
-        return sum(c.start_position + 1 for c in self.chunks if c.is_decode)
+    def __post_init__(self) -> None:
+        prefill = decode = context = 0
+        for chunk in self.chunks:
+            n = len(chunk.token_ids)
+            if n == 1 and chunk.num_output_tokens > 0:
+                decode += 1
+                context += chunk.start_position + 1
+            else:
+                prefill += n
+        object.__setattr__(self, "num_prefill_tokens", prefill)
+        object.__setattr__(self, "num_decode_tokens", decode)
+        object.__setattr__(self, "num_decode_context_tokens", context)
 
     @property
     def is_empty(self) -> bool:
         return not (self.chunks or self.device_to_host or self.host_to_device)
+
+
+class BlockTables:
+    """An executor's copy of every request's device block table, kept from the plans' deltas."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def apply(self, plan: StepPlan) -> None:
+        """Bring the tables up to `plan` (call once per plan, in order, before executing it)."""
+        tables = self._tables
+        for request_id in plan.released_request_ids:
+            tables.pop(request_id, None)
+        for chunk in plan.chunks:
+            table = tables.get(chunk.request_id)
+            if table is None:
+                table = tables[chunk.request_id] = []
+            if chunk.new_block_ids or len(table) != chunk.block_table_start:
+                del table[chunk.block_table_start :]
+                table.extend(chunk.new_block_ids)
+
+    def __getitem__(self, request_id: str) -> list[int]:
+        """The device block table of a request in the last applied plan (do not modify)."""
+        return self._tables[request_id]
+
+    def __len__(self) -> int:
+        return len(self._tables)
 
 
 @dataclass(slots=True)

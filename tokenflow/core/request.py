@@ -94,6 +94,10 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     last_consume_s: float = 0.0  # reader's consumption time of the newest token
+    # Kept up to date by append_token (hot paths read them every step, not recomputing):
+    num_tokens: int = field(init=False)  # prompt + generated: what the model has seen or will see
+    dry_s: float = field(init=False)  # when the reader wants a token not generated yet
+    stop_token_set: frozenset[int] = field(init=False)  # tokens that end it (after min_tokens)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -103,6 +107,11 @@ class Request:
                 f"request {self.request_id}: rate must be a finite number > 0 tokens/s, "
                 f"got {self.rate_tps!r}"
             )
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        self.dry_s = self.last_consume_s + 1.0 / self.rate_tps
+        params = self.sampling_params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self.stop_token_set = frozenset(eos) | frozenset(params.stop_token_ids)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -112,11 +121,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus generated tokens: the sequence the model has seen or will see."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -140,12 +144,14 @@ class Request:
     # -- the reader's buffer --------------------------------------------------------------------
     def append_token(self, token_id: int, now_s: float) -> None:
         """Record a generated token and advance the reader's consumption model."""
-        if self.output_token_ids:
-            self.last_consume_s = max(now_s, self.last_consume_s + 1.0 / self.rate_tps)
+        if self.output_token_ids and self.dry_s > now_s:
+            self.last_consume_s = self.dry_s  # the previous token's time + 1/r
         else:
             self.last_consume_s = now_s
         self.output_token_ids.append(token_id)
         self.token_times_s.append(now_s)
+        self.num_tokens += 1
+        self.dry_s = self.last_consume_s + 1.0 / self.rate_tps
 
     def buffer_tokens(self, now_s: float) -> int:
         """Tokens generated but not yet consumed by the reader at `now_s` (0 before the first)."""
@@ -167,7 +173,7 @@ class Request:
         """
         if not self.output_token_ids:
             return 0.0
-        return self.last_consume_s + 1.0 / self.rate_tps - now_s
+        return self.dry_s - now_s
 
     @property
     def sort_key(self) -> tuple[float, int]:

@@ -24,6 +24,14 @@ from tokenflow.core.request import FinishReason, PreemptMode, Request, RequestSt
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
 
 
+def _arrival(request: Request) -> tuple[float, int]:
+    return (request.arrival_s, request.arrival_index)
+
+
+def _dry_then_arrival(request: Request) -> tuple[float, float, int]:
+    return (request.dry_s, request.arrival_s, request.arrival_index)
+
+
 class Scheduler:
     """Owns the requests, the KV tier manager and a policy; knows nothing of models or clocks."""
 
@@ -51,6 +59,13 @@ class Scheduler:
         self._evict_copies: list[BlockCopy] = []
         self._loads_completing: list[Request] = []
         self._step_started_s = 0.0
+        # Kept up to date on events so that no step rescans every request:
+        self.preempted_by_dry: list[Request] = []  # by (dry_s, arrival): fixed while paused
+        self._loading: list[Request] = []  # resident, KV still being copied in (running order)
+        self._remaining_output_tokens = 0  # max_tokens - generated, summed over residents
+        self._write_candidates: dict[str, Request] = {}  # residents that may have unsynced blocks
+        self._sent_blocks: dict[str, int] = {}  # leading table entries the executor knows
+        self._output_limits: dict[str, int] = {}  # max_tokens, or less where max_model_len ends it
 
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -70,11 +85,14 @@ class Scheduler:
                 f"in the device KV pool ({self.kv.config.num_device_blocks} blocks of "
                 f"{self.kv.block_size} tokens)"
             )
+        self._output_limits[request.request_id] = min(
+            request.sampling_params.max_tokens, limit - request.num_prompt_tokens
+        )
         request.arrival_index = self._num_seen
         self._num_seen += 1
         request.state = RequestState.WAITING
         self.requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+        bisect.insort(self.waiting, request, key=_arrival)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
         """End a request from outside (abort, or a stop string found by the engine layer)."""
@@ -85,16 +103,39 @@ class Scheduler:
         return True
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state is RequestState.PREEMPTED:
+            self.preempted.remove(request)
+            self.preempted_by_dry.remove(request)
+        else:
+            self._leave_device(request)
         request.finish_reason = reason
         request.state = (
             RequestState.ABORTED if reason is FinishReason.ABORT else RequestState.FINISHED
         )
-        for queue in (self.waiting, self.running, self.preempted):
-            if request in queue:
-                queue.remove(request)
         self.kv.drop(request.request_id)
         del self.requests[request.request_id]
+        del self._output_limits[request.request_id]
         self._released.append(request.request_id)
+
+    def _enter_device(self, request: Request, state: RequestState) -> None:
+        request.state = state
+        self.running.append(request)
+        if state is RequestState.LOADING:
+            self._loading.append(request)
+        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+        self._remaining_output_tokens += remaining
+
+    def _leave_device(self, request: Request) -> None:
+        """Forget a resident request in the running-side structures (its KV is handled apart)."""
+        self.running.remove(request)
+        if request.state is RequestState.LOADING:
+            self._loading.remove(request)
+        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+        self._remaining_output_tokens -= remaining
+        self._write_candidates.pop(request.request_id, None)
+        self._sent_blocks.pop(request.request_id, None)
 
     @property
     def has_work(self) -> bool:
@@ -113,6 +154,9 @@ class Scheduler:
             waiting=self.waiting,
             kv=self.kv,
             estimator=self.estimator,
+            preempted_by_dry=self.preempted_by_dry,
+            write_candidates=self._write_candidates.values(),
+            remaining_output_tokens=self._remaining_output_tokens,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
@@ -156,11 +200,12 @@ class Scheduler:
         else:
             self.kv.drop(request.request_id)
             request.num_computed_tokens = 0
-        self.running.remove(request)
+        self._leave_device(request)
         request.state = RequestState.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        bisect.insort(self.preempted, request, key=lambda r: r.sort_key)
+        bisect.insort(self.preempted, request, key=_arrival)
+        bisect.insort(self.preempted_by_dry, request, key=_dry_then_arrival)
 
     def _apply_starts(self, starts: tuple[Start, ...]) -> None:
         for start in starts:
@@ -170,7 +215,7 @@ class Scheduler:
             if start.by_load:
                 if not self.kv.begin_load(request.request_id, request.num_computed_tokens):
                     return
-                request.state = RequestState.LOADING
+                state = RequestState.LOADING
                 self.num_loads_total += 1
             else:
                 if request.state is RequestState.PREEMPTED and request.num_computed_tokens:
@@ -180,24 +225,32 @@ class Scheduler:
                     return
                 if request.state is RequestState.PREEMPTED:
                     self.num_recomputes_total += 1
-                request.state = RequestState.RUNNING
-            queue = self.waiting if request in self.waiting else self.preempted
-            queue.remove(request)
-            self.running.append(request)
+                state = RequestState.RUNNING
+            if request.state is RequestState.WAITING:
+                self.waiting.remove(request)
+            else:
+                self.preempted.remove(request)
+                self.preempted_by_dry.remove(request)
+            self._enter_device(request, state)
 
     # -- chunks ---------------------------------------------------------------------------------
     def _build_chunks(self, view: SchedulingView) -> list[ScheduledChunk]:
         """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget)."""
-        runnable = [r for r in self.running if r.state is RequestState.RUNNING]
-        prefills = [r for r in runnable if r.is_prefilling]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        running = RequestState.RUNNING
+        for r in self.running:
+            if r.state is running:
+                is_decode = r.output_token_ids and r.num_computed_tokens >= r.num_tokens - 1
+                (decodes if is_decode else prefills).append(r)
         chunk_tokens = self.policy.prefill_chunk_tokens
         if chunk_tokens is None:
             if prefills:
                 return self._prefill_chunks(prefills, self.config.max_prefill_tokens, whole=True)
-            return self._decode_chunks([r for r in runnable if not r.is_prefilling], view)
-        decodes = self._decode_chunks([r for r in runnable if not r.is_prefilling], view)
-        prefills = [r for r in prefills if r.state is RequestState.RUNNING]
-        return decodes + self._prefill_chunks(prefills, chunk_tokens - len(decodes), whole=False)
+            return self._decode_chunks(decodes, view)
+        chunks = self._decode_chunks(decodes, view)
+        prefills = [r for r in prefills if r.state is running]  # retraction may take some
+        return chunks + self._prefill_chunks(prefills, chunk_tokens - len(chunks), whole=False)
 
     def _prefill_chunks(
         self, prefills: list[Request], budget: int, whole: bool
@@ -219,40 +272,68 @@ class Scheduler:
     def _decode_chunks(self, decodes: list[Request], view: SchedulingView) -> list[ScheduledChunk]:
         """One token per stream; when a block cannot be had, retract a victim and retry."""
         chunks: dict[str, ScheduledChunk] = {}
+        tables, block_size = self.kv.device_tables, self.kv.block_size
+        sent_blocks = self._sent_blocks
         for request in decodes:
-            while request.state is RequestState.RUNNING and not self.kv.allocate(
-                request.request_id, request.num_tokens
-            ):
-                candidates = [
-                    r for r in self.running if r.state is RequestState.RUNNING and r is not request
-                ]
-                preemption = (
-                    self.policy.choose_oom_victim(candidates, view)
-                    if candidates
-                    else Preemption(request.request_id, PreemptMode.RECOMPUTE)
-                )
-                self._preempt(self.requests[preemption.request_id], preemption.mode)
-                chunks.pop(preemption.request_id, None)
-                self.new_token_ratio = self.config.init_new_token_ratio
-            if request.state is RequestState.RUNNING:
-                chunks[request.request_id] = self._chunk(request, 1)
+            rid = request.request_id
+            table = tables.get(rid)
+            if table is None or request.num_tokens > len(table) * block_size:
+                if not self._grow_or_retract(request, chunks, view):
+                    continue
+                table = tables[rid]
+            sent = sent_blocks.get(rid, 0)
+            new_blocks: tuple[int, ...] = ()
+            if len(table) != sent:
+                new_blocks = tuple(table[sent:])
+                sent_blocks[rid] = len(table)
+            outputs = request.output_token_ids
+            chunks[rid] = ScheduledChunk(
+                rid,
+                (outputs[-1],),
+                request.num_computed_tokens,
+                new_blocks,
+                sent,
+                True,
+                request.sampling_params,
+                len(outputs),
+            )
         return list(chunks.values())
 
+    def _grow_or_retract(
+        self, request: Request, chunks: dict[str, ScheduledChunk], view: SchedulingView
+    ) -> bool:
+        """Give a decoding stream its next block, retracting victims (their chunks too) until
+        one is free; False if the stream itself had to go."""
+        rid = request.request_id
+        while request.state is RequestState.RUNNING and not self.kv.allocate(
+            rid, request.num_tokens
+        ):
+            candidates = [
+                r for r in self.running if r.state is RequestState.RUNNING and r is not request
+            ]
+            preemption = (
+                self.policy.choose_oom_victim(candidates, view)
+                if candidates
+                else Preemption(rid, PreemptMode.RECOMPUTE)
+            )
+            self._preempt(self.requests[preemption.request_id], preemption.mode)
+            chunks.pop(preemption.request_id, None)
+            self.new_token_ratio = self.config.init_new_token_ratio
+        return request.state is RequestState.RUNNING
+
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        num_output = len(request.output_token_ids)
-        if count == 1 and num_output and start == len(request.prompt_token_ids) + num_output - 1:
-            token_ids: tuple[int, ...] = (request.output_token_ids[-1],)  # a decode
-        else:
-            token_ids = request.token_ids_from(start, count)
+        rid, start = request.request_id, request.num_computed_tokens
+        table, sent = self.kv.device_table(rid), self._sent_blocks.get(rid, 0)
+        self._sent_blocks[rid] = len(table)
         return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=token_ids,
+            request_id=rid,
+            token_ids=request.token_ids_from(start, count),
             start_position=start,
-            block_ids=self.kv.device_block_ids(request.request_id),
-            samples_token=start + count == len(request.prompt_token_ids) + num_output,
+            new_block_ids=tuple(table[sent:]),
+            block_table_start=sent,
+            samples_token=start + count == request.num_tokens,
             sampling_params=request.sampling_params,
-            num_output_tokens=num_output,
+            num_output_tokens=len(request.output_token_ids),
         )
 
     # -- copies ---------------------------------------------------------------------------------
@@ -267,11 +348,13 @@ class Scheduler:
         return max(1, int(self.config.link_bytes_per_s * step_s / block_bytes))
 
     def _plan_loads(self, num_chunks: int) -> list[BlockCopy]:
+        if not self._loading:
+            return []
         budget = self._copy_budget_blocks(num_chunks)
         copies: list[BlockCopy] = []
-        for request in self.running:
-            if request.state is not RequestState.LOADING or budget <= len(copies):
-                continue
+        for request in self._loading:
+            if budget <= len(copies):
+                break
             rid, tokens = request.request_id, request.num_computed_tokens
             copies.extend(self.kv.plan_load(rid, tokens, budget - len(copies)))
             if self.kv.is_loaded(rid, tokens):
@@ -279,12 +362,21 @@ class Scheduler:
         return copies
 
     def _plan_write_through(self, view: SchedulingView, num_chunks: int) -> list[BlockCopy]:
+        if not self._write_candidates:
+            return []
         budget = self._copy_budget_blocks(num_chunks) - len(self._evict_copies)
-        order = self.policy.write_through_order(view)
-        if budget <= 0 or not order:
+        order = self.policy.write_through_order(view) if budget > 0 else []
+        if not order:
             return []
         candidates = [(r.request_id, r.num_computed_tokens) for r in order]
-        return self.kv.plan_write_through(candidates, budget)
+        copies = self.kv.plan_write_through(candidates, budget)
+        # Forget the streams whose full blocks all have a host copy now: one comes back only
+        # when a step fills another of its blocks (`update`).
+        has_unsynced = self.kv.has_unsynced_full_block
+        for rid, request in list(self._write_candidates.items()):
+            if not has_unsynced(rid, request.num_computed_tokens):
+                del self._write_candidates[rid]
+        return copies
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestOutput]:
@@ -300,42 +392,44 @@ class Scheduler:
         for request in self._loads_completing:
             if request.state is RequestState.LOADING:
                 request.state = RequestState.RUNNING
+                self._loading.remove(request)
         self._loads_completing.clear()
         sampled = {s.request_id: s.token_id for s in result.sampled}
         outputs: list[RequestOutput] = []
         requests, running = self.requests, RequestState.RUNNING
+        block_size, candidates = self.kv.block_size, self._write_candidates
+        limits, num_sampled = self._output_limits, 0
         for chunk in plan.chunks:
-            request = requests.get(chunk.request_id)
+            rid = chunk.request_id
+            request = requests.get(rid)
             if request is None or request.state is not running:
                 continue  # finished or aborted while the step ran
-            request.num_computed_tokens = chunk.start_position + len(chunk.token_ids)
+            computed = chunk.start_position + len(chunk.token_ids)
+            if computed // block_size != request.num_computed_tokens // block_size:
+                candidates[rid] = request  # a block filled: write it through
+            request.num_computed_tokens = computed
             if not chunk.samples_token:
                 continue
-            token_id = sampled[chunk.request_id]
+            token_id = sampled[rid]
             request.append_token(token_id, now_s)
-            reason = self._stop_reason(request, token_id)
-            if reason is not None:
-                self._finish(request, reason)
-            outputs.append(
-                RequestOutput(
-                    request.request_id, (token_id,), len(request.output_token_ids), reason
-                )
-            )
+            num_sampled += 1
+            num_output = len(request.output_token_ids)
+            reason = None
+            if token_id in request.stop_token_set or num_output >= limits[rid]:
+                reason = self._stop_reason(request, token_id)
+                if reason is not None:
+                    self._finish(request, reason)
+            outputs.append(RequestOutput(rid, (token_id,), num_output, reason))
+        # (a finished request left with its own remaining count: subtracting after is exact)
+        self._remaining_output_tokens -= num_sampled
         self._decay_new_token_ratio()
         return outputs
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.sampling_params
         num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens and (
-            (not params.ignore_eos and token_id in request.eos_token_ids)
-            or token_id in params.stop_token_ids
-        ):
+        if num_output >= request.sampling_params.min_tokens and token_id in request.stop_token_set:
             return FinishReason.STOP
-        if (
-            num_output >= params.max_tokens
-            or num_output + len(request.prompt_token_ids) >= self.config.max_model_len
-        ):
+        if num_output >= self._output_limits[request.request_id]:
             return FinishReason.LENGTH
         return None
 

@@ -8,7 +8,7 @@ the order of the sampling chunks in the plan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +67,15 @@ class ModelInputs:
 
 
 def build_model_inputs(
-    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device
+    chunks: Sequence[ScheduledChunk],
+    tables: Mapping[str, Sequence[int]],
+    block_size: int,
+    device: torch.device,
 ) -> ModelInputs:
-    """Flatten `chunks` into rows (decodes first) and build the attention metadata."""
+    """Flatten `chunks` into rows (decodes first) and build the attention metadata.
+
+    `tables` holds each chunk's device block table (an executor keeps them with `BlockTables`).
+    """
     order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
     order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
     token_ids: list[int] = []
@@ -78,33 +84,32 @@ def build_model_inputs(
     last_row: dict[int, int] = {}
     for index in order:
         chunk = chunks[index]
-        _check_block_table(chunk, block_size)
+        table = tables[chunk.request_id]
+        _check_block_table(chunk, table, block_size)
         for offset, token_id in enumerate(chunk.token_ids):
             position = chunk.start_position + offset
             token_ids.append(token_id)
             positions.append(position)
-            slots.append(
-                chunk.block_ids[position // block_size] * block_size + position % block_size
-            )
+            slots.append(table[position // block_size] * block_size + position % block_size)
         last_row[index] = len(token_ids) - 1
     sampled = tuple(i for i, c in enumerate(chunks) if c.samples_token)
     num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
     attn = AttentionMetadata(
         slot_mapping=_tensor(slots, device),
-        decode=_decode_group([chunks[i] for i in order[:num_decodes]], block_size, device),
+        decode=_decode_group([chunks[i] for i in order[:num_decodes]], tables, block_size, device),
         prefills=_prefill_spans(
-            [chunks[i] for i in order[num_decodes:]], num_decodes, block_size, device
+            [chunks[i] for i in order[num_decodes:]], tables, num_decodes, block_size, device
         ),
         sample_rows=_tensor([last_row[i] for i in sampled], device),
     )
     return ModelInputs(_tensor(token_ids, device), _tensor(positions, device), attn, sampled)
 
 
-def _check_block_table(chunk: ScheduledChunk, block_size: int) -> None:
+def _check_block_table(chunk: ScheduledChunk, table: Sequence[int], block_size: int) -> None:
     needed = -(-(chunk.start_position + chunk.num_tokens) // block_size)
-    if chunk.num_tokens < 1 or len(chunk.block_ids) < needed:
+    if chunk.num_tokens < 1 or len(table) < needed:
         raise ValueError(
-            f"request {chunk.request_id}: {len(chunk.block_ids)} blocks cannot hold positions "
+            f"request {chunk.request_id}: {len(table)} blocks cannot hold positions "
             f"[0, {chunk.start_position + chunk.num_tokens}) with block_size {block_size}"
         )
 
@@ -114,7 +119,10 @@ def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _decode_group(
-    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device
+    chunks: Sequence[ScheduledChunk],
+    tables: Mapping[str, Sequence[int]],
+    block_size: int,
+    device: torch.device,
 ) -> DecodeGroup | None:
     if not chunks:
         return None
@@ -122,7 +130,7 @@ def _decode_group(
     num_blocks = max(-(-n // block_size) for n in context_lens)
     block_ids: list[int] = []
     for chunk in chunks:
-        table = list(chunk.block_ids[:num_blocks])
+        table = list(tables[chunk.request_id][:num_blocks])
         block_ids += table + [table[0]] * (num_blocks - len(table))  # padding is masked out
     max_len = num_blocks * block_size
     mask = None
@@ -134,7 +142,11 @@ def _decode_group(
 
 
 def _prefill_spans(
-    chunks: Sequence[ScheduledChunk], first_row: int, block_size: int, device: torch.device
+    chunks: Sequence[ScheduledChunk],
+    tables: Mapping[str, Sequence[int]],
+    first_row: int,
+    block_size: int,
+    device: torch.device,
 ) -> tuple[PrefillSpan, ...]:
     spans = []
     row = first_row
@@ -147,7 +159,7 @@ def _prefill_spans(
             query_pos = torch.arange(start, context_len)[:, None]
             mask = (torch.arange(context_len)[None, :] <= query_pos).to(device, non_blocking=True)
         num_blocks = -(-context_len // block_size)
-        block_ids = _tensor(list(chunk.block_ids[:num_blocks]), device)
+        block_ids = _tensor(list(tables[chunk.request_id][:num_blocks]), device)
         spans.append(PrefillSpan(row, length, context_len, block_ids, mask))
         row += length
     return tuple(spans)

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from tokenflow.core.plan import SampledToken, StepPlan, StepResult
+from tokenflow.core.plan import BlockTables, SampledToken, StepPlan, StepResult
 from tokenflow.engine.attention import build_model_inputs
 from tokenflow.engine.kv_cache import TieredKVCache
 from tokenflow.engine.model import LlamaModel
@@ -50,6 +50,7 @@ class ModelExecutor:
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
         self.last_failed_rows: dict[str, str] = {}  # of the latest execute(): request id -> why
+        self.block_tables = BlockTables()  # every request's device table, from the plans' deltas
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -58,6 +59,7 @@ class ModelExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's copies and forward pass concurrently; sample; return the tokens."""
         self.sampler.release(plan.released_request_ids)
+        self.block_tables.apply(plan)
         self.last_failed_rows = {}
         copies = self._start_copies(plan)
         try:
@@ -91,7 +93,9 @@ class ModelExecutor:
         if not plan.chunks:
             return ()
         with torch.inference_mode():
-            inputs = build_model_inputs(plan.chunks, self.kv_cache.block_size, self.device)
+            inputs = build_model_inputs(
+                plan.chunks, self.block_tables, self.kv_cache.block_size, self.device
+            )
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.device_layers
             )  # [num_sampled, vocab]

@@ -7,6 +7,7 @@ that does not fit.  Mechanism (block allocation, copies, OOM handling) lives in 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tokenflow.core.config import SchedulerConfig
@@ -49,6 +50,10 @@ class SchedulingView:
     new_token_ratio: float
     num_preemptions_total: int
     num_requests_seen: int
+    # Kept by the scheduler on events, so that no policy rescans every request per step:
+    preempted_by_dry: list[Request]  # preempted, by the time the reader runs dry, then arrival
+    write_candidates: Collection[Request]  # residents that may have an unsynced full block
+    remaining_output_tokens: int  # max_tokens - generated, summed over the residents
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""
@@ -63,9 +68,14 @@ class SchedulingView:
         return self.kv.blocks_for(tokens)
 
     def reserve_blocks(self, request: Request) -> int:
-        """Blocks kept free for a resident request's future tokens (SGLang's new-token ratio)."""
+        """Blocks kept free for a request's future tokens (SGLang's new-token ratio)."""
         remaining = request.sampling_params.max_tokens - request.num_output_tokens
         return self.kv.blocks_for(int(remaining * self.new_token_ratio))
+
+    def running_reserve_blocks(self) -> int:
+        """Blocks kept free for the residents' future tokens: the new-token ratio of their
+        remaining max_tokens, summed in tokens (as SGLang does) and then rounded up to blocks."""
+        return self.kv.blocks_for(int(self.remaining_output_tokens * self.new_token_ratio))
 
 
 class Policy:
@@ -117,7 +127,7 @@ def fcfs_starts(
             candidates = sorted(candidates + view.waiting, key=lambda r: r.sort_key)
     if not candidates or view.start_blocks(candidates[0]) > view.kv.num_free_device_blocks:
         return []  # cheap exit before summing the reserve: the head does not fit anyway
-    free = view.kv.num_free_device_blocks - sum(view.reserve_blocks(r) for r in view.running)
+    free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
     num_resident = len(view.running)
     prefill_tokens = 0
     starts: list[Start] = []

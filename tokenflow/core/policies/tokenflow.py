@@ -47,6 +47,8 @@ from tokenflow.core.policies.base import (
 )
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
+_NOT_STARTED = (RequestState.WAITING, RequestState.PREEMPTED)
+
 
 class TokenFlowPolicy(Policy):
     """Preempts streams with large buffers so waiting ones start; resumes before buffers run dry."""
@@ -57,6 +59,8 @@ class TokenFlowPolicy(Policy):
         self.config = config
         self._next_decision_s = 0.0
         self._targets: list[Start] = []
+        self._target_requests: dict[str, Request] = {}
+        self._calm_until_s = -math.inf  # no stream can come within the critical slack before
         self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
         self._rate_cap_tps = math.inf  # one stream's share of capacity at the feasible batch
         self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
@@ -76,13 +80,25 @@ class TokenFlowPolicy(Policy):
         if view.waiting:
             return True
         now, critical = view.now_s, self.config.critical_slack_s
-        return any(r.slack_s(now) < critical for r in view.preempted) or any(
+        if now < self._calm_until_s:
+            return False
+        if any(r.slack_s(now) < critical for r in view.preempted) or any(
             r.slack_s(now) < critical for r in view.running if r.output_token_ids
-        )
+        ):
+            return True
+        # Calm: until the earliest reader could be within the critical slack, no need to look
+        # again (a stream's dry time only grows while it runs and is fixed while paused; a new
+        # stream needs a waiting request, or a first token, which ends the calm at once).
+        if any(not r.output_token_ids for r in view.running):
+            return False
+        dry = min((r.dry_s for r in chain(view.running, view.preempted)), default=math.inf)
+        self._calm_until_s = dry - critical - 1e-9
+        return False
 
     def decide(self, view: SchedulingView) -> Moves:
         """One scheduling decision: schedulability, admission, balancing, resume modes."""
         self.num_decisions += 1
+        self._calm_until_s = -math.inf  # starts follow: look again at the next boundary
         growth = self.growth_tokens(view)
         started = self._survey_started(view, growth)
         capacity, demand = self._capacity_and_demand(view, started)
@@ -110,9 +126,9 @@ class TokenFlowPolicy(Policy):
             if r.request_id not in chosen
         )
         queued = self._queued_io_blocks(view)
-        self._targets = [
-            self.choose_resume_mode(view, c.request, queued) for c in selected if not c.is_resident
-        ]
+        resumed = [c.request for c in selected if not c.is_resident]
+        self._targets = [self.choose_resume_mode(view, r, queued) for r in resumed]
+        self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
     def _demand_tps(self, request: Request) -> float:
@@ -120,19 +136,18 @@ class TokenFlowPolicy(Policy):
         return min(request.rate_tps, self._rate_cap_tps)
 
     def _starts_between_decisions(self, view: SchedulingView) -> list[Start]:
-        live = {r.request_id for r in view.waiting} | {r.request_id for r in view.preempted}
-        self._targets = [s for s in self._targets if s.request_id in live]
+        requests = self._target_requests  # started or finished since the decision: dropped
+        self._targets = [s for s in self._targets if requests[s.request_id].state in _NOT_STARTED]
         if self._targets:
+            self._calm_until_s = -math.inf
             return list(self._targets)
         # Work-conserving: free memory goes to the preempted streams nearest to stalling, then
         # to waiting ones within the rate budget (memory-aware FCFS admission).
         if view.kv.num_free_device_blocks == 0:
             return []
         # A preempted stream gains no tokens, so ordering by the time its reader runs dry
-        # (last consumption + 1/r) equals ordering by slack, without reading the clock.
-        preempted = sorted(
-            view.preempted, key=lambda r: (r.last_consume_s + 1.0 / r.rate_tps, r.sort_key)
-        )
+        # equals ordering by slack; the scheduler keeps that order (it is fixed while paused).
+        preempted = view.preempted_by_dry
         waiting: list[Request] = []
         budget, prefill_budget = self._spare_rate_tps, self._prefill_budget_s
         for request in view.waiting:  # arrival order; no later request passes an earlier one
@@ -144,6 +159,8 @@ class TokenFlowPolicy(Policy):
             prefill_budget -= prefill_s
             waiting.append(request)
         starts = fcfs_starts(view, candidates=preempted + waiting)
+        if starts:
+            self._calm_until_s = -math.inf
         num_new = len(starts) - len(preempted)
         if num_new > 0:
             self._spare_rate_tps -= sum(map(self._demand_tps, waiting[:num_new]))
@@ -216,7 +233,7 @@ class TokenFlowPolicy(Policy):
             return []
         limit = self._working_set_limit(view, started)
         size = len(started.candidates)
-        free = view.kv.num_free_device_blocks - sum(view.reserve_blocks(r) for r in view.running)
+        free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
         host_room = view.kv.num_free_host_blocks
         # Pauses that would free memory, most reading buffered first (they lose least).
         pausable = sorted(
@@ -326,7 +343,7 @@ class TokenFlowPolicy(Policy):
         now, kv = view.now_s, view.kv
         pending = [
             r
-            for r in view.running
+            for r in view.write_candidates
             if r.state is RequestState.RUNNING
             and kv.has_unsynced_full_block(r.request_id, r.num_computed_tokens)
         ]

@@ -149,10 +149,11 @@ class PolicyBridge:
         self._charge_unmirrored(pool.num_free_blocks)
         self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
+        preempted = sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs)
         return SchedulingView(
             now_s=now_s,
             running=sorted(mirrored_running, key=_fcfs),
-            preempted=sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs),
+            preempted=preempted,
             waiting=sorted((r for r in off_device if r.state is not _PREEMPTED), key=_fcfs),
             kv=self.kv,
             estimator=self.estimator,
@@ -160,6 +161,11 @@ class PolicyBridge:
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
+            preempted_by_dry=sorted(preempted, key=lambda r: (r.dry_s, _fcfs(r))),
+            write_candidates=(),  # vLLM keeps no host copy of running streams
+            remaining_output_tokens=sum(
+                r.sampling_params.max_tokens - r.num_output_tokens for r in mirrored_running
+            ),
         )
 
     def plan(self, view: SchedulingView) -> Moves:

@@ -1,0 +1,143 @@
+"""What a scheduling policy sees and decides, and the FCFS admission they all fall back on.
+
+A policy never changes state: it returns `Moves` (which resident requests to preempt and how,
+which others to start and how) and the scheduler carries them out, stopping at the first start
+that does not fit.  Mechanism (block allocation, copies, OOM handling) lives in the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenflow.core.config import SchedulerConfig
+from tokenflow.core.estimator import StepTimeEstimator
+from tokenflow.core.kv_manager import KVTierManager
+from tokenflow.core.request import PreemptMode, Request
+
+
+@dataclass(frozen=True)
+class Preemption:
+    request_id: str
+    mode: PreemptMode
+
+
+@dataclass(frozen=True)
+class Start:
+    """Bring a request onto the device: by loading its host KV, or by (re)computing it."""
+
+    request_id: str
+    by_load: bool
+
+
+@dataclass(frozen=True)
+class Moves:
+    preemptions: tuple[Preemption, ...] = ()
+    starts: tuple[Start, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulingView:
+    """Read-only state handed to a policy.  Lists are in first-come-first-served order."""
+
+    now_s: float
+    running: list[Request]  # resident on the device: RUNNING or LOADING
+    preempted: list[Request]  # started once, now off the device
+    waiting: list[Request]  # never started
+    kv: KVTierManager
+    estimator: StepTimeEstimator
+    config: SchedulerConfig
+    new_token_ratio: float
+    num_preemptions_total: int
+    num_requests_seen: int
+
+    def start_for(self, request: Request) -> Start:
+        """Load when the host tier holds the request's KV, else recompute it."""
+        by_load = self.kv.has_host_copy(request.request_id, request.num_computed_tokens)
+        return Start(request.request_id, by_load)
+
+    def start_blocks(self, request: Request) -> int:
+        """Device blocks a start needs (a decode's next block comes later)."""
+        tokens = (
+            request.num_computed_tokens if self.start_for(request).by_load else request.num_tokens
+        )
+        return self.kv.blocks_for(tokens)
+
+    def reserve_blocks(self, request: Request) -> int:
+        """Blocks kept free for a resident request's future tokens (SGLang's new-token ratio)."""
+        remaining = request.sampling_params.max_tokens - request.num_output_tokens
+        return self.kv.blocks_for(int(remaining * self.new_token_ratio))
+
+    def running_reserve_blocks(self) -> int:
+        """The residents' reserve, summed in tokens then rounded to blocks: by a scan."""
+        remaining = sum(r.sampling_params.max_tokens - r.num_output_tokens for r in self.running)
+        return self.kv.blocks_for(int(remaining * self.new_token_ratio))
+
+
+class Policy:
+    """Base policy: FCFS admission with a conservative memory reserve, no write-through."""
+
+    name = "base"
+    prefill_chunk_tokens: int | None = None  # None: prefill-first, whole prompts
+
+    def plan_moves(self, view: SchedulingView) -> Moves:
+        """Decide this step's preemptions and starts."""
+        return Moves(starts=tuple(fcfs_starts(view)))
+
+    def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
+        """Pick the request to retract when decode growth finds no free block (SGLang's rule:
+        fewest generated tokens, then longest prompt, then latest arrival), by recompute."""
+        victim = min(
+            candidates,
+            key=lambda r: (
+                r.num_output_tokens,
+                -r.num_prompt_tokens,
+                -r.arrival_s,
+                -r.arrival_index,
+            ),
+        )
+        return Preemption(victim.request_id, PreemptMode.RECOMPUTE)
+
+    def write_through_order(self, view: SchedulingView) -> list[Request]:
+        """Running requests whose KV to copy to the host, most urgent first (none here)."""
+        return []
+
+
+def fcfs_starts(
+    view: SchedulingView,
+    include_waiting: bool = True,
+    max_prefill_tokens: int | None = None,
+    candidates: list[Request] | None = None,
+) -> list[Start]:
+    """Starts while they fit beside the reserve of every resident request.
+
+    Candidates default to the preempted and (if `include_waiting`) waiting requests in arrival
+    order.  Strict order: stops at the first candidate that does not fit (no overtaking).  The
+    prefill tokens started together are capped by `max_prefill_tokens` (default: the config's).
+    """
+    if max_prefill_tokens is None:
+        max_prefill_tokens = view.config.max_prefill_tokens
+    if candidates is None:
+        candidates = list(view.preempted)
+        if include_waiting:
+            candidates = sorted(candidates + view.waiting, key=lambda r: r.sort_key)
+    if not candidates or view.start_blocks(candidates[0]) > view.kv.num_free_device_blocks:
+        return []  # cheap exit before summing the reserve: the head does not fit anyway
+    free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
+    num_resident = len(view.running)
+    prefill_tokens = 0
+    starts: list[Start] = []
+    for request in candidates:
+        start = view.start_for(request)
+        need = view.start_blocks(request)
+        tokens = 0 if start.by_load else request.num_tokens
+        if num_resident >= view.config.max_num_seqs:
+            break
+        if need + view.reserve_blocks(request) > free:
+            break
+        if starts and prefill_tokens + tokens > max_prefill_tokens:
+            break
+        starts.append(start)
+        free -= need + view.reserve_blocks(request)
+        prefill_tokens += tokens
+        num_resident += 1
+    return starts
