@@ -98,6 +98,8 @@ class Request:
     num_tokens: int = field(init=False)  # prompt + generated: what the model has seen or will see
     dry_s: float = field(init=False)  # when the reader wants a token not generated yet
     stop_token_set: frozenset[int] = field(init=False)  # tokens that end it (after min_tokens)
+    end_tokens: int = field(init=False)  # prompt + max_tokens: the longest it can grow
+    lifetime_tokens: int = field(init=False)  # prompt + max_tokens // 2: its mean length
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -110,6 +112,8 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         self.dry_s = self.last_consume_s + 1.0 / self.rate_tps
         params = self.sampling_params
+        self.end_tokens = len(self.prompt_token_ids) + params.max_tokens
+        self.lifetime_tokens = len(self.prompt_token_ids) + params.max_tokens // 2
         eos = () if params.ignore_eos else self.eos_token_ids
         self.stop_token_set = frozenset(eos) | frozenset(params.stop_token_ids)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import add, attrgetter, floordiv
 from typing import NamedTuple
 
 from tokenflow.core.config import TokenFlowConfig
@@ -22,6 +24,9 @@ _RUNNING = RequestState.RUNNING
 _LOADING = RequestState.LOADING
 _PREEMPTED = RequestState.PREEMPTED
 PrefillTime = Callable[[int], float]
+_NUM_TOKENS = attrgetter("num_tokens")
+_END = attrgetter("end_tokens")
+_LIFETIME = attrgetter("lifetime_tokens")
 
 
 class Candidate(NamedTuple):
@@ -42,14 +47,22 @@ class Candidate(NamedTuple):
 
 @dataclass(frozen=True)
 class Survey:
+    """Candidates of the surveyed members, and the sums the other phases need.
+
+    `survey_started` lists explicitly only the members whose place can change (paused ones and
+    running ones with a buffer that might allow a pause); every other resident member is pinned
+    for sure, and is summed, not listed (`num_implicit_pinned`, `implicit_pinned_blocks`).
+    """
+
     candidates: list[Candidate]
-    sum_rate_tps: float  # demand: reading rates of the surveyed members
-    sum_tokens: int  # current sequence lengths
+    rates_tps: list[float]  # reading rate of every member, in member order (demand)
     sum_lifetime_blocks: int  # blocks at each member's mean lifetime footprint
+    num_implicit_pinned: int = 0
+    implicit_pinned_blocks: int = 0  # their device footprint over the next interval
 
     @property
-    def num_pausable(self) -> int:
-        return sum(1 for c in self.candidates if c.is_pausable)
+    def num_members(self) -> int:
+        return len(self.candidates) + self.num_implicit_pinned
 
 
 def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> float:
@@ -96,32 +109,150 @@ def resume_time_s(
     return recompute
 
 
+@dataclass(frozen=True)
+class _Costs:
+    """What a decision prices every member with: link, queue of resumes, pause threshold."""
+
+    seconds_per_block: float
+    prefill_s: PrefillTime
+    resume_of: dict[str, float]  # paused member -> time to bring it back
+    queue_s: float  # all of those, summed
+    min_threshold_s: float  # the least buffer any pause needs
+
+
+def _costs(config: TokenFlowConfig, view: SchedulingView) -> _Costs:
+    kv = view.kv
+    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
+    prefill_s = view.estimator.prefill_time_s
+    resume_of = {
+        r.request_id: resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted
+    }
+    queue_s = sum(resume_of.values())
+    min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
+    return _Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)
+
+
 def survey(
     config: TokenFlowConfig, view: SchedulingView, members: Iterable[Request], growth: int
 ) -> Survey:
-    """One pass over `members`: candidates and the sums for capacity and W_static."""
+    """One pass over `members`: a candidate for each, and the sums for capacity and W_static."""
+    members = list(members)
+    candidates = _candidates(config, view, members, growth, _costs(config, view))
+    bs = view.kv.block_size
+    return Survey(candidates, [r.rate_tps for r in members], lifetime_blocks(members, bs))
+
+
+def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -> Survey:
+    """`survey` of the running and paused members, listing only those whose place can change.
+
+    A running stream that cannot be paused is pinned whatever else holds, so it needs no
+    candidate: pinned streams are counted and their footprint summed at C speed.  A stream
+    with a buffer below the least pause threshold is pinned without a look; the others
+    (buffer enough to be pausable) get the exact test, and paused streams exact candidates.
+    """
+    costs = _costs(config, view)
+    now, threshold = view.now_s, costs.min_threshold_s
+    running = view.running
+    pinned = [r for r in running if r.last_consume_s - now < threshold]
+    if len(pinned) == len(running):
+        pausable: list[Candidate] = []
+    else:
+        suspects = [r for r in running if r.last_consume_s - now >= threshold]
+        pausable = _pausable_candidates(config, view, suspects, growth, costs, pinned)
+    members = list(chain(running, view.preempted))
+    return Survey(
+        pausable + _candidates(config, view, view.preempted, growth, costs),
+        [r.rate_tps for r in members],
+        lifetime_blocks(members, view.kv.block_size),
+        num_implicit_pinned=len(pinned),
+        implicit_pinned_blocks=_footprint_blocks(pinned, growth, view.kv.block_size),
+    )
+
+
+def _pausable_candidates(
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    suspects: list[Request],
+    growth: int,
+    costs: _Costs,
+    pinned: list[Request],
+) -> list[Candidate]:
+    """Candidates of the suspects that pass the exact pause test (in running order); the
+    others join `pinned`.  Same arithmetic as `_candidates`, for running streams only."""
+    kv, now = view.kv, view.now_s
+    bs, free_host = kv.block_size, kv.num_free_host_blocks
+    synced_of, tables = kv.synced_tokens, kv.device_tables
+    mu, critical = config.buffer_conservativeness, config.critical_slack_s
+    queue_s, per_block_s = costs.queue_s, costs.seconds_per_block
+    dt = config.schedule_interval_s
+    inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
+    stall_dt, exp = config.stall_penalty * dt, math.exp
+    out: list[Candidate] = []
+    for r in suspects:
+        num_out, num_tokens = len(r.output_token_ids), r.num_tokens
+        computed = r.num_computed_tokens
+        if not (r.state is _RUNNING and num_out > 0 and computed >= num_tokens - 1):
+            pinned.append(r)  # not decoding (prefill or load): pinned
+            continue
+        synced = synced_of(r.request_id)
+        blocks = -(-computed // bs)
+        unsynced = blocks - synced // bs
+        buffered = r.last_consume_s - now
+        # pause_threshold_s(), inlined (same operations in the same order: same float)
+        threshold = mu * ((unsynced + blocks) * per_block_s + queue_s + dt) + critical
+        if unsynced > free_host or buffered < threshold:
+            pinned.append(r)
+            continue
+        remaining = r.sampling_params.max_tokens - num_out
+        extra = growth if growth < remaining else remaining
+        value = 1.0 - buffered * inv_horizon
+        score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
+        footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
+        reclaim = len(tables[r.request_id])
+        out.append(
+            Candidate(r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0)
+        )
+    return out
+
+
+def _footprint_blocks(residents: list[Request], growth: int, block_size: int) -> int:
+    """Sum over residents of blocks to hold them through the next interval: the blocks of
+    min(tokens + max(growth, 1), prompt + max_tokens) (a resident always has a token to go)."""
+    ahead = max(growth, 1)
+    tokens = map(min, map(add, map(_NUM_TOKENS, residents), repeat(ahead)), map(_END, residents))
+    return sum(map(floordiv, map(add, tokens, repeat(block_size - 1)), repeat(block_size)))
+
+
+def lifetime_blocks(members: list[Request], bs: int) -> int:
+    """Sum over members of the blocks at max(tokens, prompt + max_tokens // 2)."""
+    tokens = map(max, map(_NUM_TOKENS, members), map(_LIFETIME, members))
+    return sum(map(floordiv, map(add, tokens, repeat(bs - 1)), repeat(bs)))
+
+
+def _candidates(
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    members: Iterable[Request],
+    growth: int,
+    costs: _Costs,
+) -> list[Candidate]:
+    """A candidate per member: the decision's inner loop (plain arithmetic on attributes)."""
     now = view.now_s
     kv = view.kv
     bs = kv.block_size
-    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
+    seconds_per_block = costs.seconds_per_block
     dt = config.schedule_interval_s
     inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
     stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
     exp = math.exp
     free_host = kv.num_free_host_blocks
     critical, max_stall = config.critical_slack_s, config.max_stall_s
-    prefill_s = view.estimator.prefill_time_s
-    resume_of = {
-        r.request_id: resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted
-    }
-    queue_s = sum(resume_of.values())
-    min_threshold = pause_threshold_s(config, 0, 0, bs, seconds_per_block, queue_s)
+    prefill_s = costs.prefill_s
+    resume_of, queue_s, min_threshold = costs.resume_of, costs.queue_s, costs.min_threshold_s
     candidates: list[Candidate] = []
-    sum_rate = 0.0
-    sum_tokens = sum_lifetime = 0
     for r in members:
         num_out = len(r.output_token_ids)
-        num_tokens = len(r.prompt_token_ids) + num_out
+        num_tokens = r.num_tokens
         max_tokens = r.sampling_params.max_tokens
         buffered = r.last_consume_s - now if num_out else 0.0
         if buffered < 0.0:
@@ -152,8 +283,8 @@ def survey(
             if resume is None:  # a member surveyed outside the view's preempted list
                 resume = resume_time_s(r, kv, seconds_per_block, prefill_s)
         # slack: seconds until the reader wants a token that does not exist (< 0: stalling)
-        slack = r.last_consume_s + 1.0 / r.rate_tps - now if num_out else 0.0
-        # utility(), inlined: this loop runs over every member at every decision
+        slack = r.dry_s - now if num_out else 0.0
+        # utility(), inlined: this loop runs over every listed member at every decision
         value = 1.0 - buffered * inv_horizon
         score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
         if not resident:
@@ -173,11 +304,7 @@ def survey(
                 resume,
             )
         )
-        sum_rate += r.rate_tps
-        sum_tokens += num_tokens
-        lifetime = len(r.prompt_token_ids) + max_tokens // 2
-        sum_lifetime += -(-(num_tokens if num_tokens > lifetime else lifetime) // bs)
-    return Survey(candidates, sum_rate, sum_tokens, sum_lifetime)
+    return candidates
 
 
 def balance(
@@ -186,6 +313,8 @@ def balance(
     max_seqs: int,
     by_arrival: bool = False,
     resume_budget_s: float = math.inf,
+    num_implicit_pinned: int = 0,
+    implicit_pinned_blocks: int = 0,
 ) -> list[Candidate]:
     """Who is on the device next: greedy in priority order while memory and max_seqs allow.
 
@@ -202,13 +331,19 @@ def balance(
     same utility the search maximises, no swap can help: an unselected member that precedes a
     selected one was skipped for lack of room, and swapping it in needs more room still.  So
     there is none here.
+
+    Members pinned for sure may be left out of `candidates` and given as a count and a
+    footprint: they go first (all of them: they are resident, so within max_seqs) and are not
+    returned.
     """
+    if num_implicit_pinned > max_seqs:
+        raise ValueError(f"{num_implicit_pinned} pinned members exceed max_seqs {max_seqs}")
     order = sorted(candidates, key=_arrival_order if by_arrival else _utility_order)
     picked: list[Candidate] = []
-    used = 0
+    used = implicit_pinned_blocks
     resume_s = 0.0
     for cand in order:
-        if len(picked) >= max_seqs:
+        if len(picked) + num_implicit_pinned >= max_seqs:
             break
         if not cand.is_pinned and used + cand.footprint_blocks > capacity_blocks:
             continue

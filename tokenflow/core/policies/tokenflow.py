@@ -33,10 +33,17 @@ by buffer size).
 from __future__ import annotations
 
 import math
-from itertools import chain
+from itertools import chain, repeat
 
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.policies.balance import Candidate, Survey, balance, survey
+from tokenflow.core.policies.balance import (
+    Candidate,
+    Survey,
+    balance,
+    lifetime_blocks,
+    survey,
+    survey_started,
+)
 from tokenflow.core.policies.base import (
     Moves,
     Policy,
@@ -118,12 +125,14 @@ class TokenFlowPolicy(Policy):
             view.config.max_num_seqs,
             by_arrival=degraded,
             resume_budget_s=self.config.schedule_interval_s,
+            num_implicit_pinned=started.num_implicit_pinned,
+            implicit_pinned_blocks=started.implicit_pinned_blocks,
         )
         chosen = {c.request.request_id for c in selected}
-        preemptions = tuple(
-            Preemption(r.request_id, PreemptMode.OFFLOAD)
-            for r in view.running
-            if r.request_id not in chosen
+        preemptions = tuple(  # residents left out (those listed come in running order)
+            Preemption(c.request.request_id, PreemptMode.OFFLOAD)
+            for c in started.candidates
+            if c.is_resident and c.request.request_id not in chosen
         )
         queued = self._queued_io_blocks(view)
         resumed = [c.request for c in selected if not c.is_resident]
@@ -170,15 +179,15 @@ class TokenFlowPolicy(Policy):
         return starts
 
     def _survey_started(self, view: SchedulingView, growth: int) -> Survey:
-        return survey(self.config, view, chain(view.running, view.preempted), growth)
+        return survey_started(self.config, view, growth)
 
     # -- phase 1: schedulability ----------------------------------------------------------------
     def _lifetime_blocks(self, view: SchedulingView, started: Survey) -> float:
         """beta: mean device blocks of a member over its life (of the waiting if no member)."""
-        if started.candidates:
-            return max(started.sum_lifetime_blocks / len(started.candidates), 1.0)
-        waiting = survey(self.config, view, view.waiting, 1)
-        return max(waiting.sum_lifetime_blocks / max(len(view.waiting), 1), 1.0)
+        if started.num_members:
+            return max(started.sum_lifetime_blocks / started.num_members, 1.0)
+        waiting = lifetime_blocks(view.waiting, view.kv.block_size)
+        return max(waiting / max(len(view.waiting), 1), 1.0)
 
     def _capacity(self, view: SchedulingView, started: Survey) -> tuple[float, int]:
         """(Gamma, the feasible batch it is measured at)."""
@@ -191,7 +200,7 @@ class TokenFlowPolicy(Policy):
         reader takes more than one stream's share of the feasible batch."""
         capacity, batch = self._capacity(view, started)
         self._rate_cap_tps = capacity / batch
-        return capacity, sum(self._demand_tps(c.request) for c in started.candidates)
+        return capacity, sum(map(min, started.rates_tps, repeat(self._rate_cap_tps)))
 
     def capacity_tps(self, view: SchedulingView) -> float:
         """Gamma: tokens/s the engine generates at the feasible batch, the number of members
@@ -232,7 +241,7 @@ class TokenFlowPolicy(Policy):
         if not view.waiting:
             return []
         limit = self._working_set_limit(view, started)
-        size = len(started.candidates)
+        size = started.num_members
         free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
         host_room = view.kv.num_free_host_blocks
         # Pauses that would free memory, most reading buffered first (they lose least).
