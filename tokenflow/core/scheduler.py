@@ -155,6 +155,7 @@ class Scheduler:
             kv=self.kv,
             estimator=self.estimator,
             preempted_by_dry=self.preempted_by_dry,
+            loading=self._loading,
             write_candidates=self._write_candidates.values(),
             remaining_output_tokens=self._remaining_output_tokens,
             config=self.config,

@@ -52,6 +52,7 @@ class SchedulingView:
     num_requests_seen: int
     # Kept by the scheduler on events, so that no policy rescans every request per step:
     preempted_by_dry: list[Request]  # preempted, by the time the reader runs dry, then arrival
+    loading: list[Request]  # residents whose KV is still being loaded, in running order
     write_candidates: Collection[Request]  # residents that may have an unsynced full block
     remaining_output_tokens: int  # max_tokens - generated, summed over the residents
 

@@ -311,9 +311,7 @@ class TokenFlowPolicy(Policy):
         of loads in flight not yet copied."""
         kv = view.kv
         loading = sum(
-            kv.num_blocks_to_load(r.request_id, r.num_computed_tokens)
-            for r in view.running
-            if r.state is RequestState.LOADING
+            kv.num_blocks_to_load(r.request_id, r.num_computed_tokens) for r in view.loading
         )
         return kv.num_evicting_blocks + loading
 

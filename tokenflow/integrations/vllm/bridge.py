@@ -162,6 +162,7 @@ class PolicyBridge:
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
             preempted_by_dry=sorted(preempted, key=lambda r: (r.dry_s, _fcfs(r))),
+            loading=[r for r in mirrored_running if r.state is RequestState.LOADING],
             write_candidates=(),  # vLLM keeps no host copy of running streams
             remaining_output_tokens=sum(
                 r.sampling_params.max_tokens - r.num_output_tokens for r in mirrored_running
