@@ -6,7 +6,7 @@ from tests.core.helpers import make_core, make_request
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import CopyKind
-from tokenflow.core.policies.balance import Candidate, Survey, survey
+from tokenflow.core.policies.survey import Candidate, Survey, survey
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import PreemptMode, RequestState
 
@@ -271,7 +271,7 @@ def test_no_decision_without_stress():
 
 
 def test_survey_utility_matches_the_documented_formula():
-    from tokenflow.core.policies.balance import survey, utility
+    from tokenflow.core.policies.survey import survey, utility
 
     core, clock, (r1, r2, r3) = three_streams()
     view = core.scheduler.view(clock.t)

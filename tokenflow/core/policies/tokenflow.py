@@ -36,14 +36,8 @@ import math
 from itertools import chain, repeat
 
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.policies.balance import (
-    Candidate,
-    Survey,
-    balance,
-    lifetime_blocks,
-    survey,
-    survey_started,
-)
+from tokenflow.core.policies.admission import admit, waiting_within_budget, working_set_limit
+from tokenflow.core.policies.balance import balance
 from tokenflow.core.policies.base import (
     Moves,
     Policy,
@@ -51,6 +45,13 @@ from tokenflow.core.policies.base import (
     SchedulingView,
     Start,
     fcfs_starts,
+)
+from tokenflow.core.policies.survey import (
+    Candidate,
+    Survey,
+    lifetime_blocks,
+    survey,
+    survey_started,
 )
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
@@ -157,16 +158,13 @@ class TokenFlowPolicy(Policy):
         # A preempted stream gains no tokens, so ordering by the time its reader runs dry
         # equals ordering by slack; the scheduler keeps that order (it is fixed while paused).
         preempted = view.preempted_by_dry
-        waiting: list[Request] = []
-        budget, prefill_budget = self._spare_rate_tps, self._prefill_budget_s
-        for request in view.waiting:  # arrival order; no later request passes an earlier one
-            idle = not (waiting or view.running or preempted)
-            prefill_s = view.estimator.prefill_time_s(request.num_tokens)
-            if not idle and (self._demand_tps(request) > budget or prefill_s > prefill_budget):
-                break  # (an idle engine always takes the head, whatever its rate)
-            budget -= self._demand_tps(request)
-            prefill_budget -= prefill_s
-            waiting.append(request)
+        waiting = waiting_within_budget(
+            view,
+            self._spare_rate_tps,
+            self._prefill_budget_s,
+            self._demand_tps,
+            has_other_work=bool(view.running or preempted),
+        )
         starts = fcfs_starts(view, candidates=preempted + waiting)
         if starts:
             self._calm_until_s = -math.inf
@@ -213,71 +211,26 @@ class TokenFlowPolicy(Policy):
         capacity, demand = self._capacity_and_demand(view, self._survey_started(view, 1))
         return demand + extra_rate_tps <= capacity
 
-    # -- phase 2: admission ---------------------------------------------------------------------
-    def _working_set_limit(self, view: SchedulingView, started: Survey) -> int:
-        kv = view.kv.config
-        host = min(self.config.working_set_host_share * kv.num_device_blocks, kv.num_host_blocks)
-        w_static = max(1, int((kv.num_device_blocks + host) / self._lifetime_blocks(view, started)))
-        num_running = len(view.running)
-        if num_running < w_static:
-            smoothing = self.config.working_set_smoothing
-            return math.ceil(w_static - smoothing * (w_static - num_running))
-        return w_static
-
+    # -- phase 2: admission (see admission.py) -------------------------------------------------
     def working_set_limit(self, view: SchedulingView) -> int:
-        """W_sched from W_static = floor(M / beta), smoothed toward the running count by lambda.
-
-        M is the device tier plus `working_set_host_share` of it in the host tier (members not
-        on the device wait there; the share bounds how far rotation stretches the device);
-        beta is the mean lifetime footprint (prompt + half the output budget).
-        """
-        return self._working_set_limit(view, self._survey_started(view, 1))
+        """W_sched (see `admission.working_set_limit`)."""
+        started = self._survey_started(view, 1)
+        return working_set_limit(self.config, view, self._lifetime_blocks(view, started))
 
     def can_pause(self, view: SchedulingView, request: Request) -> bool:
         """b_j >= mu * r_j * (tau_evict + tau_load + tau_schedule) (+ the critical slack)."""
         return survey(self.config, view, [request], 1).candidates[0].is_pausable
 
     def _admit(self, view: SchedulingView, started: Survey, spare_rate_tps: float) -> list[Request]:
-        if not view.waiting:
-            return []
-        limit = self._working_set_limit(view, started)
-        size = started.num_members
-        free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
-        host_room = view.kv.num_free_host_blocks
-        # Pauses that would free memory, most reading buffered first (they lose least).
-        pausable = sorted(
-            (c for c in started.candidates if c.is_pausable),
-            key=lambda c: (c.utility, c.request.sort_key),
-        )
-        extra_rate = 0.0
-        self._prefill_budget_s = self.config.schedule_interval_s
-        admitted: list[Request] = []
-        for request in view.waiting:
-            rate = self._demand_tps(request)
-            if size >= limit or (size and extra_rate + rate > spare_rate_tps):
-                break  # (an empty working set always takes the head, whatever its rate)
-            prefill_s = view.estimator.prefill_time_s(request.num_tokens)
-            if admitted and prefill_s > self._prefill_budget_s:
-                break  # paced: what one interval can prefill, so Gamma is measured as it fills
-            need = view.start_blocks(request)
-            while need > free and pausable:
-                pause = pausable.pop(0)
-                if pause.unsynced_blocks <= host_room:
-                    host_room -= pause.unsynced_blocks
-                    free += pause.reclaim_blocks + view.reserve_blocks(pause.request)
-            if need > free:
-                break
-            free -= need + view.reserve_blocks(request)
-            self._prefill_budget_s -= prefill_s
-            admitted.append(request)
-            size += 1
-            extra_rate += rate
-        return admitted
+        limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
+        admitted = admit(self.config, view, started, limit, spare_rate_tps, self._demand_tps)
+        if view.waiting:  # (with none waiting, the last decision's prefill budget stands)
+            self._prefill_budget_s = admitted.prefill_budget_s
+        return admitted.requests
 
     def admit(self, view: SchedulingView) -> list[Request]:
-        """Waiting requests that join the working set, in arrival order, while it is below
-        W_sched, their rates fit in the spare capacity (with headroom), and each finds free
-        memory or memory that safe pauses free (with host room for their unsynced tails)."""
+        """Waiting requests that join the working set (see `admission.admit`), with the spare
+        capacity (with headroom) this view leaves."""
         started = self._survey_started(view, 1)
         capacity, demand = self._capacity_and_demand(view, started)
         return self._admit(view, started, self.config.capacity_headroom * capacity - demand)

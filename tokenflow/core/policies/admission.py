@@ -1,0 +1,109 @@
+"""TokenFlow's admission (SPEC section 3, step 1): which waiting requests join the working set.
+
+Pure functions of a view and a survey; the policy keeps the budgets they return between
+decisions.  Admission is in strict arrival order (no later request passes an earlier one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.survey import Survey
+from tokenflow.core.request import Request
+
+DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
+
+
+@dataclass(frozen=True)
+class Admitted:
+    requests: list[Request]  # in arrival order
+    prefill_budget_s: float  # prefill time later newcomers may still take this interval
+
+
+def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks: float) -> int:
+    """W_sched from W_static = floor(M / beta), smoothed toward the running count by lambda.
+
+    M is the device tier plus `working_set_host_share` of it in the host tier (members not on
+    the device wait there; the share bounds how far rotation stretches the device); beta is the
+    mean lifetime footprint (prompt + half the output budget).
+    """
+    kv = view.kv.config
+    host = min(config.working_set_host_share * kv.num_device_blocks, kv.num_host_blocks)
+    w_static = max(1, int((kv.num_device_blocks + host) / beta_blocks))
+    num_running = len(view.running)
+    if num_running < w_static:
+        return math.ceil(w_static - config.working_set_smoothing * (w_static - num_running))
+    return w_static
+
+
+def admit(
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    started: Survey,
+    limit: int,
+    spare_rate_tps: float,
+    demand_of: DemandOf,
+) -> Admitted:
+    """Waiting requests that join, in arrival order, while the working set is below `limit`,
+    their demand fits in `spare_rate_tps`, their prefills fit in one interval (so Gamma is
+    measured as the batch fills), and each finds free device memory or memory that safe pauses
+    free (each pause also needs host room for its unsynced tail)."""
+    prefill_budget_s = config.schedule_interval_s
+    if not view.waiting:
+        return Admitted([], prefill_budget_s)
+    size = started.num_members
+    free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
+    host_room = view.kv.num_free_host_blocks
+    # Pauses that would free memory, most reading buffered first (they lose least).
+    pausable = sorted(
+        (c for c in started.candidates if c.is_pausable),
+        key=lambda c: (c.utility, c.request.sort_key),
+    )
+    extra_rate = 0.0
+    admitted: list[Request] = []
+    for request in view.waiting:
+        rate = demand_of(request)
+        if size >= limit or (size and extra_rate + rate > spare_rate_tps):
+            break  # (an empty working set always takes the head, whatever its rate)
+        prefill_s = view.estimator.prefill_time_s(request.num_tokens)
+        if admitted and prefill_s > prefill_budget_s:
+            break  # paced: what one interval can prefill
+        need = view.start_blocks(request)
+        while need > free and pausable:
+            pause = pausable.pop(0)
+            if pause.unsynced_blocks <= host_room:
+                host_room -= pause.unsynced_blocks
+                free += pause.reclaim_blocks + view.reserve_blocks(pause.request)
+        if need > free:
+            break
+        free -= need + view.reserve_blocks(request)
+        prefill_budget_s -= prefill_s
+        admitted.append(request)
+        size += 1
+        extra_rate += rate
+    return Admitted(admitted, prefill_budget_s)
+
+
+def waiting_within_budget(
+    view: SchedulingView,
+    spare_rate_tps: float,
+    prefill_budget_s: float,
+    demand_of: DemandOf,
+    has_other_work: bool,
+) -> list[Request]:
+    """The head of the waiting queue that fits the budgets a decision left (between
+    decisions); an idle engine (`has_other_work` false) always takes the head."""
+    waiting: list[Request] = []
+    for request in view.waiting:
+        idle = not (waiting or has_other_work)
+        prefill_s = view.estimator.prefill_time_s(request.num_tokens)
+        if not idle and (demand_of(request) > spare_rate_tps or prefill_s > prefill_budget_s):
+            break
+        spare_rate_tps -= demand_of(request)
+        prefill_budget_s -= prefill_s
+        waiting.append(request)
+    return waiting

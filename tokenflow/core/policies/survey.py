@@ -1,0 +1,313 @@
+"""TokenFlow's survey of the working set (SPEC section 3), written for speed.
+
+A decision looks at its members once.  `survey()` is that pass: per member a `Candidate`
+(utility, device footprint over the next interval, residency, pinning), plus the sums the other
+phases need.  `survey_started()` does the same for the running and paused members while listing
+only those whose place can change, so a decision costs O(paused + pausable), not O(members).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import add, attrgetter, floordiv
+from typing import NamedTuple
+
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.kv_manager import KVTierManager
+from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.request import Request, RequestState
+
+_RUNNING = RequestState.RUNNING
+_LOADING = RequestState.LOADING
+_PREEMPTED = RequestState.PREEMPTED
+PrefillTime = Callable[[int], float]
+_NUM_TOKENS = attrgetter("num_tokens")
+_END = attrgetter("end_tokens")
+_LIFETIME = attrgetter("lifetime_tokens")
+
+
+class Candidate(NamedTuple):
+    """One working-set member as the balancer sees it."""
+
+    request: Request
+    utility: float
+    footprint_blocks: int  # device blocks to hold it through the next interval
+    is_resident: bool  # on the device now (running or loading)
+    is_pinned: bool  # must stay: mid-prefill, loading, or unsafe to pause
+    is_pausable: bool  # running, decoding, and its buffer covers a safe pause
+    is_urgent: bool  # started, and its reader runs dry within the critical slack
+    is_overdue: bool  # started, and its reader has stalled for max_stall_s or longer
+    reclaim_blocks: int  # device blocks a pause frees (0 unless pausable)
+    unsynced_blocks: int  # host blocks a pause takes for its unsynced tail (0 unless pausable)
+    resume_s: float  # link or compute time to bring a paused member back (0 otherwise)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Candidates of the surveyed members, and the sums the other phases need.
+
+    `survey_started` lists explicitly only the members whose place can change (paused ones and
+    running ones with a buffer that might allow a pause); every other resident member is pinned
+    for sure, and is summed, not listed (`num_implicit_pinned`, `implicit_pinned_blocks`).
+    """
+
+    candidates: list[Candidate]
+    rates_tps: list[float]  # reading rate of every member, in member order (demand)
+    sum_lifetime_blocks: int  # blocks at each member's mean lifetime footprint
+    num_implicit_pinned: int = 0
+    implicit_pinned_blocks: int = 0  # their device footprint over the next interval
+
+    @property
+    def num_members(self) -> int:
+        return len(self.candidates) + self.num_implicit_pinned
+
+
+def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> float:
+    """U = v*dt + gamma*dt*exp(-T/dt) - switch cost, T the seconds of reading buffered.
+
+    v, a token's value, falls linearly from 1 (empty buffer) to 0 at value_horizon_s; the
+    exponential term is the stall penalty: highest for a nearly empty buffer (SPEC convention).
+    """
+    dt = config.schedule_interval_s
+    value = max(0.0, 1.0 - buffered_s / config.value_horizon_s)
+    switch = 0.0 if is_resident else config.switch_penalty * dt
+    return value * dt + config.stall_penalty * dt * math.exp(-buffered_s / dt) - switch
+
+
+def pause_threshold_s(
+    config: TokenFlowConfig,
+    computed_tokens: int,
+    synced_tokens: int,
+    block_size: int,
+    seconds_per_block: float,
+    resume_queue_s: float = 0.0,
+) -> float:
+    """Buffer (seconds of reading) a stream needs to be paused safely: mu times the round trip
+    (evict its unsynced blocks, wait behind the resumes already queued, load all back, one
+    interval) plus the critical slack, so that a paused stream is not critical the moment it
+    stops (which would thrash).  The queue term makes pausing self-limiting: the more streams
+    wait off the device, the larger a buffer must be before another joins them."""
+    blocks = -(-computed_tokens // block_size)
+    unsynced = blocks - synced_tokens // block_size
+    round_trip_s = (
+        (unsynced + blocks) * seconds_per_block + resume_queue_s + config.schedule_interval_s
+    )
+    return config.buffer_conservativeness * round_trip_s + config.critical_slack_s
+
+
+def resume_time_s(
+    request: Request, kv: KVTierManager, seconds_per_block: float, prefill_s: PrefillTime
+) -> float:
+    """Time to bring a paused stream back: loading its host copy, or recomputing if faster."""
+    recompute = prefill_s(request.num_tokens)
+    if kv.has_host_copy(request.request_id, request.num_computed_tokens):
+        load = kv.blocks_for(request.num_computed_tokens) * seconds_per_block
+        return load if load < recompute else recompute
+    return recompute
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """What a decision prices every member with: link, queue of resumes, pause threshold."""
+
+    seconds_per_block: float
+    prefill_s: PrefillTime
+    resume_of: dict[str, float]  # paused member -> time to bring it back
+    queue_s: float  # all of those, summed
+    min_threshold_s: float  # the least buffer any pause needs
+
+
+def _costs(config: TokenFlowConfig, view: SchedulingView) -> _Costs:
+    kv = view.kv
+    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
+    prefill_s = view.estimator.prefill_time_s
+    resume_of: dict[str, float] = {}
+    synced_of, bs = kv.synced_tokens, kv.block_size
+    for r in view.preempted:  # resume_time_s(), inlined: every paused stream, every decision
+        recompute, computed = prefill_s(r.num_tokens), r.num_computed_tokens
+        if computed > 0 and synced_of(r.request_id) >= computed:  # a host copy to load
+            load = -(-computed // bs) * seconds_per_block
+            resume_of[r.request_id] = load if load < recompute else recompute
+        else:
+            resume_of[r.request_id] = recompute
+    queue_s = sum(resume_of.values())
+    min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
+    return _Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)
+
+
+def survey(
+    config: TokenFlowConfig, view: SchedulingView, members: Iterable[Request], growth: int
+) -> Survey:
+    """One pass over `members`: a candidate for each, and the sums for capacity and W_static."""
+    members = list(members)
+    candidates = _candidates(config, view, members, growth, _costs(config, view))
+    bs = view.kv.block_size
+    return Survey(candidates, [r.rate_tps for r in members], lifetime_blocks(members, bs))
+
+
+def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -> Survey:
+    """`survey` of the running and paused members, listing only those whose place can change.
+
+    A running stream that cannot be paused is pinned whatever else holds, so it needs no
+    candidate: pinned streams are counted and their footprint summed at C speed.  A stream
+    with a buffer below the least pause threshold is pinned without a look; the others
+    (buffer enough to be pausable) get the exact test, and paused streams exact candidates.
+    """
+    costs = _costs(config, view)
+    now, threshold = view.now_s, costs.min_threshold_s
+    running = view.running
+    pinned = [r for r in running if r.last_consume_s - now < threshold]
+    if len(pinned) == len(running):
+        pausable: list[Candidate] = []
+    else:
+        suspects = [r for r in running if r.last_consume_s - now >= threshold]
+        pausable = _pausable_candidates(config, view, suspects, growth, costs, pinned)
+    members = list(chain(running, view.preempted))
+    return Survey(
+        pausable + _candidates(config, view, view.preempted, growth, costs),
+        [r.rate_tps for r in members],
+        lifetime_blocks(members, view.kv.block_size),
+        num_implicit_pinned=len(pinned),
+        implicit_pinned_blocks=_footprint_blocks(pinned, growth, view.kv.block_size),
+    )
+
+
+def _pausable_candidates(
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    suspects: list[Request],
+    growth: int,
+    costs: _Costs,
+    pinned: list[Request],
+) -> list[Candidate]:
+    """Candidates of the suspects that pass the exact pause test (in running order); the
+    others join `pinned`.  Same arithmetic as `_candidates`, for running streams only."""
+    kv, now = view.kv, view.now_s
+    bs, free_host = kv.block_size, kv.num_free_host_blocks
+    synced_of, tables = kv.synced_tokens, kv.device_tables
+    mu, critical = config.buffer_conservativeness, config.critical_slack_s
+    queue_s, per_block_s = costs.queue_s, costs.seconds_per_block
+    dt = config.schedule_interval_s
+    inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
+    stall_dt, exp = config.stall_penalty * dt, math.exp
+    out: list[Candidate] = []
+    for r in suspects:
+        num_out, num_tokens = len(r.output_token_ids), r.num_tokens
+        computed = r.num_computed_tokens
+        if not (r.state is _RUNNING and num_out > 0 and computed >= num_tokens - 1):
+            pinned.append(r)  # not decoding (prefill or load): pinned
+            continue
+        synced = synced_of(r.request_id)
+        blocks = -(-computed // bs)
+        unsynced = blocks - synced // bs
+        buffered = r.last_consume_s - now
+        # pause_threshold_s(), inlined (same operations in the same order: same float)
+        threshold = mu * ((unsynced + blocks) * per_block_s + queue_s + dt) + critical
+        if unsynced > free_host or buffered < threshold:
+            pinned.append(r)
+            continue
+        remaining = r.sampling_params.max_tokens - num_out
+        extra = growth if growth < remaining else remaining
+        value = 1.0 - buffered * inv_horizon
+        score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
+        footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
+        reclaim = len(tables[r.request_id])
+        out.append(
+            Candidate(r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0)
+        )
+    return out
+
+
+def _footprint_blocks(residents: list[Request], growth: int, block_size: int) -> int:
+    """Sum over residents of blocks to hold them through the next interval: the blocks of
+    min(tokens + max(growth, 1), prompt + max_tokens) (a resident always has a token to go)."""
+    ahead = max(growth, 1)
+    tokens = map(min, map(add, map(_NUM_TOKENS, residents), repeat(ahead)), map(_END, residents))
+    return sum(map(floordiv, map(add, tokens, repeat(block_size - 1)), repeat(block_size)))
+
+
+def lifetime_blocks(members: list[Request], bs: int) -> int:
+    """Sum over members of the blocks at max(tokens, prompt + max_tokens // 2)."""
+    tokens = map(max, map(_NUM_TOKENS, members), map(_LIFETIME, members))
+    return sum(map(floordiv, map(add, tokens, repeat(bs - 1)), repeat(bs)))
+
+
+def _candidates(
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    members: Iterable[Request],
+    growth: int,
+    costs: _Costs,
+) -> list[Candidate]:
+    """A candidate per member: the decision's inner loop (plain arithmetic on attributes)."""
+    now = view.now_s
+    kv = view.kv
+    bs = kv.block_size
+    seconds_per_block = costs.seconds_per_block
+    dt = config.schedule_interval_s
+    inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
+    stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
+    exp = math.exp
+    free_host = kv.num_free_host_blocks
+    critical, max_stall = config.critical_slack_s, config.max_stall_s
+    prefill_s = costs.prefill_s
+    resume_of, queue_s, min_threshold = costs.resume_of, costs.queue_s, costs.min_threshold_s
+    candidates: list[Candidate] = []
+    for r in members:
+        num_out = len(r.output_token_ids)
+        num_tokens = r.num_tokens
+        max_tokens = r.sampling_params.max_tokens
+        buffered = r.last_consume_s - now if num_out else 0.0
+        if buffered < 0.0:
+            buffered = 0.0
+        state = r.state
+        resident = state is _RUNNING or state is _LOADING
+        remaining = max_tokens - num_out
+        extra = growth if growth < remaining else remaining
+        footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
+        decoding = state is _RUNNING and num_out > 0 and r.num_computed_tokens >= num_tokens - 1
+        pausable = False
+        reclaim = unsynced = 0
+        if decoding and buffered >= min_threshold:
+            computed, synced = r.num_computed_tokens, kv.synced_tokens(r.request_id)
+            unsynced = kv.blocks_for(computed) - synced // bs
+            # Pausing needs host room for the unsynced rest, or the KV would be dropped and
+            # recomputed (a preemption then costs compute instead of link time).
+            pausable = unsynced <= free_host and buffered >= (
+                pause_threshold_s(config, computed, synced, bs, seconds_per_block, queue_s)
+            )
+            if pausable:
+                reclaim = kv.num_device_blocks_of(r.request_id)
+            else:
+                unsynced = 0
+        resume = 0.0
+        if state is _PREEMPTED:
+            resume = resume_of.get(r.request_id)
+            if resume is None:  # a member surveyed outside the view's preempted list
+                resume = resume_time_s(r, kv, seconds_per_block, prefill_s)
+        # slack: seconds until the reader wants a token that does not exist (< 0: stalling)
+        slack = r.dry_s - now if num_out else 0.0
+        # utility(), inlined: this loop runs over every listed member at every decision
+        value = 1.0 - buffered * inv_horizon
+        score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
+        if not resident:
+            score -= switch
+        candidates.append(
+            Candidate(
+                r,
+                score,
+                footprint,
+                resident,
+                resident and not pausable,
+                pausable,
+                num_out > 0 and slack < critical,
+                num_out > 0 and slack <= -max_stall,
+                reclaim,
+                unsynced,
+                resume,
+            )
+        )
+    return candidates
