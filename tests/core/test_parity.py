@@ -52,6 +52,7 @@ SETUPS = {
     "burst": Setup(60, 70, 400, 0.5, 120),
     "stream": Setup(90, 90, 400, 20.0, 160),
     "small-host": Setup(50, 60, 40, 2.0, 100),
+    "trickle": Setup(80, 120, 400, 40.0, 60),  # arrivals between decisions, often none waiting
 }
 
 
