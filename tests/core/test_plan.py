@@ -68,4 +68,6 @@ def test_aggregates_return_to_zero_after_aborts_and_finishes():
     run_to_completion(core, clock)
     scheduler = core.scheduler
     assert scheduler.view(clock.t).remaining_output_tokens == 0
-    assert not scheduler.preempted_by_dry and not list(scheduler.view(clock.t).write_candidates)
+    assert not scheduler.queues.preempted_by_dry and not list(
+        scheduler.view(clock.t).write_candidates
+    )

@@ -6,8 +6,6 @@ out-of-memory retraction) -> copies (loads, then write-through).  `update()` app
 
 from __future__ import annotations
 
-import bisect
-
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
@@ -19,17 +17,10 @@ from tokenflow.core.plan import (
     StepResult,
 )
 from tokenflow.core.policies.base import Moves, Policy, Preemption, SchedulingView, Start
+from tokenflow.core.queues import RequestQueues
 from tokenflow.core.request import FinishReason, PreemptMode, Request, RequestState
 
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
-
-
-def _arrival(request: Request) -> tuple[float, int]:
-    return (request.arrival_s, request.arrival_index)
-
-
-def _dry_then_arrival(request: Request) -> tuple[float, float, int]:
-    return (request.dry_s, request.arrival_s, request.arrival_index)
 
 
 class Scheduler:
@@ -46,9 +37,10 @@ class Scheduler:
             per_context_token_s=config.initial_decode_token_s,
         )
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.preempted: list[Request] = []
+        self.queues = RequestQueues()
+        self.waiting = self.queues.waiting  # (the same lists, for readers of the scheduler)
+        self.running = self.queues.running
+        self.preempted = self.queues.preempted
         self.new_token_ratio = config.init_new_token_ratio
         self.num_preemptions_total = 0
         self.num_loads_total = 0
@@ -59,11 +51,6 @@ class Scheduler:
         self._evict_copies: list[BlockCopy] = []
         self._loads_completing: list[Request] = []
         self._step_started_s = 0.0
-        # Kept up to date on events so that no step rescans every request:
-        self.preempted_by_dry: list[Request] = []  # by (dry_s, arrival): fixed while paused
-        self._loading: list[Request] = []  # resident, KV still being copied in (running order)
-        self._remaining_output_tokens = 0  # max_tokens - generated, summed over residents
-        self._write_candidates: dict[str, Request] = {}  # residents that may have unsynced blocks
         self._sent_blocks: dict[str, int] = {}  # leading table entries the executor knows
         self._output_limits: dict[str, int] = {}  # max_tokens, or less where max_model_len ends it
 
@@ -90,9 +77,8 @@ class Scheduler:
         )
         request.arrival_index = self._num_seen
         self._num_seen += 1
-        request.state = RequestState.WAITING
         self.requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=_arrival)
+        self.queues.add_waiting(request)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
         """End a request from outside (abort, or a stop string found by the engine layer)."""
@@ -103,13 +89,8 @@ class Scheduler:
         return True
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        if request.state is RequestState.WAITING:
-            self.waiting.remove(request)
-        elif request.state is RequestState.PREEMPTED:
-            self.preempted.remove(request)
-            self.preempted_by_dry.remove(request)
-        else:
-            self._leave_device(request)
+        self.queues.remove(request)
+        self._sent_blocks.pop(request.request_id, None)
         request.finish_reason = reason
         request.state = (
             RequestState.ABORTED if reason is FinishReason.ABORT else RequestState.FINISHED
@@ -119,27 +100,9 @@ class Scheduler:
         del self._output_limits[request.request_id]
         self._released.append(request.request_id)
 
-    def _enter_device(self, request: Request, state: RequestState) -> None:
-        request.state = state
-        self.running.append(request)
-        if state is RequestState.LOADING:
-            self._loading.append(request)
-        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
-        self._remaining_output_tokens += remaining
-
-    def _leave_device(self, request: Request) -> None:
-        """Forget a resident request in the running-side structures (its KV is handled apart)."""
-        self.running.remove(request)
-        if request.state is RequestState.LOADING:
-            self._loading.remove(request)
-        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
-        self._remaining_output_tokens -= remaining
-        self._write_candidates.pop(request.request_id, None)
-        self._sent_blocks.pop(request.request_id, None)
-
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.preempted)
+        return self.queues.has_work
 
     @property
     def num_unfinished(self) -> int:
@@ -154,10 +117,10 @@ class Scheduler:
             waiting=self.waiting,
             kv=self.kv,
             estimator=self.estimator,
-            preempted_by_dry=self.preempted_by_dry,
-            loading=self._loading,
-            write_candidates=self._write_candidates.values(),
-            remaining_output_tokens=self._remaining_output_tokens,
+            preempted_by_dry=self.queues.preempted_by_dry,
+            loading=self.queues.loading,
+            write_candidates=self.queues.write_candidates.values(),
+            remaining_output_tokens=self.queues.remaining_output_tokens,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
@@ -201,12 +164,10 @@ class Scheduler:
         else:
             self.kv.drop(request.request_id)
             request.num_computed_tokens = 0
-        self._leave_device(request)
-        request.state = RequestState.PREEMPTED
+        self.queues.pause(request)
+        self._sent_blocks.pop(request.request_id, None)  # its next table comes whole
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        bisect.insort(self.preempted, request, key=_arrival)
-        bisect.insort(self.preempted_by_dry, request, key=_dry_then_arrival)
 
     def _apply_starts(self, starts: tuple[Start, ...]) -> None:
         for start in starts:
@@ -227,12 +188,7 @@ class Scheduler:
                 if request.state is RequestState.PREEMPTED:
                     self.num_recomputes_total += 1
                 state = RequestState.RUNNING
-            if request.state is RequestState.WAITING:
-                self.waiting.remove(request)
-            else:
-                self.preempted.remove(request)
-                self.preempted_by_dry.remove(request)
-            self._enter_device(request, state)
+            self.queues.enter_device(request, state)
 
     # -- chunks ---------------------------------------------------------------------------------
     def _build_chunks(self, view: SchedulingView) -> list[ScheduledChunk]:
@@ -349,11 +305,11 @@ class Scheduler:
         return max(1, int(self.config.link_bytes_per_s * step_s / block_bytes))
 
     def _plan_loads(self, num_chunks: int) -> list[BlockCopy]:
-        if not self._loading:
+        if not self.queues.loading:
             return []
         budget = self._copy_budget_blocks(num_chunks)
         copies: list[BlockCopy] = []
-        for request in self._loading:
+        for request in self.queues.loading:
             if budget <= len(copies):
                 break
             rid, tokens = request.request_id, request.num_computed_tokens
@@ -363,7 +319,8 @@ class Scheduler:
         return copies
 
     def _plan_write_through(self, view: SchedulingView, num_chunks: int) -> list[BlockCopy]:
-        if not self._write_candidates:
+        pending = self.queues.write_candidates
+        if not pending:
             return []
         budget = self._copy_budget_blocks(num_chunks) - len(self._evict_copies)
         order = self.policy.write_through_order(view) if budget > 0 else []
@@ -374,9 +331,9 @@ class Scheduler:
         # Forget the streams whose full blocks all have a host copy now: one comes back only
         # when a step fills another of its blocks (`update`).
         has_unsynced = self.kv.has_unsynced_full_block
-        for rid, request in list(self._write_candidates.items()):
+        for rid, request in list(pending.items()):
             if not has_unsynced(rid, request.num_computed_tokens):
-                del self._write_candidates[rid]
+                del pending[rid]
         return copies
 
     # -- update ---------------------------------------------------------------------------------
@@ -392,13 +349,12 @@ class Scheduler:
         )
         for request in self._loads_completing:
             if request.state is RequestState.LOADING:
-                request.state = RequestState.RUNNING
-                self._loading.remove(request)
+                self.queues.load_finished(request)
         self._loads_completing.clear()
         sampled = {s.request_id: s.token_id for s in result.sampled}
         outputs: list[RequestOutput] = []
         requests, running = self.requests, RequestState.RUNNING
-        block_size, candidates = self.kv.block_size, self._write_candidates
+        block_size, queues = self.kv.block_size, self.queues
         limits, num_sampled = self._output_limits, 0
         for chunk in plan.chunks:
             rid = chunk.request_id
@@ -407,7 +363,7 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             computed = chunk.start_position + len(chunk.token_ids)
             if computed // block_size != request.num_computed_tokens // block_size:
-                candidates[rid] = request  # a block filled: write it through
+                queues.block_filled(request)
             request.num_computed_tokens = computed
             if not chunk.samples_token:
                 continue
@@ -422,7 +378,7 @@ class Scheduler:
                     self._finish(request, reason)
             outputs.append(RequestOutput(rid, (token_id,), num_output, reason))
         # (a finished request left with its own remaining count: subtracting after is exact)
-        self._remaining_output_tokens -= num_sampled
+        self.queues.remaining_output_tokens -= num_sampled
         self._decay_new_token_ratio()
         return outputs
 
