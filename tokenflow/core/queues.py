@@ -24,10 +24,16 @@ def _remaining(request: Request) -> int:
     return request.sampling_params.max_tokens - request.num_output_tokens
 
 
+def lifetime_blocks_of(request: Request, block_size: int) -> int:
+    """Blocks at max(tokens, prompt + max_tokens // 2): a member's mean lifetime footprint."""
+    return -(-max(request.num_tokens, request.lifetime_tokens) // block_size)
+
+
 class RequestQueues:
     """Waiting, resident and paused requests (all in first-come-first-served order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.waiting: list[Request] = []  # never started
         self.running: list[Request] = []  # resident (RUNNING or LOADING), in order of start
         self.preempted: list[Request] = []  # started once, now off the device
@@ -36,6 +42,7 @@ class RequestQueues:
         ] = []  # the same, by (dry_s, arrival): fixed while paused
         self.loading: list[Request] = []  # residents whose KV is still being loaded
         self.remaining_output_tokens = 0  # max_tokens - generated, summed over the residents
+        self.started_lifetime_blocks = 0  # lifetime_blocks_of, summed over running + paused
         # Residents that may have a full block without a host copy (a superset: a stream joins
         # when a step fills one of its blocks and leaves once write-through has caught up).
         self.write_candidates: dict[str, Request] = {}
@@ -52,6 +59,7 @@ class RequestQueues:
         """A waiting or paused request starts running, or loading (`state`)."""
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
+            self.started_lifetime_blocks += lifetime_blocks_of(request, self.block_size)
         else:
             self._leave_preempted(request)
         request.state = state
@@ -78,7 +86,9 @@ class RequestQueues:
         """A request ends, from whichever queue holds it (its state is then set by the caller)."""
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
-        elif request.state is RequestState.PREEMPTED:
+            return
+        self.started_lifetime_blocks -= lifetime_blocks_of(request, self.block_size)
+        if request.state is RequestState.PREEMPTED:
             self._leave_preempted(request)
         else:
             self._leave_device(request)
@@ -86,6 +96,13 @@ class RequestQueues:
     def block_filled(self, request: Request) -> None:
         """A step filled one of a resident's blocks: it has KV to write through."""
         self.write_candidates[request.request_id] = request
+
+    def token_appended(self, request: Request) -> None:
+        """A resident gained a token: past its mean length, its lifetime grows a block at each
+        block boundary (call after `Request.append_token`)."""
+        before = request.num_tokens - 1
+        if before % self.block_size == 0 and before >= request.lifetime_tokens:
+            self.started_lifetime_blocks += 1
 
     def _leave_preempted(self, request: Request) -> None:
         self.preempted.remove(request)

@@ -37,7 +37,7 @@ class Scheduler:
             per_context_token_s=config.initial_decode_token_s,
         )
         self.requests: dict[str, Request] = {}
-        self.queues = RequestQueues()
+        self.queues = RequestQueues(kv_config.block_size)
         self.waiting = self.queues.waiting  # (the same lists, for readers of the scheduler)
         self.running = self.queues.running
         self.preempted = self.queues.preempted
@@ -121,6 +121,7 @@ class Scheduler:
             loading=self.queues.loading,
             write_candidates=self.queues.write_candidates.values(),
             remaining_output_tokens=self.queues.remaining_output_tokens,
+            started_lifetime_blocks=self.queues.started_lifetime_blocks,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
@@ -361,14 +362,19 @@ class Scheduler:
             request = requests.get(rid)
             if request is None or request.state is not running:
                 continue  # finished or aborted while the step ran
-            computed = chunk.start_position + len(chunk.token_ids)
-            if computed // block_size != request.num_computed_tokens // block_size:
+            num_new = len(chunk.token_ids)
+            computed = chunk.start_position + num_new
+            filled = computed // block_size != request.num_computed_tokens // block_size
+            if filled:
                 queues.block_filled(request)
             request.num_computed_tokens = computed
             if not chunk.samples_token:
                 continue
             token_id = sampled[rid]
             request.append_token(token_id, now_s)
+            # (a decode fills a block exactly when its new token starts one: the rare branch)
+            if filled or num_new > 1:
+                queues.token_appended(request)
             num_sampled += 1
             num_output = len(request.output_token_ids)
             reason = None

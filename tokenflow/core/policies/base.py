@@ -55,6 +55,8 @@ class SchedulingView:
     loading: list[Request]  # residents whose KV is still being loaded, in running order
     write_candidates: Collection[Request]  # residents that may have an unsynced full block
     remaining_output_tokens: int  # max_tokens - generated, summed over the residents
+    started_lifetime_blocks: int  # blocks at max(tokens, prompt + max_tokens // 2), summed over
+    # running + preempted (the members' mean lifetime footprint, times their number)
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""

@@ -169,7 +169,7 @@ def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -
     return Survey(
         pausable + _candidates(config, view, view.preempted, growth, costs),
         [r.rate_tps for r in members],
-        lifetime_blocks(members, view.kv.block_size),
+        view.started_lifetime_blocks,
         num_implicit_pinned=len(pinned),
         implicit_pinned_blocks=_footprint_blocks(pinned, growth, view.kv.block_size),
     )

@@ -28,6 +28,7 @@ from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies import Moves, Policy, SchedulingView
+from tokenflow.core.policies.survey import lifetime_blocks
 from tokenflow.core.request import Request, RequestState, SamplingParams
 
 _PREEMPTED = RequestState.PREEMPTED
@@ -166,6 +167,9 @@ class PolicyBridge:
             write_candidates=(),  # vLLM keeps no host copy of running streams
             remaining_output_tokens=sum(
                 r.sampling_params.max_tokens - r.num_output_tokens for r in mirrored_running
+            ),
+            started_lifetime_blocks=lifetime_blocks(
+                mirrored_running + preempted, self.kv.block_size
             ),
         )
 
