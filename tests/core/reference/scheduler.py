@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 
-from tests.core.reference.base import Moves, Policy, Preemption, SchedulingView, Start
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
@@ -19,6 +18,7 @@ from tokenflow.core.plan import (
     StepPlan,
     StepResult,
 )
+from tokenflow.core.policies.base import Moves, Policy, Preemption, SchedulingView, Start
 from tokenflow.core.request import FinishReason, PreemptMode, Request, RequestState
 
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
@@ -117,6 +117,21 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
+            # the derived state, recomputed by scans:
+            preempted_by_dry=sorted(
+                self.preempted, key=lambda r: (r.last_consume_s + 1.0 / r.rate_tps, r.sort_key)
+            ),
+            loading=[r for r in self.running if r.state is RequestState.LOADING],
+            write_candidates=list(self.running),
+            remaining_output_tokens=sum(
+                r.sampling_params.max_tokens - r.num_output_tokens for r in self.running
+            ),
+            started_lifetime_blocks=sum(
+                self.kv.blocks_for(
+                    max(r.num_tokens, r.num_prompt_tokens + r.sampling_params.max_tokens // 2)
+                )
+                for r in self.running + self.preempted
+            ),
         )
 
     # -- schedule -------------------------------------------------------------------------------

@@ -35,8 +35,10 @@ from __future__ import annotations
 import math
 from itertools import chain
 
-from tests.core.reference.balance import Candidate, Survey, balance, survey
-from tests.core.reference.base import (
+from tests.core.reference.survey import Survey, survey
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.policies.balance import balance
+from tokenflow.core.policies.base import (
     Moves,
     Policy,
     Preemption,
@@ -44,7 +46,7 @@ from tests.core.reference.base import (
     Start,
     fcfs_starts,
 )
-from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.policies.survey import Candidate
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 
