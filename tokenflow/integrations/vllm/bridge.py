@@ -53,8 +53,11 @@ class PoolShape:
 
     num_device_blocks: int  # usable blocks (vLLM's pool less its null block)
     block_size: int  # tokens per block
-    host_factor: float  # virtual host tier = host_factor x device blocks (bounds the working set)
+    host_factor: float  # host tier = host_factor x device blocks (bounds the working set)
     recompute_block_s: float  # seconds to recompute one block's KV (the virtual link's cost)
+    # Real host tier (the host KV connector): bytes of one block, all layers, K and V.  None: the
+    # host tier is virtual and a pause is priced as its recompute.
+    offload_block_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,8 @@ class PolicyBridge:
     ) -> None:
         self.policy = policy
         self.config = config
-        block_bytes = self._block_bytes(shape.recompute_block_s)
+        self.can_offload = shape.offload_block_bytes is not None
+        block_bytes = shape.offload_block_bytes or self._block_bytes(shape.recompute_block_s)
         num_host = max(0, int(shape.num_device_blocks * shape.host_factor))
         self.kv = KVTierManager(
             KVConfig(shape.num_device_blocks, num_host, shape.block_size, block_bytes)
@@ -90,6 +94,7 @@ class PolicyBridge:
         self.new_token_ratio = config.init_new_token_ratio
         self.num_preemptions_total = 0
         self.num_offloads_as_recompute = 0
+        self.num_offloads = 0
         self._num_seen = 0
 
     # -- requests in and out ----------------------------------------------------------------------
@@ -145,9 +150,12 @@ class PolicyBridge:
                 self.kv.free_device(request_id)
                 request.num_computed_tokens = 0
         for request in mirrored_running:
+            if self.kv.synced_tokens(request.request_id):  # resumed: vLLM released the copy
+                self.kv.drop(request.request_id)
             self._resize(request.request_id, pool.blocks_of.get(request.request_id, 0))
         self._charge_unmirrored(pool.num_free_blocks)
-        self._price_recompute()
+        if not self.can_offload:
+            self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         return SchedulingView(
             now_s=now_s,
@@ -171,16 +179,35 @@ class PolicyBridge:
         self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)
         return moves
 
-    def preempted(self, request_id: str) -> None:
-        """vLLM preempted a mirrored request (by recompute): its KV is gone."""
+    def preempted(self, request_id: str, num_offloaded_tokens: int = 0) -> None:
+        """vLLM preempted a mirrored request: by recompute (its KV is gone), or, with
+        `num_offloaded_tokens`, after storing that many tokens' KV on the host."""
         request = self.requests.get(request_id)
         if request is None:
             return
+        offloaded = num_offloaded_tokens > 0 and self._evict(request_id, num_offloaded_tokens)
         self.kv.free_device(request_id)
         request.state = RequestState.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = num_offloaded_tokens if offloaded else 0
+        self.num_offloads += offloaded
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+
+    def discarded(self, request_id: str) -> None:
+        """A paused stream's host copy was dropped (it resumes by recompute)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.state is _PREEMPTED:
+            self.kv.drop(request_id)
+            request.num_computed_tokens = 0
+
+    def _evict(self, request_id: str, num_tokens: int) -> bool:
+        """Move the mirror's blocks to its host tier (vLLM stored them this step)."""
+        self.kv.drop(request_id)  # any older host copy
+        self._resize(request_id, self.kv.blocks_for(num_tokens))
+        if self.kv.evict(request_id, num_tokens) is None:
+            return False
+        self.kv.end_step()  # the stores run before the next forward pass: blocks are free now
+        return True
 
     def out_of_memory(self) -> None:
         """vLLM retracted a request for lack of blocks: admit less eagerly again (as the core)."""
@@ -209,7 +236,8 @@ class PolicyBridge:
             else:
                 started = mirror.output_token_ids or vllm_request.num_preemptions
                 mirror.state = RequestState.PREEMPTED if started else RequestState.WAITING
-                mirror.num_computed_tokens = 0
+                # A paused stream with a host copy resumes from it (the core's convention).
+                mirror.num_computed_tokens = self.kv.synced_tokens(mirror.request_id)
             mirrors.append(mirror)
         return mirrors
 

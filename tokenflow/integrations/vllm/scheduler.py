@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import create_request_queue
@@ -27,6 +28,7 @@ from vllm.v1.request import Request, RequestStatus
 from tokenflow.core.policies import Moves, make_policy
 from tokenflow.core.request import PreemptMode
 from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
+from tokenflow.integrations.vllm.host_kv import HostKVConnector, measure_copy_bytes_per_s
 from tokenflow.integrations.vllm.settings import IntegrationSettings
 
 # Under "vllm." so that vLLM's logging configuration (handler, level, format) applies.
@@ -39,28 +41,46 @@ class TokenFlowScheduler(AsyncScheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         settings = IntegrationSettings.from_additional_config(self.vllm_config.additional_config)
+        connector = self.connector
+        self.host_kv = connector if isinstance(connector, HostKVConnector) else None
         core_config = settings.core_config(
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_prefill_tokens=self.scheduler_config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            **self._link_speed(settings),
         )
+        num_device_blocks = self.cache_config.num_gpu_blocks - 1  # less vLLM's null block
+        host = self.host_kv
         shape = PoolShape(
-            num_device_blocks=self.cache_config.num_gpu_blocks - 1,  # less vLLM's null block
+            num_device_blocks=num_device_blocks,
             block_size=self.block_size,
-            host_factor=settings.host_factor,
+            host_factor=host.num_host_blocks / num_device_blocks if host else settings.host_factor,
             recompute_block_s=core_config.initial_prefill_token_s * self.block_size,
+            offload_block_bytes=host.block_bytes if host else None,
         )
         policy = make_policy("tokenflow", core_config, settings.policy)
         self.bridge = PolicyBridge(policy, core_config, shape, settings.default_rate_tps)
         self._scheduled_at: dict[int, float] = {}
         self._last_update_s = 0.0
         logger.info(
-            "TokenFlow scheduler: %d blocks of %d tokens, default rate %s, preemption by "
-            "recompute (decode-block offload is not used; OFFLOAD moves fall back to recompute)",
+            "TokenFlow scheduler: %d blocks of %d tokens, default rate %s, pauses %s",
             shape.num_device_blocks,
             self.block_size,
             settings.default_rate_tps,
+            f"offload to {host.num_host_blocks} host blocks at "
+            f"{core_config.link_bytes_per_s / 1e9:.1f} GB/s"
+            if host
+            else "by recompute (no host KV connector: OFFLOAD moves fall back to recompute)",
         )
+
+    def _link_speed(self, settings: IntegrationSettings) -> dict[str, float]:
+        """The host link's speed for the policy's pause and reload costs: as configured, else
+        (KV pool in host memory, vLLM's CPU platform) a measured memory copy."""
+        if self.host_kv is None or "link_bytes_per_s" in settings.scheduler:
+            return {}
+        if not current_platform.is_cpu():
+            return {}  # the core default: a PCIe-class link
+        return {"link_bytes_per_s": measure_copy_bytes_per_s(8 * self.host_kv.block_bytes)}
 
     # -- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,6 +109,7 @@ class TokenFlowScheduler(AsyncScheduler):
         view = self.bridge.view(self.running, self.waiting, self._pool_state(), now)
         moves = self.bridge.plan(view)
         policy_preempted = self._preempt(moves, now)
+        self._drop_unwanted_copies(moves)
         orig = list(self.waiting)
         held = self._hold_back(moves, orig)
         try:
@@ -119,20 +140,41 @@ class TokenFlowScheduler(AsyncScheduler):
                 continue
             if request not in self.running or not self._request_blocks_can_be_freed(request):
                 continue
+            offload = preemption.mode is PreemptMode.OFFLOAD
+            num_stored = self._store(request) if offload else 0
             self.running.remove(request)
             self._preempt_request(request, now, drop_stale_output=self.requires_kv_delivery)
-            self.bridge.preempted(request.request_id)
+            self.bridge.preempted(request.request_id, num_stored)
             done.add(request.request_id)
-            if preemption.mode is PreemptMode.OFFLOAD:
+            if offload and not num_stored:
                 self.bridge.num_offloads_as_recompute += 1
                 logger.debug("request %s: no offload, preempted by recompute", request.request_id)
         if done:
             logger.info(
-                "TokenFlow preempted %d stream(s) by recompute (%d offloads recomputed so far)",
+                "TokenFlow preempted %d stream(s) (%d offloaded, %d offloads recomputed so far)",
                 len(done),
+                self.bridge.num_offloads,
                 self.bridge.num_offloads_as_recompute,
             )
         return done
+
+    def _store(self, request: Request) -> int:
+        """Plan the host store of a stream about to be paused; the tokens stored (0: none, the
+        pause is a recompute: no host KV connector, or its host memory is full)."""
+        if self.host_kv is None:
+            return 0
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return num_tokens if self.host_kv.store(request.request_id, block_ids, num_tokens) else 0
+
+    def _drop_unwanted_copies(self, moves: Moves) -> None:
+        """A start the policy makes by recompute (a reload would be slower) drops the copy."""
+        if self.host_kv is None:
+            return
+        for start in moves.starts:
+            if not start.by_load and self.host_kv.host_tokens(start.request_id):
+                self.host_kv.discard(start.request_id)
+                self.bridge.discarded(start.request_id)
 
     def _hold_back(self, moves: Moves, orig: list[Request]) -> set[str]:
         """Leave in the waiting queue only the policy's starts (first, in its order) and the
