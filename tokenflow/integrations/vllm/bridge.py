@@ -213,9 +213,16 @@ class PolicyBridge:
         """vLLM retracted a request for lack of blocks: admit less eagerly again (as the core)."""
         self.new_token_ratio = self.config.init_new_token_ratio
 
-    def observe_step(self, num_decode: int, num_prefill_tokens: int, duration_s: float) -> None:
-        """Feed one measured engine step to the step-time estimator."""
-        self.estimator.observe(num_decode, num_prefill_tokens, duration_s)
+    def observe_step(
+        self,
+        num_decode: int,
+        num_prefill_tokens: int,
+        duration_s: float,
+        decode_context_tokens: int = 0,
+    ) -> None:
+        """Feed one measured engine step to the step-time estimator (`decode_context_tokens`:
+        summed over the decoding streams, as the native engine reports it)."""
+        self.estimator.observe(num_decode, num_prefill_tokens, duration_s, decode_context_tokens)
 
     # -- helpers --------------------------------------------------------------------------------
     def _sync(

@@ -17,6 +17,7 @@ out-of-memory preemption.  Without any rated request the step is vLLM's, unchang
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -30,6 +31,15 @@ from tokenflow.core.request import PreemptMode
 from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
 from tokenflow.integrations.vllm.host_kv import HostKVConnector, measure_copy_bytes_per_s
 from tokenflow.integrations.vllm.settings import IntegrationSettings
+
+
+@dataclass(frozen=True)
+class StepStamp:
+    """A scheduled step, until its output comes back."""
+
+    scheduled_s: float  # monotonic time schedule() returned
+    num_decode_context_tokens: int  # summed over the step's decoding streams
+
 
 # Under "vllm." so that vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.tokenflow.scheduler")
@@ -60,7 +70,7 @@ class TokenFlowScheduler(AsyncScheduler):
         )
         policy = make_policy("tokenflow", core_config, settings.policy)
         self.bridge = PolicyBridge(policy, core_config, shape, settings.default_rate_tps)
-        self._scheduled_at: dict[int, float] = {}
+        self._scheduled_at: dict[int, StepStamp] = {}
         self._last_update_s = 0.0
         logger.info(
             "TokenFlow scheduler: %d blocks of %d tokens, default rate %s, pauses %s",
@@ -213,19 +223,28 @@ class TokenFlowScheduler(AsyncScheduler):
         if len(self._scheduled_at) > 64:  # outputs never handed back (e.g. an engine reset)
             self._scheduled_at.clear()
         if output.total_num_scheduled_tokens:
-            self._scheduled_at[id(output)] = time.monotonic()
+            # Context the decoding streams attend to (vLLM advanced num_computed_tokens already):
+            # the estimator separates per-stream from per-context-token cost with it.
+            context = sum(
+                self.requests[request_id].num_computed_tokens
+                for request_id, n in output.num_scheduled_tokens.items()
+                if n == 1 and request_id in self.requests
+            )
+            self._scheduled_at[id(output)] = StepStamp(time.monotonic(), context)
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
         """vLLM's update; the step's duration feeds the policy's step-time estimator."""
         result = super().update_from_output(scheduler_output, model_runner_output)
         now = time.monotonic()
-        scheduled_at = self._scheduled_at.pop(id(scheduler_output), None)
-        if scheduled_at is not None:
-            started = max(scheduled_at, self._last_update_s)
+        stamp = self._scheduled_at.pop(id(scheduler_output), None)
+        if stamp is not None:
+            started = max(stamp.scheduled_s, self._last_update_s)
             counts = scheduler_output.num_scheduled_tokens.values()
             num_decode = sum(1 for n in counts if n == 1)
             num_prefill = sum(n for n in counts if n > 1)
-            self.bridge.observe_step(num_decode, num_prefill, now - started)
+            self.bridge.observe_step(
+                num_decode, num_prefill, now - started, stamp.num_decode_context_tokens
+            )
         self._last_update_s = now
         return result
