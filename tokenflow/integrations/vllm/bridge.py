@@ -8,12 +8,16 @@ timestamped as they appear, so the reader's virtual buffer is the core's own mod
 - each mirrored request running in vLLM owns as many mirror blocks as it owns vLLM blocks;
 - requests without a rate (and vLLM's own overheads, e.g. prefix-cached blocks shared between
   requests) are charged to a placeholder owner, so the mirror's free count equals vLLM's;
-- the host tier is virtual.  vLLM preempts by recompute only (decode blocks are not offloaded by
-  this integration), so no request ever has a host copy: every `OFFLOAD` the policy asks for is
-  carried out as a recompute, and every start is a recompute (`Start.by_load` is always False).
-  The host tier's size only bounds the working set (W_static counts device + host blocks), and
-  per-block "link" time follows the measured recompute (prefill) time of a block, so the
-  policy's pause threshold charges a paused stream its recompute.
+- the host tier mirrors the host KV connector (`host_kv.py`) when vLLM runs with it: an
+  `OFFLOAD` the connector stores becomes a host copy (`KVTierManager.evict`), with the real
+  bytes per block and the link speed the scheduler measured, so the policy's pause threshold
+  and its reload-vs-recompute choice see what a pause and a resume really cost.  A resumed
+  stream's copy goes when vLLM runs it again (the connector loaded and released it);
+- without the connector, the host tier is virtual: every `OFFLOAD` is carried out as a
+  recompute, every start is a recompute (`Start.by_load` is False), the tier's size only bounds
+  the working set (W_static counts device + host blocks), and the per-block "link" time
+  follows the measured recompute (prefill) time of a block, so the policy's pause threshold
+  charges a paused stream its recompute.
 
 Requests are read through the small `VllmRequestLike` protocol, so tests can use fakes.
 """

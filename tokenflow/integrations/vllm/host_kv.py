@@ -113,6 +113,11 @@ class HostKVConnector(KVConnectorBase_V1):
         """Host slots free for new stores."""
         return len(self._free_slots)
 
+    @property
+    def num_host_copies(self) -> int:
+        """Paused streams whose KV is on the host now."""
+        return len(self._copies)
+
     def host_tokens(self, request_id: str) -> int:
         """Tokens of `request_id` whose KV is on the host (0: none)."""
         copy = self._copies.get(request_id)
@@ -227,30 +232,41 @@ class HostKVConnector(KVConnectorBase_V1):
         """Stores are synchronous: nothing to wait for."""
 
     def _copy(self, copies: list[BlockCopy], to_host: bool) -> None:
-        if not copies:
-            return
-        device_ids = [c.device_block_id for c in copies]
-        host_ids = [c.host_slot_id for c in copies]
-        for device, host, dim in self._pairs:
-            if to_host:
-                index = torch.tensor(device_ids, device=device.device)
-                rows = device.index_select(dim, index).to("cpu")
-                host.index_copy_(dim, torch.tensor(host_ids), rows)
-            else:
-                rows = host.index_select(dim, torch.tensor(host_ids)).to(device.device)
-                device.index_copy_(dim, torch.tensor(device_ids, device=device.device), rows)
+        copy_blocks(self._pairs, copies, to_host)
+
+    def measure_copy_bytes_per_s(self, num_blocks: int = 4, repeats: int = 3) -> float:
+        """Speed (bytes/s) of this connector's store path, timed on scratch tensors shaped like
+        one block per layer.  On vLLM's CPU platform the KV pool is host memory, so this is
+        what a pause's store and a resume's load cost (each direction)."""
+        num_layers = len(self._kv_cache_config.kv_cache_groups[0].layer_names)
+        page_bytes = self.block_bytes // max(1, num_layers)
+        pairs = [
+            (torch.ones(num_blocks, page_bytes, dtype=torch.uint8),
+             torch.empty(num_blocks, page_bytes, dtype=torch.uint8), 0)
+            for _ in range(num_layers)
+        ]  # fmt: skip
+        copies = [BlockCopy(i, num_blocks - 1 - i) for i in range(num_blocks)]
+        best_s = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            copy_blocks(pairs, copies, to_host=True)
+            best_s = min(best_s, time.perf_counter() - start)
+        return num_blocks * self.block_bytes / max(best_s, 1e-9)
 
 
-def measure_copy_bytes_per_s(num_bytes: int, repeats: int = 5) -> float:
-    """Host memory copy bandwidth (bytes/s), timed on a buffer of `num_bytes` (best of runs).
-
-    On vLLM's CPU platform the KV pool is host memory, so a block's store or load is such a
-    copy (plus a small per-layer overhead)."""
-    source = torch.ones(max(1, num_bytes), dtype=torch.uint8)
-    target = torch.empty_like(source)
-    best_s = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        best_s = min(best_s, time.perf_counter() - start)
-    return source.numel() / max(best_s, 1e-9)
+def copy_blocks(
+    pairs: list[tuple[torch.Tensor, torch.Tensor, int]], copies: list[BlockCopy], to_host: bool
+) -> None:
+    """Copy blocks between each (device tensor, host tensor, block dimension) pair."""
+    if not copies:
+        return
+    device_ids = [c.device_block_id for c in copies]
+    host_ids = torch.tensor([c.host_slot_id for c in copies])
+    for device, host, dim in pairs:
+        device_index = torch.tensor(device_ids, device=device.device)
+        if to_host:
+            rows = device.index_select(dim, device_index).to("cpu")
+            host.index_copy_(dim, host_ids, rows)
+        else:
+            rows = host.index_select(dim, host_ids).to(device.device)
+            device.index_copy_(dim, device_index, rows)

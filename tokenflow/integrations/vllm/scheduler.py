@@ -5,8 +5,11 @@ Use with `--scheduler-cls tokenflow.integrations.vllm.TokenFlowScheduler`.  Each
 1. the bridge brings its mirrors of the rated requests up to date and builds the core's view;
 2. the core policy (`make_policy("tokenflow", ...)`, the same object the native engine uses)
    returns `Moves`: preemptions and starts;
-3. preemptions are carried out with vLLM's `_preempt_request`, i.e. by **recompute**: this
-   integration does not offload decode blocks, so an `OFFLOAD` is logged and recomputed;
+3. preemptions are carried out with vLLM's `_preempt_request`.  With the host KV connector
+   (`host_kv.py`, which `serve` enables) an `OFFLOAD` first plans the store of the stream's
+   blocks, and vLLM loads them back when the stream resumes; a start the policy makes by
+   recompute drops the copy.  Without it (or with its host memory full) a pause is a
+   **recompute**, counted and logged as such;
 4. only the policy's starts (and requests without a rate) are left in the waiting queue while
    vLLM's own `schedule()` runs; the others are held back and put back in order afterwards.
 
@@ -29,7 +32,7 @@ from vllm.v1.request import Request, RequestStatus
 from tokenflow.core.policies import Moves, make_policy
 from tokenflow.core.request import PreemptMode
 from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
-from tokenflow.integrations.vllm.host_kv import HostKVConnector, measure_copy_bytes_per_s
+from tokenflow.integrations.vllm.host_kv import HostKVConnector
 from tokenflow.integrations.vllm.settings import IntegrationSettings
 
 
@@ -85,12 +88,12 @@ class TokenFlowScheduler(AsyncScheduler):
 
     def _link_speed(self, settings: IntegrationSettings) -> dict[str, float]:
         """The host link's speed for the policy's pause and reload costs: as configured, else
-        (KV pool in host memory, vLLM's CPU platform) a measured memory copy."""
+        (KV pool in host memory, vLLM's CPU platform) the connector's copy path, measured."""
         if self.host_kv is None or "link_bytes_per_s" in settings.scheduler:
             return {}
         if not current_platform.is_cpu():
             return {}  # the core default: a PCIe-class link
-        return {"link_bytes_per_s": measure_copy_bytes_per_s(8 * self.host_kv.block_bytes)}
+        return {"link_bytes_per_s": self.host_kv.measure_copy_bytes_per_s()}
 
     # -- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
