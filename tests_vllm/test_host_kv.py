@@ -38,7 +38,7 @@ def test_store_then_load_plans_and_frees_slots_a_step_later():
     assert connector.store("a", [3, 5], num_tokens=6)  # 2 blocks
     assert connector.host_tokens("a") == 6 and connector.num_free_host_blocks() == 2
     meta = connector.build_connector_meta(None)
-    assert meta.stores == [BlockCopy(3, 3), BlockCopy(5, 2)] and meta.loads == []
+    assert meta.stores == [BlockCopy(3, 0), BlockCopy(5, 1)] and meta.loads == []
     # Resume with vLLM's prefix cache holding the first block: only the second is loaded.
     request = fake_request("a", num_tokens=7)
     assert connector.get_num_new_matched_tokens(request, BLOCK_SIZE) == (2, False)
@@ -46,7 +46,7 @@ def test_store_then_load_plans_and_frees_slots_a_step_later():
     assert connector.host_tokens("a") == 0
     assert connector.num_free_host_blocks() == 2  # slots still read by this step's load
     meta = connector.build_connector_meta(None)
-    assert meta.loads == [BlockCopy(4, 2)]
+    assert meta.loads == [BlockCopy(4, 1)]
     assert connector.num_free_host_blocks() == 4
 
 

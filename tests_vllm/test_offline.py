@@ -76,9 +76,9 @@ def test_greedy_outputs_match_vllm_default_under_preemption(tokenflow_llm, defau
 def test_abort_of_a_paused_stream_frees_its_kv(tokenflow_llm):
     engine = tokenflow_llm.llm_engine
     scheduler = scheduler_of(tokenflow_llm)
-    ids = [f"pause-{i}" for i in range(NUM_STREAMS)]
-    for request_id, prompt in zip(ids, prompts(), strict=True):
-        engine.add_request(request_id, prompt, greedy(0.05))
+    ids = [  # vLLM's internal request ids
+        engine.add_request(f"pause-{i}", prompt, greedy(0.05)) for i, prompt in enumerate(prompts())
+    ]
     host_kv = scheduler.host_kv
 
     def is_paused(request) -> bool:  # by the policy: with a host copy when there is a host tier
@@ -92,12 +92,12 @@ def test_abort_of_a_paused_stream_frees_its_kv(tokenflow_llm):
         if paused is not None:
             break
     assert paused is not None, "no stream was paused"
-    engine.abort_request([paused.request_id])
+    engine.abort_request([paused.request_id], internal=True)
     engine.step()
     assert paused.request_id not in scheduler.bridge.requests
     if host_kv is not None:
         assert host_kv.host_tokens(paused.request_id) == 0
-    engine.abort_request(ids)
+    engine.abort_request(ids, internal=True)
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_empty(tokenflow_llm)
