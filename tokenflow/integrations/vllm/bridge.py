@@ -86,7 +86,7 @@ class PolicyBridge:
         self.config = config
         self.can_offload = shape.offload_block_bytes is not None
         block_bytes = shape.offload_block_bytes or self._block_bytes(shape.recompute_block_s)
-        num_host = max(0, int(shape.num_device_blocks * shape.host_factor))
+        num_host = max(0, round(shape.num_device_blocks * shape.host_factor))
         self.kv = KVTierManager(
             KVConfig(shape.num_device_blocks, num_host, shape.block_size, block_bytes)
         )
