@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
     runs = {}
-    for name, ours in (("vllm-default", False), ("tokenflow-in-vllm", True)):
+    order = (("vllm-default", False), ("tokenflow-in-vllm", True))
+    for name, ours in reversed(order) if args.ours_first else order:
         cmd = server_command(args, python, model_dir, ours)
         log = args.log_dir / f"{name}.log"
         with running_server(name, cmd, args.port, log, args.startup_timeout, env) as (url, _):
@@ -123,6 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--log-dir", type=Path, default=Path("/tmp/vllm-burst"))
     add("--json", default=None, help="write both summaries to this JSON file")
     add("--no-host-kv", action="store_true", help="ours only: no host KV connector (recompute)")
+    add("--ours-first", action="store_true", help="run ours first (the load may drift)")
     add(
         "--tokenflow-settings",
         default=None,
