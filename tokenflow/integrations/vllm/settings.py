@@ -4,8 +4,8 @@ Keys (all optional)::
 
     default_rate       reading rate (tokens/s) of requests without `vllm_xargs.stream_rate`;
                        absent: such requests are left to vLLM's own behaviour
-    host_factor        virtual host tier, in multiples of the device pool; bounds the working
-                       set at (1 + host_factor) x the pool (default 3)
+    host_factor        host tier, in multiples of the device pool (default 3): the host KV
+                       connector's buffer, or without it a virtual tier; bounds the working set
     policy             overrides of `TokenFlowConfig` fields, e.g. {"critical_slack_s": 1.0}
     scheduler          overrides of the core `SchedulerConfig` fields that vLLM does not set
                        (vLLM sets max_num_seqs, max_prefill_tokens and max_model_len), e.g.
