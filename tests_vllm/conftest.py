@@ -35,9 +35,13 @@ def model_dir() -> str:
     return str(path)
 
 
-def make_llm(model_dir: str, tokenflow: bool, **overrides):
-    """An in-process vLLM on the CPU with the tiny pool, with our scheduler or vLLM's."""
+def make_llm(model_dir: str, tokenflow: bool, host_kv: bool = False, **overrides):
+    """An in-process vLLM on the CPU with the tiny pool, with our scheduler or vLLM's, and
+    (`host_kv`) the host KV connector: pauses offload instead of recompute."""
     from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from tokenflow.integrations.vllm.serve import host_kv_transfer_config
 
     kwargs = dict(
         model=model_dir,
@@ -54,6 +58,8 @@ def make_llm(model_dir: str, tokenflow: bool, **overrides):
         kwargs.update(
             scheduler_cls=SCHEDULER_CLS, additional_config={"tokenflow": {"policy": POLICY}}
         )
+    if host_kv:
+        kwargs.update(kv_transfer_config=KVTransferConfig(**host_kv_transfer_config()))
     kwargs.update(overrides)
     return LLM(**kwargs)
 

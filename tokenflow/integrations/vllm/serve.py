@@ -1,13 +1,20 @@
 """Launch vLLM's OpenAI server with TokenFlow's scheduler and `stream_rate` support.
 
-    python -m tokenflow.integrations.vllm.serve --model DIR [--default-rate R] [vLLM flags...]
+    python -m tokenflow.integrations.vllm.serve --model DIR [--default-rate R] [--no-host-kv]
+        [vLLM flags...]
 
 is the same as
 
     python -m vllm.entrypoints.openai.api_server --model DIR [vLLM flags...] \\
         --scheduler-cls tokenflow.integrations.vllm.TokenFlowScheduler \\
         --middleware tokenflow.integrations.vllm.middleware.StreamRateMiddleware \\
+        --kv-transfer-config '{"kv_connector": "HostKVConnector", "kv_role": "kv_both",
+            "kv_connector_module_path": "tokenflow.integrations.vllm.host_kv"}' \\
         [--additional-config '{"tokenflow": {"default_rate": R}}']
+
+The host KV connector (paused streams' KV kept in host memory) is left out with `--no-host-kv`
+or when the vLLM flags already choose a connector (`--kv-transfer-config`,
+`--kv-offloading-size`); pauses are then recomputes.
 
 Run it with a Python that has vLLM installed (`pip install tokenflow[vllm]`).
 """
@@ -27,6 +34,18 @@ SCHEDULER_CLS = "tokenflow.integrations.vllm.TokenFlowScheduler"
 MIDDLEWARE = "tokenflow.integrations.vllm.middleware.StreamRateMiddleware"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SERVE_MODULE = "tokenflow.integrations.vllm.serve"
+# vLLM flags that choose a KV connector: the user's choice then replaces our host KV connector.
+CONNECTOR_FLAGS = ("--kv-transfer-config", "--kv-offloading-size")
+HOST_KV_MODULE = "tokenflow.integrations.vllm.host_kv"
+
+
+def host_kv_transfer_config() -> dict[str, object]:
+    """vLLM's `--kv-transfer-config` for the host KV connector (see host_kv.py)."""
+    return {
+        "kv_connector": "HostKVConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": HOST_KV_MODULE,
+    }
 
 
 def vllm_server_args(argv: Sequence[str]) -> list[str]:
@@ -37,8 +56,12 @@ def vllm_server_args(argv: Sequence[str]) -> list[str]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--default-rate", type=float, default=None)
     parser.add_argument("--additional-config", default=None)
+    parser.add_argument("--no-host-kv", action="store_true")
     ours, rest = parser.parse_known_args(list(argv))
     args = ["--scheduler-cls", SCHEDULER_CLS, "--middleware", MIDDLEWARE, *rest]
+    has_connector = any(a.split("=")[0] in CONNECTOR_FLAGS for a in rest)
+    if not (ours.no_host_kv or has_connector):  # pauses offload to host memory
+        args += ["--kv-transfer-config", json.dumps(host_kv_transfer_config())]
     extra = json.loads(ours.additional_config) if ours.additional_config else {}
     if not isinstance(extra, dict):
         raise ValueError("--additional-config must be a JSON object")

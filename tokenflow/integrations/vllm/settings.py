@@ -4,8 +4,8 @@ Keys (all optional)::
 
     default_rate       reading rate (tokens/s) of requests without `vllm_xargs.stream_rate`;
                        absent: such requests are left to vLLM's own behaviour
-    host_factor        virtual host tier, in multiples of the device pool; bounds the working
-                       set at (1 + host_factor) x the pool (default 3)
+    host_factor        host tier, in multiples of the device pool (default 3): the host KV
+                       connector's buffer, or without it a virtual tier; bounds the working set
     policy             overrides of `TokenFlowConfig` fields, e.g. {"critical_slack_s": 1.0}
     scheduler          overrides of the core `SchedulerConfig` fields that vLLM does not set
                        (vLLM sets max_num_seqs, max_prefill_tokens and max_model_len), e.g.
@@ -24,8 +24,11 @@ CONFIG_KEY = "tokenflow"
 FROM_VLLM = ("max_num_seqs", "max_prefill_tokens", "max_model_len")
 # vLLM admits without reserving room for a request's future tokens (it preempts on
 # out-of-memory instead); the core's SGLang-like default reserves 70% of the remaining budget,
-# which would leave much of vLLM's pool idle.  The smallest reserve the core allows, constant.
-VLLM_LIKE_RESERVE = {"init_new_token_ratio": 0.1, "min_new_token_ratio": 0.1}
+# which would leave much of vLLM's pool idle.  The reserve is whole blocks of
+# ratio x remaining tokens: at 0.01 it is none for fewer than 100 remaining tokens, like vLLM.
+# (At 0.1, a 32-token stream held back a whole 32-token block: 6 of 16 blocks sat idle while
+# paused streams waited, in a traced burst.)
+VLLM_LIKE_RESERVE = {"init_new_token_ratio": 0.01, "min_new_token_ratio": 0.01}
 
 
 @dataclass(frozen=True)
