@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenflow.core.plan import ScheduledChunk
+from tokenflow.engine.paged_decode import MIN_SEQS, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,10 @@ class DecodeGroup:
 
     num_seqs: int
     max_context_len: int  # num_blocks_per_seq * block_size: the padded key length
-    block_ids: torch.Tensor  # [num_seqs * num_blocks_per_seq] long, padded per sequence
+    block_table: torch.Tensor  # [num_seqs, num_blocks_per_seq] long, rows padded
+    context_lens: torch.Tensor  # [num_seqs] long: keys each sequence attends
     key_mask: torch.Tensor | None  # [num_seqs, 1, 1, max_context_len] bool (True = attend)
+    reads_in_place: bool  # paged_decode's kernel (True) or gather + SDPA (False)
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,16 @@ class ModelInputs:
 
 
 def build_model_inputs(
-    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device
+    chunks: Sequence[ScheduledChunk],
+    block_size: int,
+    device: torch.device,
+    decode_in_place: bool = False,
 ) -> ModelInputs:
-    """Flatten `chunks` into rows (decodes first) and build the attention metadata."""
+    """Flatten `chunks` into rows (decodes first) and build the attention metadata.
+
+    With `decode_in_place` the decode rows attend through `paged_decode_attention`, which
+    reads the KV blocks where they lie; otherwise they are gathered for SDPA.
+    """
     order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
     order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
     token_ids: list[int] = []
@@ -91,7 +101,9 @@ def build_model_inputs(
     num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
     attn = AttentionMetadata(
         slot_mapping=_tensor(slots, device),
-        decode=_decode_group([chunks[i] for i in order[:num_decodes]], block_size, device),
+        decode=_decode_group(
+            [chunks[i] for i in order[:num_decodes]], block_size, device, decode_in_place
+        ),
         prefills=_prefill_spans(
             [chunks[i] for i in order[num_decodes:]], num_decodes, block_size, device
         ),
@@ -114,7 +126,7 @@ def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _decode_group(
-    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device
+    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device, in_place: bool
 ) -> DecodeGroup | None:
     if not chunks:
         return None
@@ -125,12 +137,15 @@ def _decode_group(
         table = list(chunk.block_ids[:num_blocks])
         block_ids += table + [table[0]] * (num_blocks - len(table))  # padding is masked out
     max_len = num_blocks * block_size
+    in_place = in_place and len(chunks) >= MIN_SEQS
+    lens = torch.tensor(context_lens, dtype=torch.long)
     mask = None
-    if any(n != max_len for n in context_lens):
-        lens = torch.tensor(context_lens, dtype=torch.long)
+    if not in_place and any(n != max_len for n in context_lens):
         mask = (torch.arange(max_len)[None, :] < lens[:, None]).view(len(chunks), 1, 1, max_len)
         mask = mask.to(device, non_blocking=True)
-    return DecodeGroup(len(chunks), max_len, _tensor(block_ids, device), mask)
+    table = _tensor(block_ids, device).view(len(chunks), num_blocks)
+    lens = lens.to(device, non_blocking=True)
+    return DecodeGroup(len(chunks), max_len, table, lens, mask, in_place)
 
 
 def _prefill_spans(
@@ -198,11 +213,16 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(query: torch.Tensor, layer_kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+    if group.reads_in_place:
+        return paged_decode_attention(
+            query, layer_kv.key, layer_kv.value, group.block_table, group.context_lens
+        )
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = layer_kv.key.shape[2]
     shape = (num_seqs, group.max_context_len, num_kv_heads, head_dim)
-    key = _gather(layer_kv.key, group.block_ids).view(shape).transpose(1, 2)  # [B, kvh, S, D]
-    value = _gather(layer_kv.value, group.block_ids).view(shape).transpose(1, 2)
+    block_ids = group.block_table.view(-1)
+    key = _gather(layer_kv.key, block_ids).view(shape).transpose(1, 2)  # [B, kvh, S, D]
+    value = _gather(layer_kv.value, block_ids).view(shape).transpose(1, 2)
     # Fold each KV head's query heads into the query-length axis: no K/V repetition needed.
     folded = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=group.key_mask)

@@ -24,6 +24,7 @@ from tokenflow.engine.attention import build_model_inputs
 from tokenflow.engine.kv_cache import TieredKVCache
 from tokenflow.engine.model import LlamaModel
 from tokenflow.engine.model_config import ModelConfig
+from tokenflow.engine.paged_decode import can_read_in_place
 from tokenflow.engine.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class ModelExecutor:
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
         self.last_failed_rows: dict[str, str] = {}  # of the latest execute(): request id -> why
+        # On CPU decode attention reads the paged KV in place (a compiled kernel); on CUDA, and
+        # where compiling fails, it gathers the blocks for SDPA.
+        self.decode_in_place = not is_cuda and can_read_in_place(self.device, kv_cache.dtype)
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -91,7 +95,9 @@ class ModelExecutor:
         if not plan.chunks:
             return ()
         with torch.inference_mode():
-            inputs = build_model_inputs(plan.chunks, self.kv_cache.block_size, self.device)
+            inputs = build_model_inputs(
+                plan.chunks, self.kv_cache.block_size, self.device, self.decode_in_place
+            )
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.device_layers
             )  # [num_sampled, vocab]
