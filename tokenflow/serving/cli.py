@@ -66,7 +66,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.num_threads is None:
         # Leave one core to the HTTP thread (as vLLM does on CPU): measured faster at every
-        # stream count on a 2-core machine (benchmarks/vs_vllm.py).
+        # stream count on a 2-core machine (benchmarks/vs_vllm.py), and on a 16-request burst
+        # with another process busy on the machine, 1 thread gave 81-84 tok/s and P99 TTFT
+        # 5.7-6.4 s against 58-66 tok/s and 8.1-8.7 s with 2 (`tokenflow bench --compare fcfs
+        # --serve-args "--num-threads N"`).  Decode alone gains up to ~1.5x from 2 threads
+        # when a core is free (benchmarks/threads.py): pass --num-threads 2 on an idle machine.
         args.num_threads = max(1, (os.cpu_count() or 2) - 1)
     try:
         config = ServerConfig.from_namespace(args)
