@@ -61,8 +61,8 @@ def measure(batch: int, context: int, dtype: torch.dtype, repeats: int) -> tuple
     """Median ms per call of (gather + SDPA, in place), after checking they agree."""
     query, key, value, layer_kv, chunks = _case(batch, context, dtype, seed=batch + context)
     device = torch.device("cpu")
-    eager = build_model_inputs(chunks, BLOCK_SIZE, device, decode_in_place=False).attn
-    in_place = build_model_inputs(chunks, BLOCK_SIZE, device, decode_in_place=True).attn
+    eager = build_model_inputs(chunks, BLOCK_SIZE, device, in_place_min_keys=None).attn
+    in_place = build_model_inputs(chunks, BLOCK_SIZE, device, in_place_min_keys=0).attn
     with torch.inference_mode():
         expected = paged_attention(query, key, value, layer_kv, eager)
         got = paged_attention(query, key, value, layer_kv, in_place)
@@ -91,7 +91,7 @@ def measure_steps(batch: int, context: int, repeats: int) -> tuple[float, float]
     times: dict[bool, list[float]] = {False: [], True: []}
     for index in range(repeats + 1):
         for in_place in (False, True):
-            executor.decode_in_place = in_place
+            executor.in_place_min_keys = 0 if in_place else None
             start = time.perf_counter()
             executor.execute(plan)
             if index > 0:  # the first round warms up

@@ -61,7 +61,7 @@ def _case(seed: int, starts: list[int], lengths: list[int]):
 
 def _run(seed: int, starts: list[int], lengths: list[int], in_place: bool) -> None:
     cache, chunks, queries, keys, values, expected = _case(seed, starts, lengths)
-    inputs = build_model_inputs(chunks, BLOCK, CPU, decode_in_place=in_place)
+    inputs = build_model_inputs(chunks, BLOCK, CPU, in_place_min_keys=0 if in_place else None)
     # Rows are decodes first, then prefills, each in plan order.
     order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
     order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
@@ -98,8 +98,16 @@ def test_in_place_decode_equals_gather_in_bfloat16():
     query, key, value = (torch.cat(p).bfloat16() for p in (queries, keys, values))
     outs = []
     for in_place in (False, True):
-        attn = build_model_inputs(chunks, BLOCK, CPU, decode_in_place=in_place).attn
+        min_keys = 0 if in_place else None
+        attn = build_model_inputs(chunks, BLOCK, CPU, in_place_min_keys=min_keys).attn
         assert attn.decode is not None and attn.decode.reads_in_place == in_place
         with torch.inference_mode():
             outs.append(paged_attention(query, key, value, cache, attn))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+
+
+def test_small_decode_batches_gather():
+    _, chunks, *_ = _case(0, [3, 8, 21, 30], [1, 1, 1, 1])  # 4 x 32 padded keys
+    for min_keys, expected in ((None, False), (129, False), (128, True), (0, True)):
+        decode = build_model_inputs(chunks, BLOCK, CPU, in_place_min_keys=min_keys).attn.decode
+        assert decode is not None and decode.reads_in_place == expected

@@ -73,12 +73,14 @@ def build_model_inputs(
     chunks: Sequence[ScheduledChunk],
     block_size: int,
     device: torch.device,
-    decode_in_place: bool = False,
+    in_place_min_keys: int | None = None,
 ) -> ModelInputs:
     """Flatten `chunks` into rows (decodes first) and build the attention metadata.
 
-    With `decode_in_place` the decode rows attend through `paged_decode_attention`, which
-    reads the KV blocks where they lie; otherwise they are gathered for SDPA.
+    The decode rows attend through `paged_decode_attention`, which reads the KV blocks where
+    they lie, when there are at least MIN_SEQS of them and they span at least
+    `in_place_min_keys` padded keys in all (num_seqs * padded context); otherwise, and always
+    when it is None, their blocks are gathered for SDPA.
     """
     order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
     order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
@@ -102,7 +104,7 @@ def build_model_inputs(
     attn = AttentionMetadata(
         slot_mapping=_tensor(slots, device),
         decode=_decode_group(
-            [chunks[i] for i in order[:num_decodes]], block_size, device, decode_in_place
+            [chunks[i] for i in order[:num_decodes]], block_size, device, in_place_min_keys
         ),
         prefills=_prefill_spans(
             [chunks[i] for i in order[num_decodes:]], num_decodes, block_size, device
@@ -126,7 +128,10 @@ def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _decode_group(
-    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device, in_place: bool
+    chunks: Sequence[ScheduledChunk],
+    block_size: int,
+    device: torch.device,
+    in_place_min_keys: int | None,
 ) -> DecodeGroup | None:
     if not chunks:
         return None
@@ -137,7 +142,11 @@ def _decode_group(
         table = list(chunk.block_ids[:num_blocks])
         block_ids += table + [table[0]] * (num_blocks - len(table))  # padding is masked out
     max_len = num_blocks * block_size
-    in_place = in_place and len(chunks) >= MIN_SEQS
+    in_place = (
+        in_place_min_keys is not None
+        and len(chunks) >= MIN_SEQS
+        and len(chunks) * max_len >= in_place_min_keys
+    )
     lens = torch.tensor(context_lens, dtype=torch.long)
     mask = None
     if not in_place and any(n != max_len for n in context_lens):

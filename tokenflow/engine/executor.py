@@ -24,7 +24,7 @@ from tokenflow.engine.attention import build_model_inputs
 from tokenflow.engine.kv_cache import TieredKVCache
 from tokenflow.engine.model import LlamaModel
 from tokenflow.engine.model_config import ModelConfig
-from tokenflow.engine.paged_decode import can_read_in_place
+from tokenflow.engine.paged_decode import MIN_KEYS, can_read_in_place
 from tokenflow.engine.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class ModelExecutor:
         self.last_failed_rows: dict[str, str] = {}  # of the latest execute(): request id -> why
         # On CPU decode attention reads the paged KV in place (a compiled kernel); on CUDA, and
         # where compiling fails, it gathers the blocks for SDPA.
-        self.decode_in_place = not is_cuda and can_read_in_place(self.device, kv_cache.dtype)
+        reads_in_place = not is_cuda and can_read_in_place(self.device, kv_cache.dtype)
+        self.in_place_min_keys = MIN_KEYS if reads_in_place else None
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -96,7 +97,7 @@ class ModelExecutor:
             return ()
         with torch.inference_mode():
             inputs = build_model_inputs(
-                plan.chunks, self.kv_cache.block_size, self.device, self.decode_in_place
+                plan.chunks, self.kv_cache.block_size, self.device, self.in_place_min_keys
             )
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.device_layers
