@@ -1,6 +1,7 @@
 """The `tokenflow` command's engine choice."""
 
 import importlib.util
+import os
 
 import pytest
 
@@ -20,3 +21,14 @@ def test_serve_engine_defaults_to_ours_and_rejects_unknown_engines(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--engine", "sglang"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_serve_makes_openmp_workers_sleep_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

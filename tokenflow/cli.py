@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -57,6 +58,12 @@ def _serve_vllm(argv: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tokenflow` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # OpenMP workers that sleep instead of spinning between parallel regions: with two
+        # threads on a shared 2-core CPU, spinning made decode steps up to 20x slower whenever
+        # another process held a core (benchmarks/threads.py).  Read when torch loads, so set
+        # before any import of it; a value in the environment wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
         _serve_vllm(argv[1:])
     args = build_parser().parse_args(argv)

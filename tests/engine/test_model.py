@@ -92,3 +92,11 @@ def test_bfloat16_logits_stay_close_to_float32(tiny_checkpoints):
         results.append(our_logits(model, kv_cache, [chunk("a", PROMPTS[0], 0, TABLES[0])]))
     fp32, bf16 = results
     assert (fp32 - bf16).abs().max() < 0.05 * fp32.abs().max()
+
+
+def test_greedy_generation_reading_kv_in_place_matches_transformers(tiny_checkpoints):
+    hf_model, executor = _setup(tiny_checkpoints, "llama3")
+    executor.in_place_min_keys = 0  # every decode batch of 2+ through the in-place kernel
+    ours = greedy_generate(executor, PROMPTS, TABLES, num_new=12)
+    for prompt, tokens in zip(PROMPTS, ours, strict=True):
+        assert tokens == hf_greedy(hf_model, prompt, 12)

@@ -109,3 +109,63 @@ def test_chat_template_is_sandboxed(tmp_path):
     tokenizer = Tokenizer(backend, None, chat_template=unsafe)
     with pytest.raises(Exception, match="unsafe|access"):
         tokenizer.render_chat([{"role": "user", "content": "a"}])
+
+
+class _WindowDetokenizer:
+    """The reference: two full window decodes per push (the detokenizer before DecodeStream)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-5:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+    def flush(self) -> str:
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        return self.tokenizer.decode(self.ids[self.prefix_offset :])[len(prefix) :]
+
+
+def _streams(tokenizer: Tokenizer, prompt: list[int], pushes: list[list[int]]):
+    ours = IncrementalDetokenizer(tokenizer, prompt)
+    reference = _WindowDetokenizer(tokenizer, prompt)
+    got = [ours.push(p) for p in pushes] + [ours.flush()]
+    expected = [reference.push(p) for p in pushes] + [reference.flush()]
+    return got, expected
+
+
+@pytest.mark.parametrize("text", TEXTS + ["🤖", "a<|im_end|>b 日本<|endoftext|>語 é"])
+def test_incremental_detokenizer_equals_the_window_reference(smollm, text):
+    tokenizer = smollm.tokenizer
+    prompt = tokenizer.encode("Say something:")
+    ids = tokenizer.encode(text)
+    got, expected = _streams(tokenizer, prompt, [[t] for t in ids])
+    assert got == expected
+    for cut in (1, 2, 3):  # incomplete characters left for flush
+        got, expected = _streams(tokenizer, prompt, [[t] for t in ids[:-cut]])
+        assert got == expected
+    pairs = [ids[i : i + 2] for i in range(0, len(ids), 2)]  # two tokens per step
+    got, expected = _streams(tokenizer, [], pairs)
+    assert got == expected
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_detokenizer_equals_the_reference_on_random_ids(smollm, seed):
+    """Random ids: stray UTF-8 continuation bytes, special tokens, odd spacing."""
+    import random
+
+    rng = random.Random(seed)
+    tokenizer = smollm.tokenizer
+    ids = [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
+    prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(8)]
+    got, expected = _streams(tokenizer, prompt, [[t] for t in ids])
+    assert got == expected

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenflow.core.plan import ScheduledChunk
+from tokenflow.engine.paged_decode import MIN_SEQS, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,10 @@ class DecodeGroup:
 
     num_seqs: int
     max_context_len: int  # num_blocks_per_seq * block_size: the padded key length
-    block_ids: torch.Tensor  # [num_seqs * num_blocks_per_seq] long, padded per sequence
+    block_table: torch.Tensor  # [num_seqs, num_blocks_per_seq] long, rows padded
+    context_lens: torch.Tensor  # [num_seqs] long: keys each sequence attends
     key_mask: torch.Tensor | None  # [num_seqs, 1, 1, max_context_len] bool (True = attend)
+    reads_in_place: bool  # paged_decode's kernel (True) or gather + SDPA (False)
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,15 @@ def build_model_inputs(
     tables: Mapping[str, Sequence[int]],
     block_size: int,
     device: torch.device,
+    in_place_min_keys: int | None = None,
 ) -> ModelInputs:
     """Flatten `chunks` into rows (decodes first) and build the attention metadata.
 
     `tables` holds each chunk's device block table (an executor keeps them with `BlockTables`).
+    The decode rows attend through `paged_decode_attention`, which reads the KV blocks where
+    they lie, when there are at least MIN_SEQS of them and they span at least
+    `in_place_min_keys` padded keys in all (num_seqs * padded context); otherwise, and always
+    when it is None, their blocks are gathered for SDPA.
     """
     order = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
     order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
@@ -96,7 +104,9 @@ def build_model_inputs(
     num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
     attn = AttentionMetadata(
         slot_mapping=_tensor(slots, device),
-        decode=_decode_group([chunks[i] for i in order[:num_decodes]], tables, block_size, device),
+        decode=_decode_group(
+            [chunks[i] for i in order[:num_decodes]], tables, block_size, device, in_place_min_keys
+        ),
         prefills=_prefill_spans(
             [chunks[i] for i in order[num_decodes:]], tables, num_decodes, block_size, device
         ),
@@ -123,6 +133,7 @@ def _decode_group(
     tables: Mapping[str, Sequence[int]],
     block_size: int,
     device: torch.device,
+    in_place_min_keys: int | None,
 ) -> DecodeGroup | None:
     if not chunks:
         return None
@@ -133,12 +144,19 @@ def _decode_group(
         table = list(tables[chunk.request_id][:num_blocks])
         block_ids += table + [table[0]] * (num_blocks - len(table))  # padding is masked out
     max_len = num_blocks * block_size
+    in_place = (
+        in_place_min_keys is not None
+        and len(chunks) >= MIN_SEQS
+        and len(chunks) * max_len >= in_place_min_keys
+    )
+    lens = torch.tensor(context_lens, dtype=torch.long)
     mask = None
-    if any(n != max_len for n in context_lens):
-        lens = torch.tensor(context_lens, dtype=torch.long)
+    if not in_place and any(n != max_len for n in context_lens):
         mask = (torch.arange(max_len)[None, :] < lens[:, None]).view(len(chunks), 1, 1, max_len)
         mask = mask.to(device, non_blocking=True)
-    return DecodeGroup(len(chunks), max_len, _tensor(block_ids, device), mask)
+    table = _tensor(block_ids, device).view(len(chunks), num_blocks)
+    lens = lens.to(device, non_blocking=True)
+    return DecodeGroup(len(chunks), max_len, table, lens, mask, in_place)
 
 
 def _prefill_spans(
@@ -210,11 +228,16 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(query: torch.Tensor, layer_kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+    if group.reads_in_place:
+        return paged_decode_attention(
+            query, layer_kv.key, layer_kv.value, group.block_table, group.context_lens
+        )
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = layer_kv.key.shape[2]
     shape = (num_seqs, group.max_context_len, num_kv_heads, head_dim)
-    key = _gather(layer_kv.key, group.block_ids).view(shape).transpose(1, 2)  # [B, kvh, S, D]
-    value = _gather(layer_kv.value, group.block_ids).view(shape).transpose(1, 2)
+    block_ids = group.block_table.view(-1)
+    key = _gather(layer_kv.key, block_ids).view(shape).transpose(1, 2)  # [B, kvh, S, D]
+    value = _gather(layer_kv.value, block_ids).view(shape).transpose(1, 2)
     # Fold each KV head's query heads into the query-length axis: no K/V repetition needed.
     folded = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=group.key_mask)

@@ -107,7 +107,7 @@ class EngineArgs:
             "--num-threads",
             type=int,
             default=None,
-            help="torch CPU threads (default: all; `serve` leaves one core to HTTP)",
+            help="torch CPU threads (default: all cores; 1 on a machine busy with other work)",
         )
         group.add_argument(
             "--default-rate",

@@ -24,6 +24,7 @@ from tokenflow.engine.attention import build_model_inputs
 from tokenflow.engine.kv_cache import TieredKVCache
 from tokenflow.engine.model import LlamaModel
 from tokenflow.engine.model_config import ModelConfig
+from tokenflow.engine.paged_decode import MIN_KEYS, can_read_in_place
 from tokenflow.engine.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,10 @@ class ModelExecutor:
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
         self.last_failed_rows: dict[str, str] = {}  # of the latest execute(): request id -> why
         self.block_tables = BlockTables()  # every request's device table, from the plans' deltas
+        # On CPU decode attention reads the paged KV in place (a compiled kernel); on CUDA, and
+        # where compiling fails, it gathers the blocks for SDPA.
+        reads_in_place = not is_cuda and can_read_in_place(self.device, kv_cache.dtype)
+        self.in_place_min_keys = MIN_KEYS if reads_in_place else None
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -94,7 +99,11 @@ class ModelExecutor:
             return ()
         with torch.inference_mode():
             inputs = build_model_inputs(
-                plan.chunks, self.block_tables, self.kv_cache.block_size, self.device
+                plan.chunks,
+                self.block_tables,
+                self.kv_cache.block_size,
+                self.device,
+                self.in_place_min_keys,
             )
             logits = self.model(
                 inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.device_layers

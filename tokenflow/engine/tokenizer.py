@@ -215,40 +215,46 @@ def _compile_template(source: str) -> jinja2.Template:
 class IncrementalDetokenizer:
     """Turns one request's token ids into text deltas as they arrive.
 
-    Decodes a small window (the previous few tokens plus the new ones) and emits only what the
-    new tokens added; text that ends in an incomplete UTF-8 sequence ("\\ufffd") is held back
-    until the character completes (or until `flush`).
+    Each token is one call into the tokenizer library's `DecodeStream` (it decodes a small
+    window: the previous emission's tokens plus the new ones, and emits what the new ones
+    added); text that ends in an incomplete UTF-8 sequence ("\\ufffd") is held back until the
+    character completes or until `flush`, which decodes the held tokens as they are.  Special
+    tokens are left out, as in `Tokenizer.decode`.
     """
 
     def __init__(
         self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), context_tokens: int = 5
     ) -> None:
         self.tokenizer = tokenizer
-        self._ids = list(prompt_token_ids[-context_tokens:])  # context for leading spaces
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._backend = tokenizer.backend
+        context = list(prompt_token_ids[-context_tokens:])  # context for leading spaces
+        self._stream = decoders.DecodeStream(ids=context, skip_special_tokens=True)
+        self._prefix_ids = context  # the tokens behind the latest emission (or the context)
+        self._held_ids: list[int] = []  # pushed since then
         self.text = ""
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new token ids; return the text they complete (possibly empty)."""
-        self._ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self.tokenizer.decode(self._ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(token_ids) == 1:  # the common case, one token per step: pass an int
+            delta = self._stream.step(self._backend, token_ids[0])
+        elif token_ids:
+            delta = self._stream.step(self._backend, list(token_ids))
+        else:
             return ""
-        return self._emit(full[len(prefix) :])
+        self._held_ids += token_ids
+        return "" if delta is None else self._emit(delta)
 
     def flush(self) -> str:
-        """Emit whatever is held back, incomplete characters included (at end of stream)."""
-        if self._read_offset >= len(self._ids):
+        """Emit whatever is held back, incomplete characters included; ends the stream."""
+        if not self._held_ids:
             return ""
-        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        prefix = self.tokenizer.decode(self._prefix_ids)
+        full = self.tokenizer.decode(self._prefix_ids + self._held_ids)
         return self._emit(full[len(prefix) :])
 
     def _emit(self, delta: str) -> str:
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._prefix_ids = self._held_ids
+        self._held_ids = []
         self.text += delta
         return delta
 

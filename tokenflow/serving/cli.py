@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
@@ -64,10 +63,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenflow.engine.engine_args import EngineArgs
     from tokenflow.serving.config import ServerConfig
 
-    if args.num_threads is None:
-        # Leave one core to the HTTP thread (as vLLM does on CPU): measured faster at every
-        # stream count on a 2-core machine (benchmarks/vs_vllm.py).
-        args.num_threads = max(1, (os.cpu_count() or 2) - 1)
+    # args.num_threads None: torch's default, every core.  With OpenMP's workers waiting
+    # passively (tokenflow.cli sets OMP_WAIT_POLICY) the HTTP thread gets the CPU it needs: on
+    # this 2-core machine, a 16-request burst (`tokenflow bench --compare fcfs --serve-args
+    # "--num-threads N" --workload burst --num-requests 16 --prompt-len 128 --output-len 64`)
+    # ran at 106-116 tok/s with TTFT P99 4.5 s on 2 threads against 95-96 tok/s and 5.0-5.1 s
+    # on 1.  With another process busy on a core it was the other way round (1 thread 81-84
+    # tok/s, 2 threads 58-66): pass --num-threads 1 on a machine shared with other work.
     try:
         config = ServerConfig.from_namespace(args)
         engine_args = EngineArgs.from_namespace(args)
