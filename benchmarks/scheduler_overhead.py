@@ -115,7 +115,7 @@ def per_step(sizes: list[int], steps: int) -> int:
     for name in POLICY_NAMES:
         ys = []
         for size in sizes:
-            samples, state = step_cpu_ms(name, size, warm_steps=100, steps=steps)
+            samples, state = step_cpu_ms(name, size, warm_steps=WARM_STEPS, steps=steps)
             ys.append(statistics.fmean(samples))
             print(f"{name:10s} {size:6d} {ys[-1]:9.3f}  {state}", flush=True)
         fixed, slope = fit_line([float(s) for s in sizes], ys)

@@ -11,7 +11,7 @@ Calibration: `python benchmarks/scheduler_overhead.py --per-step --sizes 50,200,
 while each policy serves a burst on a simulated H200, and fits the line by least squares.  The
 defaults below are the mean of two such runs on the development machine (a 2-core VM, quiet,
 Python 3.11; figures in docs/results.md).  A server CPU is faster; the charge is still small
-beside a GPU step (~0.35 ms for FCFS, ~0.8 ms for TokenFlow at 500 active requests, against
+beside a GPU step (~0.26 ms for FCFS, ~0.46 ms for TokenFlow at 500 active requests, against
 steps of 20-60 ms), but no longer zero.
 """
 
@@ -47,13 +47,14 @@ def default_overhead(policy: str) -> SchedulerOverhead:
     """The calibrated per-step charge of `policy` (see the module docstring)."""
     calibrated = {
         # benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800 --steps 200, twice,
-        # on a quiet development machine, with the overload policy of issue 7:
-        # fcfs 0.228 ms + 0.230 us; chunked 0.233 + 0.262, 0.235 + 0.296;
-        # andes 0.224 + 0.227, 0.224 + 0.226; tokenflow 0.382 + 0.802, 0.393 + 0.786.
-        "fcfs": SchedulerOverhead(0.228e-3, 0.230e-6),
-        "chunked": SchedulerOverhead(0.234e-3, 0.279e-6),
-        "andes": SchedulerOverhead(0.224e-3, 0.227e-6),
-        "tokenflow": SchedulerOverhead(0.387e-3, 0.794e-6),
+        # on a quiet development machine, with the O(changes) hot path of issue 9 (states with
+        # waiting requests, 500 steps of service before timing):
+        # fcfs 0.1414 ms + 0.249 us, 0.1370 + 0.245; chunked 0.1617 + 0.272, 0.1449 + 0.358;
+        # andes 0.1399 + 0.242, 0.2472 + 0.105; tokenflow 0.2262 + 0.434, 0.2752 + 0.413.
+        "fcfs": SchedulerOverhead(0.139e-3, 0.247e-6),
+        "chunked": SchedulerOverhead(0.153e-3, 0.315e-6),
+        "andes": SchedulerOverhead(0.194e-3, 0.174e-6),
+        "tokenflow": SchedulerOverhead(0.251e-3, 0.424e-6),
     }
     if policy not in calibrated:
         raise ValueError(f"no calibrated scheduler overhead for policy {policy!r}")
