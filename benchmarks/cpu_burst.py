@@ -18,18 +18,16 @@ full length).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import vs_vllm
-from vllm_burst import HEADLINE
-from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv, running_server
+from vllm_burst import HEADLINE, bench_servers
+from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv
 
-from tokenflow.bench.cli import BenchTarget, benchmark, client_config_from_args, report_runs
+from tokenflow.bench.cli import client_config_from_args, report_runs
 from tokenflow.metrics import Summary
 from tokenflow.workload_cli import add_workload_arguments, workload_from_args
 
@@ -88,15 +86,7 @@ def run(args: argparse.Namespace) -> int:
         servers.append(("vllm", vllm_command(args, python, ensure_hf_model(args.model_dir)), env))
     for policy in ("fcfs", "tokenflow"):
         servers.append((policy, ours_command(args, policy), dict(os.environ)))
-    runs = {}
-    for name, cmd, env in servers:
-        log = args.log_dir / f"{name}.log"
-        with running_server(name, cmd, args.port, log, args.startup_timeout, env) as (url, _):
-            warm = replace(config, url=url, show_progress=False)
-            asyncio.run(benchmark([BenchTarget("warm-up", url)], requests[:1], warm))
-            runs.update(
-                asyncio.run(benchmark([BenchTarget(name, url)], requests, replace(config, url=url)))
-            )
+    runs = bench_servers(servers, requests, config, args)
     summaries = report_runs(runs, json_path=args.json)
     if "vllm" in summaries:
         print()

@@ -27,7 +27,9 @@ import vs_vllm
 from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv, running_server
 
 from tokenflow.bench.cli import BenchTarget, benchmark, client_config_from_args, report_runs
+from tokenflow.bench.client import BenchRun, ClientConfig
 from tokenflow.metrics import Summary
+from tokenflow.workload import WorkloadRequest
 from tokenflow.workload_cli import add_workload_arguments, workload_from_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +78,25 @@ def format_ratios(default: Summary, ours: Summary) -> str:
     return "\n".join(lines)
 
 
+def bench_servers(
+    servers: list[tuple[str, list[str], dict[str, str]]],
+    requests: list[WorkloadRequest],
+    config: ClientConfig,
+    args: argparse.Namespace,
+) -> dict[str, BenchRun]:
+    """Start each (name, command, env) server in turn on `args.port`, warm it with one request,
+    then send it `requests`; returns the bench runs by name."""
+    runs: dict[str, BenchRun] = {}
+    for name, cmd, env in servers:
+        log = args.log_dir / f"{name}.log"
+        with running_server(name, cmd, args.port, log, args.startup_timeout, env) as (url, _):
+            warm = replace(config, url=url, show_progress=False)
+            asyncio.run(benchmark([BenchTarget("warm-up", url)], requests[:1], warm))
+            target_config = replace(config, url=url)
+            runs.update(asyncio.run(benchmark([BenchTarget(name, url)], requests, target_config)))
+    return runs
+
+
 def run(args: argparse.Namespace) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     python = ensure_vllm_venv(args.vllm_venv, args.log_dir)
@@ -85,16 +106,12 @@ def run(args: argparse.Namespace) -> int:
         argparse.Namespace(**{**vars(args), "url": "http://127.0.0.1", "model": None})
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
-    runs = {}
     order = (("vllm-default", False), ("tokenflow-in-vllm", True))
-    for name, ours in reversed(order) if args.ours_first else order:
-        cmd = server_command(args, python, model_dir, ours)
-        log = args.log_dir / f"{name}.log"
-        with running_server(name, cmd, args.port, log, args.startup_timeout, env) as (url, _):
-            warm = replace(config, url=url, show_progress=False)
-            asyncio.run(benchmark([BenchTarget("warm-up", url)], requests[:1], warm))
-            target_config = replace(config, url=url)
-            runs.update(asyncio.run(benchmark([BenchTarget(name, url)], requests, target_config)))
+    servers = [
+        (name, server_command(args, python, model_dir, ours), env)
+        for name, ours in (reversed(order) if args.ours_first else order)
+    ]
+    runs = bench_servers(servers, requests, config, args)
     summaries = report_runs(runs, json_path=args.json)
     print()
     print(format_ratios(summaries["vllm-default"], summaries["tokenflow-in-vllm"]))
