@@ -23,6 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import vs_vllm
 from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv, running_server
 
@@ -33,6 +34,7 @@ from tokenflow.workload import WorkloadRequest
 from tokenflow.workload_cli import add_workload_arguments, workload_from_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+COUNTER_KEYS = ("preemption", "kv_loads", "recomputes")  # in tokenflow's and vLLM's /metrics
 # (label, attribute of Summary, True when higher is better)
 HEADLINE = (
     ("P99 TTFT (s)", "ttft_p99_s", False),
@@ -94,7 +96,24 @@ def bench_servers(
             asyncio.run(benchmark([BenchTarget("warm-up", url)], requests[:1], warm))
             target_config = replace(config, url=url)
             runs.update(asyncio.run(benchmark([BenchTarget(name, url)], requests, target_config)))
+            print(f"{name}: server counters {preemption_counters(url)}", flush=True)
     return runs
+
+
+def preemption_counters(url: str) -> dict[str, float]:
+    """The server's own preemption / load / recompute counters from its Prometheus /metrics
+    (the client cannot see preemptions); empty when it exports none."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    counters = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        counted = any(k in name for k in COUNTER_KEYS) and "_created" not in name
+        if counted and not line.startswith("#"):
+            counters[name] = float(value)
+    return counters
 
 
 def run(args: argparse.Namespace) -> int:
