@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 import vs_vllm
-from vllm_burst import HEADLINE, bench_servers
-from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv
+from vllm_burst import HEADLINE, add_server_bench_arguments, bench_servers
+from vs_vllm import BenchError, ensure_hf_model, ensure_vllm_venv
 
 from tokenflow.bench.cli import client_config_from_args, report_runs
 from tokenflow.metrics import Summary
@@ -98,26 +98,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser, default_kind="burst")
     parser.set_defaults(num_requests=32, prompt_len="128:0", output_len="256:0", rates="4,8")
+    add_server_bench_arguments(parser, port=18120, log_dir="/tmp/cpu-burst")
     add = parser.add_argument
-    add("--endpoint", default="completions", choices=("chat", "completions"))
-    add("--max-concurrency", type=int, default=None)
-    add("--timeout", type=float, default=3600.0)
-    add("--api-key", default=None)
-    add("--no-progress", action="store_true")
     add("--num-blocks", type=int, default=128, help="device KV of every server, in blocks")
-    add("--block-size", type=int, default=32, help="tokens per block (vLLM CPU: multiple of 32)")
     add("--max-model-len", type=int, default=512)
-    add("--max-num-seqs", type=int, default=32)
     add("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its best on this CPU: bf16)")
     add("--ours-args", default="", help="extra `tokenflow serve` options for both policies")
     add("--skip-vllm", action="store_true", help="only our two policies")
-    add("--port", type=int, default=18120)
-    add("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (default %(default)s)")
-    add("--vllm-venv", type=Path, default=CACHE_DIR / "vllm-venv")
-    add("--model-dir", type=Path, default=CACHE_DIR / "smollm2-hf")
-    add("--startup-timeout", type=float, default=600.0)
-    add("--log-dir", type=Path, default=Path("/tmp/cpu-burst"))
-    add("--json", default=None, help="write every summary to this JSON file")
     return parser.parse_args(argv)
 
 

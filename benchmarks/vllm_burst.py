@@ -137,28 +137,34 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(s.num_completed == s.num_requests for s in summaries.values()) else 1
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_arguments(parser, default_kind="burst")
-    parser.set_defaults(num_requests=24, prompt_len="32:0", output_len="32:0", rates="0.15,0.25")
+def add_server_bench_arguments(parser: argparse.ArgumentParser, port: int, log_dir: str) -> None:
+    """The client, pool and vLLM-venv options every server-burst benchmark shares."""
     add = parser.add_argument
     add("--endpoint", default="completions", choices=("chat", "completions"))
     add("--max-concurrency", type=int, default=None)
     add("--timeout", type=float, default=3600.0)
     add("--api-key", default=None)
     add("--no-progress", action="store_true")
-    add("--num-gpu-blocks", type=int, default=17, help="KV pool of both servers, in blocks")
-    add("--block-size", type=int, default=32, help="tokens per block (CPU: a multiple of 32)")
-    add("--max-model-len", type=int, default=256)
+    add("--block-size", type=int, default=32, help="tokens per block (vLLM CPU: multiple of 32)")
     add("--max-num-seqs", type=int, default=32)
-    add("--dtype", default="float32")
-    add("--port", type=int, default=18110)
+    add("--port", type=int, default=port)
     add("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (default %(default)s)")
     add("--vllm-venv", type=Path, default=CACHE_DIR / "vllm-venv")
     add("--model-dir", type=Path, default=CACHE_DIR / "smollm2-hf")
     add("--startup-timeout", type=float, default=600.0)
-    add("--log-dir", type=Path, default=Path("/tmp/vllm-burst"))
-    add("--json", default=None, help="write both summaries to this JSON file")
+    add("--log-dir", type=Path, default=Path(log_dir))
+    add("--json", default=None, help="write every summary to this JSON file")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser, default_kind="burst")
+    parser.set_defaults(num_requests=24, prompt_len="32:0", output_len="32:0", rates="0.15,0.25")
+    add_server_bench_arguments(parser, port=18110, log_dir="/tmp/vllm-burst")
+    add = parser.add_argument
+    add("--num-gpu-blocks", type=int, default=17, help="KV pool of both servers, in blocks")
+    add("--max-model-len", type=int, default=256)
+    add("--dtype", default="float32")
     add("--no-host-kv", action="store_true", help="ours only: no host KV connector (recompute)")
     add("--ours-first", action="store_true", help="run ours first (the load may drift)")
     add(
