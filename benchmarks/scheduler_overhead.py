@@ -30,6 +30,7 @@ from tokenflow.core.policies import POLICY_NAMES, make_policy
 from tokenflow.core.policies.andes import AndesPolicy
 from tokenflow.core.policies.base import Policy, SchedulingView
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
+from tokenflow.core.scheduler import Scheduler
 from tokenflow.sim.runner import SimConfig, build_engine, make_request
 from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
@@ -68,12 +69,11 @@ def busy_core(policy: str, num_active: int, warm_steps: int):
     return core, executor
 
 
-def composition(state) -> str:
+def composition(state: Scheduler | SchedulingView) -> str:
     """Running / preempted / waiting counts of a scheduler or a view."""
-    scheduler = state
     return (
-        f"{len(scheduler.running)} running, {len(scheduler.preempted)} preempted, "
-        f"{len(scheduler.waiting)} waiting"
+        f"{len(state.running)} running, {len(state.preempted)} preempted, "
+        f"{len(state.waiting)} waiting"
     )
 
 

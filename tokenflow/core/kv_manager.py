@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from tokenflow.core.plan import BlockCopy, CopyKind
 
-_EMPTY: list[int] = []  # read-only stand-in for a missing table (never appended to)
-
 
 @dataclass(frozen=True)
 class KVConfig:
@@ -90,10 +88,6 @@ class KVTierManager:
 
     def device_block_ids(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._device_tables.get(request_id, ()))
-
-    def device_table(self, request_id: str) -> list[int]:
-        """The live device table of a request (empty if none): read it, never modify it."""
-        return self._device_tables.get(request_id, _EMPTY)
 
     @property
     def device_tables(self) -> Mapping[str, list[int]]:

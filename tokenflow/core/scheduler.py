@@ -281,7 +281,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:
         rid, start = request.request_id, request.num_computed_tokens
-        table, sent = self.kv.device_table(rid), self._sent_blocks.get(rid, 0)
+        table, sent = self.kv.device_tables.get(rid, ()), self._sent_blocks.get(rid, 0)
         self._sent_blocks[rid] = len(table)
         return ScheduledChunk(
             request_id=rid,

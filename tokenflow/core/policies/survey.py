@@ -101,10 +101,14 @@ def pause_threshold_s(
 def resume_time_s(
     request: Request, kv: KVTierManager, seconds_per_block: float, prefill_s: PrefillTime
 ) -> float:
-    """Time to bring a paused stream back: loading its host copy, or recomputing if faster."""
+    """Time to bring a paused stream back: loading its host copy, or recomputing if faster.
+
+    (Runs for every paused stream at every decision: `kv.has_host_copy` and `kv.blocks_for`
+    are written out.)"""
     recompute = prefill_s(request.num_tokens)
-    if kv.has_host_copy(request.request_id, request.num_computed_tokens):
-        load = kv.blocks_for(request.num_computed_tokens) * seconds_per_block
+    computed = request.num_computed_tokens
+    if computed > 0 and kv.synced_tokens(request.request_id) >= computed:  # a host copy
+        load = -(-computed // kv.block_size) * seconds_per_block
         return load if load < recompute else recompute
     return recompute
 
@@ -124,15 +128,9 @@ def _costs(config: TokenFlowConfig, view: SchedulingView) -> _Costs:
     kv = view.kv
     seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
     prefill_s = view.estimator.prefill_time_s
-    resume_of: dict[str, float] = {}
-    synced_of, bs = kv.synced_tokens, kv.block_size
-    for r in view.preempted:  # resume_time_s(), inlined: every paused stream, every decision
-        recompute, computed = prefill_s(r.num_tokens), r.num_computed_tokens
-        if computed > 0 and synced_of(r.request_id) >= computed:  # a host copy to load
-            load = -(-computed // bs) * seconds_per_block
-            resume_of[r.request_id] = load if load < recompute else recompute
-        else:
-            resume_of[r.request_id] = recompute
+    resume_of = {
+        r.request_id: resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted
+    }
     queue_s = sum(resume_of.values())
     min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
     return _Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)
