@@ -144,6 +144,27 @@ def time_decision(view: SchedulingView, name: str, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
+def against_reference(sizes: list[int], repeats: int) -> int:
+    """TokenFlow's decision against the slow, obvious one it replaced (the parity test's
+    reference in tests/core/reference), on the same state, alternated in one process."""
+    from tests.core.reference.tokenflow_policy import TokenFlowPolicy as ReferencePolicy
+
+    print(f"{'active':>6s} {'state':>12s} {'reference ms':>13s} {'fast ms':>8s} {'speedup':>8s}")
+    for size in sizes:
+        view = busy_view(size)
+        fast, reference = TokenFlowPolicy(TokenFlowConfig()), ReferencePolicy(TokenFlowConfig())
+        samples: dict[str, list[float]] = {"fast": [], "reference": []}
+        for _ in range(repeats):
+            for name, policy in (("fast", fast), ("reference", reference)):
+                start = time.perf_counter()
+                policy.decide(view)
+                samples[name].append(time.perf_counter() - start)
+        fast_ms, ref_ms = (statistics.median(samples[n]) * 1e3 for n in ("fast", "reference"))
+        state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
+        print(f"{size:6d} {state:>12s} {ref_ms:13.3f} {fast_ms:8.3f} {ref_ms / fast_ms:7.2f}x")
+    return 0
+
+
 def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
     """Decision and per-step medians of every policy at every size."""
     rows = []
@@ -187,10 +208,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per policy and size")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--per-step", action="store_true", help="calibrate the simulator")
+    parser.add_argument(
+        "--against-reference",
+        action="store_true",
+        help="TokenFlow's decision vs the reference implementation, same state (repo root only)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
         return per_step(sizes, args.steps)
+    if args.against_reference:
+        return against_reference(sizes, args.repeats)
     rows = side_by_side(sizes, args.repeats, args.steps)
     if args.json:
         print(json.dumps(rows, indent=2))
