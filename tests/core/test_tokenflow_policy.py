@@ -2,8 +2,11 @@
 
 from dataclasses import replace
 
+import pytest
+
 from tests.core.helpers import make_core, make_request
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
+from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import CopyKind
 from tokenflow.core.policies.survey import Candidate, Survey, survey
@@ -292,3 +295,20 @@ def test_admission_is_paced_by_one_interval_of_prefill():
     assert [r.request_id for r in admitted] == ["n0", "n1"]
     alone = policy._admit(replace(view, running=[], waiting=waiting[:1]), started, 1e9)
     assert [r.request_id for r in alone] == ["n0"]
+
+
+def test_admission_credits_prompts_prefilled_together():
+    """Short prompts whose prefill is mostly a fixed per-step cost start together: one at
+    ~0.3 s alone, four at ~0.33 s in one step, within the 0.5 s interval."""
+    view = small_view(4000)
+    estimator = StepTimeEstimator(0.05, 1e-4)
+    for tokens in (32, 64, 32, 128):
+        estimator.observe(0, tokens, 0.05 + 0.3 + 1e-4 * tokens)  # base + p0 + p1 * T
+    view = replace(view, running=[], estimator=estimator)
+    policy = TokenFlowPolicy(TokenFlowConfig(working_set_host_share=100.0))
+    waiting = [make_request(f"n{i}", num_prompt=32, max_tokens=1) for i in range(6)]
+    started = Survey([], 0.0, 0, 0)
+    assert estimator.prefill_time_s(32) * 2 > policy.config.schedule_interval_s
+    admitted = policy._admit(replace(view, waiting=waiting), started, 1e9)
+    assert len(admitted) == 6
+    assert policy._prefill_budget_s == pytest.approx(0.5 - estimator.prefill_time_s(6 * 32))

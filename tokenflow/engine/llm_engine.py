@@ -208,13 +208,15 @@ class LLMEngine:
 
     def _size_prefill_chunks(self) -> None:
         """Give every policy a per-step token budget: the decodes plus a prefill chunk that
-        takes about the target step time at the measured prefill cost per token (or as long as
-        the decodes themselves when they alone exceed the target, so a long prompt still moves
-        at no worse than half speed on a slow machine)."""
+        takes about the target step time at the measured prefill cost (or as long as the
+        decodes themselves when they alone exceed the target, so a long prompt still moves at
+        no worse than half speed on a slow machine; a step's fixed prefill cost takes at most
+        half of that time from the chunk)."""
         estimator = self.scheduler.estimator
         num_decodes = sum(1 for r in self.scheduler.running if not r.is_prefilling)
         budget_s = max(self.args.step_target_ms / 1000, estimator.decode_time_s(num_decodes))
-        chunk = int(budget_s / max(estimator.prefill_time_s(1), 1e-9))
+        budget_s = max(budget_s - estimator.prefill_step_s, budget_s / 2)
+        chunk = int(budget_s / max(estimator.prefill_token_s, 1e-9))
         chunk = min(max(chunk, _MIN_PREFILL_CHUNK_TOKENS), self.args.max_prefill_tokens)
         self.scheduler.policy.prefill_chunk_tokens = num_decodes + chunk
 

@@ -136,22 +136,25 @@ class TokenFlowPolicy(Policy):
             view.preempted, key=lambda r: (r.last_consume_s + 1.0 / r.rate_tps, r.sort_key)
         )
         waiting: list[Request] = []
-        budget, prefill_budget = self._spare_rate_tps, self._prefill_budget_s
+        budget = self._spare_rate_tps
+        batch_s = view.estimator.prefill_batch_time_s
+        step_tokens = view.config.max_prefill_tokens
         for request in view.waiting:  # arrival order; no later request passes an earlier one
             idle = not (waiting or view.running or preempted)
-            prefill_s = view.estimator.prefill_time_s(request.num_tokens)
-            if not idle and (self._demand_tps(request) > budget or prefill_s > prefill_budget):
+            tokens = sum(r.num_tokens for r in waiting) + request.num_tokens
+            prefill_s = batch_s(tokens, step_tokens)  # prefills started together
+            if not idle and (
+                self._demand_tps(request) > budget or prefill_s > self._prefill_budget_s
+            ):
                 break  # (an idle engine always takes the head, whatever its rate)
             budget -= self._demand_tps(request)
-            prefill_budget -= prefill_s
             waiting.append(request)
         starts = fcfs_starts(view, candidates=preempted + waiting)
         num_new = len(starts) - len(preempted)
         if num_new > 0:
             self._spare_rate_tps -= sum(map(self._demand_tps, waiting[:num_new]))
-            self._prefill_budget_s -= sum(
-                view.estimator.prefill_time_s(r.num_tokens) for r in waiting[:num_new]
-            )
+            tokens = sum(r.num_tokens for r in waiting[:num_new])
+            self._prefill_budget_s -= batch_s(tokens, step_tokens)
         return starts
 
     def _survey_started(self, view: SchedulingView, growth: int) -> Survey:
@@ -226,14 +229,17 @@ class TokenFlowPolicy(Policy):
             key=lambda c: (c.utility, c.request.sort_key),
         )
         extra_rate = 0.0
-        self._prefill_budget_s = self.config.schedule_interval_s
+        interval_s = self.config.schedule_interval_s
+        batch_s = view.estimator.prefill_batch_time_s
+        step_tokens = view.config.max_prefill_tokens
+        self._prefill_budget_s = interval_s
         admitted: list[Request] = []
         for request in view.waiting:
             rate = self._demand_tps(request)
             if size >= limit or (size and extra_rate + rate > spare_rate_tps):
                 break  # (an empty working set always takes the head, whatever its rate)
-            prefill_s = view.estimator.prefill_time_s(request.num_tokens)
-            if admitted and prefill_s > self._prefill_budget_s:
+            tokens = sum(r.num_tokens for r in admitted) + request.num_tokens
+            if admitted and batch_s(tokens, step_tokens) > interval_s:
                 break  # paced: what one interval can prefill, so Gamma is measured as it fills
             need = view.start_blocks(request)
             while need > free and pausable:
@@ -244,7 +250,7 @@ class TokenFlowPolicy(Policy):
             if need > free:
                 break
             free -= need + view.reserve_blocks(request)
-            self._prefill_budget_s -= prefill_s
+            self._prefill_budget_s = interval_s - batch_s(tokens, step_tokens)
             admitted.append(request)
             size += 1
             extra_rate += rate

@@ -49,12 +49,14 @@ def admit(
     demand_of: DemandOf,
 ) -> Admitted:
     """Waiting requests that join, in arrival order, while the working set is below `limit`,
-    their demand fits in `spare_rate_tps`, their prefills fit in one interval (so Gamma is
-    measured as the batch fills), and each finds free device memory or memory that safe pauses
-    free (each pause also needs host room for its unsynced tail)."""
-    prefill_budget_s = config.schedule_interval_s
+    their demand fits in `spare_rate_tps`, their prefills, started together, fit in one
+    interval (so Gamma is measured as the batch fills), and each finds free device memory or
+    memory that safe pauses free (each pause also needs host room for its unsynced tail)."""
+    interval_s = config.schedule_interval_s
     if not view.waiting:
-        return Admitted([], prefill_budget_s)
+        return Admitted([], interval_s)
+    batch_s = view.estimator.prefill_batch_time_s
+    step_tokens = view.config.max_prefill_tokens
     size = started.num_members
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
     host_room = view.kv.num_free_host_blocks
@@ -64,13 +66,14 @@ def admit(
         key=lambda c: (c.utility, c.request.sort_key),
     )
     extra_rate = 0.0
+    prefill_tokens = 0
     admitted: list[Request] = []
     for request in view.waiting:
         rate = demand_of(request)
         if size >= limit or (size and extra_rate + rate > spare_rate_tps):
             break  # (an empty working set always takes the head, whatever its rate)
-        prefill_s = view.estimator.prefill_time_s(request.num_tokens)
-        if admitted and prefill_s > prefill_budget_s:
+        tokens = prefill_tokens + request.num_tokens
+        if admitted and batch_s(tokens, step_tokens) > interval_s:
             break  # paced: what one interval can prefill
         need = view.start_blocks(request)
         while need > free and pausable:
@@ -81,11 +84,11 @@ def admit(
         if need > free:
             break
         free -= need + view.reserve_blocks(request)
-        prefill_budget_s -= prefill_s
+        prefill_tokens = tokens
         admitted.append(request)
         size += 1
         extra_rate += rate
-    return Admitted(admitted, prefill_budget_s)
+    return Admitted(admitted, interval_s - batch_s(prefill_tokens, step_tokens))
 
 
 def waiting_within_budget(
@@ -96,14 +99,21 @@ def waiting_within_budget(
     has_other_work: bool,
 ) -> list[Request]:
     """The head of the waiting queue that fits the budgets a decision left (between
-    decisions); an idle engine (`has_other_work` false) always takes the head."""
+    decisions; their prefills start together); an idle engine (`has_other_work` false) always
+    takes the head."""
     waiting: list[Request] = []
+    tokens = 0
     for request in view.waiting:
         idle = not (waiting or has_other_work)
-        prefill_s = view.estimator.prefill_time_s(request.num_tokens)
+        prefill_s = prefill_batch_time_s(view, tokens + request.num_tokens)
         if not idle and (demand_of(request) > spare_rate_tps or prefill_s > prefill_budget_s):
             break
         spare_rate_tps -= demand_of(request)
-        prefill_budget_s -= prefill_s
+        tokens += request.num_tokens
         waiting.append(request)
     return waiting
+
+
+def prefill_batch_time_s(view: SchedulingView, num_tokens: int) -> float:
+    """Predicted time to prefill `num_tokens` prompt tokens started together."""
+    return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)

@@ -36,7 +36,12 @@ import math
 from itertools import chain, repeat
 
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.policies.admission import admit, waiting_within_budget, working_set_limit
+from tokenflow.core.policies.admission import (
+    admit,
+    prefill_batch_time_s,
+    waiting_within_budget,
+    working_set_limit,
+)
 from tokenflow.core.policies.balance import balance
 from tokenflow.core.policies.base import (
     Moves,
@@ -171,8 +176,8 @@ class TokenFlowPolicy(Policy):
         num_new = len(starts) - len(preempted)
         if num_new > 0:
             self._spare_rate_tps -= sum(map(self._demand_tps, waiting[:num_new]))
-            self._prefill_budget_s -= sum(
-                view.estimator.prefill_time_s(r.num_tokens) for r in waiting[:num_new]
+            self._prefill_budget_s -= prefill_batch_time_s(
+                view, sum(r.num_tokens for r in waiting[:num_new])
             )
         return starts
 

@@ -271,7 +271,7 @@ class PolicyBridge:
     def _price_recompute(self) -> None:
         """Follow the measured prefill cost: the policy's pause threshold then charges a pause
         what its recompute costs on this engine now (re-priced when it moves by over 10%)."""
-        block_bytes = self._block_bytes(self.estimator.prefill_time_s(self.kv.block_size))
+        block_bytes = self._block_bytes(self.estimator.prefill_token_s * self.kv.block_size)
         if abs(block_bytes - self.kv.config.block_bytes) > 0.1 * self.kv.config.block_bytes:
             self.kv.config = replace(self.kv.config, block_bytes=block_bytes)
 

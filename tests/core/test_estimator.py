@@ -1,0 +1,57 @@
+"""The step-time estimator: decode and prefill fits on synthetic step durations."""
+
+import pytest
+
+from tokenflow.core.estimator import StepTimeEstimator
+
+
+def fed(decode_steps=(), prefill_steps=(), prior_token_s=1e-3):
+    """An estimator fed decode steps (batch, context, s) and prefill-only steps (tokens, s
+    beyond the 50 ms step base)."""
+    est = StepTimeEstimator(0.05, prior_token_s, per_seq_s=0.0)
+    for batch, context, seconds in decode_steps:
+        est.observe(batch, 0, seconds, context)
+    for tokens, seconds in prefill_steps:
+        est.observe(0, tokens, 0.05 + seconds)
+    return est
+
+
+def test_decode_fit_recovers_base_per_stream_and_per_token_costs():
+    def true_s(b, c):
+        return 0.02 + 0.003 * b + 2e-6 * c
+
+    steps = [(b, c, true_s(b, c)) for b in (1, 4, 8, 16, 32) for c in (100 * b, 900 * b)]
+    est = fed(decode_steps=steps * 6)
+    assert est.decode_time_s(20, 500) == pytest.approx(true_s(20, 20 * 500), rel=0.05)
+    assert est.capacity_tps(20, 500) == pytest.approx(20 / true_s(20, 20 * 500), rel=0.05)
+
+
+def test_prefill_fit_separates_a_fixed_step_cost_from_the_per_token_cost():
+    est = fed(prefill_steps=[(t, 0.08 + 1e-3 * t) for t in (32, 64, 256, 512)] * 4)
+    assert est.prefill_step_s == pytest.approx(0.08, rel=0.05)
+    assert est.prefill_token_s == pytest.approx(1e-3, rel=0.05)
+    # four 32-token prompts started together pay the fixed cost once
+    assert est.prefill_batch_time_s(128, 4096) == pytest.approx(0.08 + 0.128, rel=0.05)
+    assert est.prefill_time_s(32) * 4 > 2 * est.prefill_batch_time_s(128, 4096)
+
+
+def test_one_prompt_length_alone_puts_the_rest_in_the_fixed_cost():
+    est = fed(prefill_steps=[(32, 0.08)] * 5, prior_token_s=2e-4)
+    assert est.prefill_token_s == pytest.approx(2e-4)  # no variety: the prior stands
+    assert est.prefill_time_s(32) == pytest.approx(0.08)  # and the observation is matched
+    assert est.prefill_step_s == pytest.approx(0.08 - 32 * 2e-4)
+
+
+def test_a_negative_fixed_cost_falls_back_to_the_mean_cost_per_token():
+    # a prefill that hides in a memory-bound step costs nothing until it is large
+    est = fed(prefill_steps=[(t, max(0.0, 2e-4 * (t - 100))) for t in (64, 512)] * 4)
+    assert est.prefill_step_s == 0.0
+    assert est.prefill_time_s(288) == pytest.approx((0.0 + 2e-4 * 412) / 2, rel=1e-6)
+
+
+def test_batch_time_counts_one_fixed_cost_per_step():
+    est = fed(prefill_steps=[(t, 0.1 + 1e-3 * t) for t in (100, 300)] * 4)
+    one_step = est.prefill_batch_time_s(1000, 1000)
+    three_steps = est.prefill_batch_time_s(1000, 400)
+    assert three_steps - one_step == pytest.approx(2 * est.prefill_step_s)
+    assert est.prefill_batch_time_s(0, 400) == 0.0
