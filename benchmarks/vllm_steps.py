@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,9 @@ def make_llm(args: argparse.Namespace, tokenflow: bool):
     return LLM(**kwargs)
 
 
-def run_burst(llm, num_requests: int) -> StepCount:
-    """Submit the burst at once and step the engine until it drains."""
+def run_burst(llm, num_requests: int, timeline: bool = False) -> StepCount:
+    """Submit the burst at once and step the engine until it drains (`timeline`: print one
+    line per step: its wall time, the running and waiting counts, first tokens so far)."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -77,8 +79,16 @@ def run_burst(llm, num_requests: int) -> StepCount:
     started: set[str] = set()
     num_steps = last_first = 0
     while engine.has_unfinished_requests():
+        began = time.perf_counter()
         outputs = engine.step()
         num_steps += 1
+        if timeline:
+            print(
+                f"step {num_steps:3d}: {time.perf_counter() - began:6.3f} s, running "
+                f"{len(scheduler.running):2d}, waiting {len(scheduler.waiting):2d}, "
+                f"started {len(started):2d}",
+                flush=True,
+            )
         batches[len(scheduler.running)] += 1
         for output in outputs:
             if output.request_id not in started and output.outputs[0].token_ids:
@@ -101,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--no-host-kv", action="store_true", help="ours pauses by recompute")
     parser.add_argument("--tokenflow-settings", default=None, metavar="JSON")
+    parser.add_argument("--timeline", action="store_true", help="print every step")
+    parser.add_argument("--only", choices=["vllm-default", "tokenflow-in-vllm"], default=None)
     args = parser.parse_args(argv)
     for name, tokenflow in (("vllm-default", False), ("tokenflow-in-vllm", True)):
+        if args.only not in (None, name):
+            continue
         llm = make_llm(args, tokenflow)
-        count = run_burst(llm, args.num_requests)
+        count = run_burst(llm, args.num_requests, args.timeline)
         llm.llm_engine.engine_core.shutdown()
         del llm
         print(f"{name}: {count}", flush=True)
