@@ -48,8 +48,9 @@ def make_llm(args: argparse.Namespace, tokenflow: bool):
     from tokenflow.integrations.vllm.serve import host_kv_transfer_config
 
     kwargs = dict(
-        model=str(args.model_dir), dtype="float32", enforce_eager=True,
-        num_gpu_blocks_override=args.num_gpu_blocks, block_size=32, max_model_len=256,
+        model=str(args.model_dir), dtype=args.dtype, enforce_eager=True,
+        num_gpu_blocks_override=args.num_gpu_blocks, block_size=32,
+        max_model_len=args.max_model_len,
         max_num_seqs=32, seed=0, kv_cache_memory_bytes=256 << 20,
     )  # fmt: skip
     if tokenflow:
@@ -60,7 +61,7 @@ def make_llm(args: argparse.Namespace, tokenflow: bool):
     return LLM(**kwargs)
 
 
-def run_burst(llm, num_requests: int, timeline: bool = False) -> StepCount:
+def run_burst(llm, args: argparse.Namespace) -> StepCount:
     """Submit the burst at once and step the engine until it drains (`timeline`: print one
     line per step: its wall time, the running and waiting counts, first tokens so far)."""
     from vllm import SamplingParams
@@ -68,11 +69,12 @@ def run_burst(llm, num_requests: int, timeline: bool = False) -> StepCount:
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     tokenizer = llm.get_tokenizer()
-    for i in range(num_requests):
-        prompt = tokenizer.encode(f"[{i}] " + "tell me a long story about the sea " * 8)[:32]
+    story = "tell me a long story about the sea " * (args.prompt_len // 4 + 1)
+    for i in range(args.num_requests):
+        prompt = tokenizer.encode(f"[{i}] " + story)[: args.prompt_len]
         params = SamplingParams(
-            temperature=0.0, max_tokens=32, min_tokens=32, ignore_eos=True,
-            extra_args={"stream_rate": 0.15 if i % 2 == 0 else 0.25},
+            temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len,
+            ignore_eos=True, extra_args={"stream_rate": args.rates[i % len(args.rates)]},
         )  # fmt: skip
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     batches: Counter[int] = Counter()
@@ -82,7 +84,7 @@ def run_burst(llm, num_requests: int, timeline: bool = False) -> StepCount:
         began = time.perf_counter()
         outputs = engine.step()
         num_steps += 1
-        if timeline:
+        if args.timeline:
             print(
                 f"step {num_steps:3d}: {time.perf_counter() - began:6.3f} s, running "
                 f"{len(scheduler.running):2d}, waiting {len(scheduler.waiting):2d}, "
@@ -108,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--num-gpu-blocks", type=int, default=17)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.15, 0.25], help="alternate")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--no-host-kv", action="store_true", help="ours pauses by recompute")
     parser.add_argument("--tokenflow-settings", default=None, metavar="JSON")
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only not in (None, name):
             continue
         llm = make_llm(args, tokenflow)
-        count = run_burst(llm, args.num_requests, args.timeline)
+        count = run_burst(llm, args)
         llm.llm_engine.engine_core.shutdown()
         del llm
         print(f"{name}: {count}", flush=True)
