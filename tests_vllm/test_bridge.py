@@ -215,4 +215,5 @@ def test_pause_is_priced_at_the_measured_recompute():
     bridge.view([], [], PoolState(10, {}), now_s=0.0)
     seconds_per_block = bridge.kv.config.block_bytes / bridge.config.link_bytes_per_s
     assert bridge.kv.config.block_bytes > 10 * cheap
-    assert seconds_per_block == pytest.approx(bridge.estimator.prefill_time_s(16) / 2, rel=0.01)
+    per_block_s = bridge.estimator.prefill_time_s(64) / 4  # 64-token prefills: 4 blocks of 16
+    assert seconds_per_block == pytest.approx(per_block_s / 2, rel=0.01)

@@ -55,3 +55,9 @@ def test_batch_time_counts_one_fixed_cost_per_step():
     three_steps = est.prefill_batch_time_s(1000, 400)
     assert three_steps - one_step == pytest.approx(2 * est.prefill_step_s)
     assert est.prefill_batch_time_s(0, 400) == 0.0
+
+
+def test_mean_cost_per_token_spreads_the_fixed_cost_over_recent_prefills():
+    est = fed(prefill_steps=[(64, 0.2)] * 4)
+    assert est.prefill_mean_token_s == pytest.approx(0.2 / 64)
+    assert fed().prefill_mean_token_s == pytest.approx(1e-3)  # the prior before any prefill

@@ -41,6 +41,7 @@ class StepTimeEstimator:
         self._per_seq_s, self._per_token_s = per_seq_s, per_context_token_s
         self._prior_prefill_token_s = self._prefill_token_s = prefill_token_s
         self._prefill_step_s = 0.0  # p0: the fixed part of a step's prefill cost
+        self._mean_prefill_tokens = 0.0  # tokens per step with prefill, recently
         self._decode_obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_obs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, extra s)
         self._mean_context = 0.0  # context tokens per stream over the window
@@ -81,6 +82,7 @@ class StepTimeEstimator:
         if intercept < 0:
             intercept, slope = 0.0, mean_y / mean_x
         self._prefill_step_s, self._prefill_token_s = intercept, slope
+        self._mean_prefill_tokens = mean_x
 
     def _refit(self) -> None:
         """Ridge regression of t on (1, B, C), centred, with the priors as the ridge targets.
@@ -129,6 +131,14 @@ class StepTimeEstimator:
     def prefill_step_s(self) -> float:
         """p0: the fixed cost a step pays for prefilling at all."""
         return self._prefill_step_s
+
+    @property
+    def prefill_mean_token_s(self) -> float:
+        """Cost per token of the recent prefill steps, their fixed cost spread over their
+        tokens (the per-token cost alone before any prefill was seen)."""
+        if self._mean_prefill_tokens <= 0:
+            return self._prefill_token_s
+        return self._prefill_token_s + self._prefill_step_s / self._mean_prefill_tokens
 
     def prefill_time_s(self, num_tokens: int) -> float:
         """Predicted time a step takes beyond its decodes to prefill `num_tokens` tokens

@@ -270,8 +270,10 @@ class PolicyBridge:
 
     def _price_recompute(self) -> None:
         """Follow the measured prefill cost: the policy's pause threshold then charges a pause
-        what its recompute costs on this engine now (re-priced when it moves by over 10%)."""
-        block_bytes = self._block_bytes(self.estimator.prefill_token_s * self.kv.block_size)
+        what its recompute costs on this engine now (re-priced when it moves by over 10%): per
+        block, at the recent prefills' mean cost per token (their fixed cost spread over them)."""
+        recompute_block_s = self.estimator.prefill_mean_token_s * self.kv.block_size
+        block_bytes = self._block_bytes(recompute_block_s)
         if abs(block_bytes - self.kv.config.block_bytes) > 0.1 * self.kv.config.block_bytes:
             self.kv.config = replace(self.kv.config, block_bytes=block_bytes)
 
