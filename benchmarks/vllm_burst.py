@@ -10,6 +10,14 @@ other; each gets a warm-up request and then the same workload through `tokenflow
 (the default server ignores `stream_rate`; ours reads it).  Prints `tokenflow bench`'s table and
 the ratios ours / default for the headline metrics.
 
+The default burst is a reading burst like `cpu_burst.py`'s: 32 requests at once, prompts of 128
+tokens, 256 output tokens, readers at 4 or 8 tok/s (half each), a KV pool of 128 usable blocks
+of 32 tokens (about 14 of the 32 streams at full length), bfloat16 (vLLM's faster dtype here).
+`--tiny` is the earlier burst: 24 requests of 32 + 32 tokens, readers at 0.15 or 0.25 tok/s, 16
+usable blocks, float32; there a reader consumes one or two tokens during the whole run, so every
+stream's weighted tokens are the same under any order and effective throughput is a ratio of
+makespans.
+
 Run with the project venv: `.venv/bin/python benchmarks/vllm_burst.py --json out.json`.
 """
 
@@ -159,12 +167,13 @@ def add_server_bench_arguments(parser: argparse.ArgumentParser, port: int, log_d
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_arguments(parser, default_kind="burst")
-    parser.set_defaults(num_requests=24, prompt_len="32:0", output_len="32:0", rates="0.15,0.25")
+    parser.set_defaults(num_requests=32, prompt_len="128:0", output_len="256:0", rates="4,8")
     add_server_bench_arguments(parser, port=18110, log_dir="/tmp/vllm-burst")
     add = parser.add_argument
-    add("--num-gpu-blocks", type=int, default=17, help="KV pool of both servers, in blocks")
-    add("--max-model-len", type=int, default=256)
-    add("--dtype", default="float32")
+    add("--num-gpu-blocks", type=int, default=129, help="KV pool of both servers, in blocks")
+    add("--max-model-len", type=int, default=512)
+    add("--dtype", default="bfloat16")
+    add("--tiny", action="store_true", help="the earlier tiny burst (see the module docstring)")
     add("--no-host-kv", action="store_true", help="ours only: no host KV connector (recompute)")
     add("--ours-first", action="store_true", help="run ours first (the load may drift)")
     add(
@@ -173,7 +182,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON",
         help='ours only: the "tokenflow" additional-config, e.g. {"policy": {...}}',
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        tiny = dict(num_requests=24, prompt_len="32:0", output_len="32:0", rates="0.15,0.25")
+        parser.set_defaults(**tiny, num_gpu_blocks=17, max_model_len=256, dtype="float32")
+        args = parser.parse_args(argv)  # (flags given on the command line still win)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
