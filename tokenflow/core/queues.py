@@ -46,6 +46,10 @@ class RequestQueues:
         # Residents that may have a full block without a host copy (a superset: a stream joins
         # when a step fills one of its blocks and leaves once write-through has caught up).
         self.write_candidates: dict[str, Request] = {}
+        # Residents that may not be decoding (a superset: a stream joins when it enters the
+        # device and leaves once it has sampled a token in a step that filled a block or ran a
+        # prefill); every other resident with a token is decoding.
+        self.unsettled: dict[str, Request] = {}
 
     @property
     def has_work(self) -> bool:
@@ -64,6 +68,7 @@ class RequestQueues:
             self._leave_preempted(request)
         request.state = state
         self.running.append(request)
+        self.unsettled[request.request_id] = request
         if state is RequestState.LOADING:
             self.loading.append(request)
         self.remaining_output_tokens += (
@@ -98,11 +103,13 @@ class RequestQueues:
         self.write_candidates[request.request_id] = request
 
     def token_appended(self, request: Request) -> None:
-        """A resident gained a token: past its mean length, its lifetime grows a block at each
-        block boundary (call after `Request.append_token`)."""
+        """A resident gained a token in a step that filled one of its blocks or ran a prefill
+        (call after `Request.append_token`): past its mean length, its lifetime grows a block
+        at each block boundary; and it is decoding now."""
         before = request.num_tokens - 1
         if before % self.block_size == 0 and before >= request.lifetime_tokens:
             self.started_lifetime_blocks += 1
+        self.unsettled.pop(request.request_id, None)  # it just sampled a token: decoding
 
     def _leave_preempted(self, request: Request) -> None:
         self.preempted.remove(request)
@@ -116,3 +123,4 @@ class RequestQueues:
             request.sampling_params.max_tokens - request.num_output_tokens
         )
         self.write_candidates.pop(request.request_id, None)
+        self.unsettled.pop(request.request_id, None)

@@ -122,6 +122,7 @@ class Scheduler:
             write_candidates=self.queues.write_candidates.values(),
             remaining_output_tokens=self.queues.remaining_output_tokens,
             started_lifetime_blocks=self.queues.started_lifetime_blocks,
+            unsettled=self.queues.unsettled.values(),
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,

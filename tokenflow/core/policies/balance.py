@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from itertools import accumulate, compress
 
+from tokenflow.core.policies.residents import Residents
 from tokenflow.core.policies.survey import Candidate
+from tokenflow.core.request import Request
 
 
 def balance(
@@ -76,3 +79,54 @@ def _utility_order(c: Candidate) -> tuple[bool, bool, float, bool, float, float,
 def _arrival_order(c: Candidate) -> tuple[bool, bool, bool, float, int]:
     r = c.request
     return (not c.is_pinned, not c.is_overdue, not c.is_urgent, r.arrival_s, r.arrival_index)
+
+
+def balance_counted(
+    others: list[Candidate],
+    residents: Residents,
+    capacity_blocks: int,
+    max_seqs: int,
+    by_arrival: bool,
+    resume_budget_s: float,
+) -> tuple[list[Candidate], list[Request]] | None:
+    """`balance` over `others` (paused members and newcomers) and the pausable residents,
+    the residents counted, not listed: returns (the others picked, in priority order; the
+    pausable residents left out), or None where the shortcut cannot vouch for the result.
+
+    A pausable resident is not pinned and needs no resume, so the greedy takes every one it
+    reaches while memory lasts; what others it takes depends only on the others before them
+    (the resume budget).  Memory is checked once, at the end: the residents' footprints, less
+    those left out, plus the others picked, bounded from above; if that fits, no step of the
+    greedy was short of memory (picks only add), else None.
+    """
+    num_pinned = residents.num_pinned
+    if num_pinned > max_seqs:
+        return None  # (`balance` raises; let it)
+    order = sorted(others, key=_arrival_order if by_arrival else _utility_order)
+    flags: list[bool] = []  # taken when reached: the resume budget only
+    resume_s = 0.0
+    for cand in order:
+        fits = True
+        if cand.resume_s > 0.0:
+            fits = not (resume_s > 0.0 and resume_s + cand.resume_s > resume_budget_s)
+            resume_s += cand.resume_s if fits else 0.0
+        flags.append(fits)
+    picks_before = list(accumulate(flags, initial=0))
+    num_before = residents.num_before_by_arrival if by_arrival else residents.num_before
+    limit = max_seqs - num_pinned
+    lo, hi = 0, len(order)  # the first other not reached: the slots were filled before it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if num_before(order[mid]) + picks_before[mid] >= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    picked = list(compress(order[:lo], flags))
+    kept = max(min(residents.num_pausable, limit - len(picked)), 0)
+    left_out = residents.last(residents.num_pausable - kept, by_arrival)
+    change = sum(c.footprint_blocks for c in picked)
+    change -= sum(map(residents.footprint_blocks, left_out))
+    for exact in (False, True):  # a bound first
+        if residents.all_footprint_blocks(exact) + change <= capacity_blocks:
+            return picked, left_out
+    return None

@@ -57,6 +57,9 @@ class SchedulingView:
     remaining_output_tokens: int  # max_tokens - generated, summed over the residents
     started_lifetime_blocks: int  # blocks at max(tokens, prompt + max_tokens // 2), summed over
     # running + preempted (the members' mean lifetime footprint, times their number)
+    # Residents that may not be decoding yet (a superset; every other resident with a token
+    # is decoding); None: unknown, a policy must look at each resident.
+    unsettled: Collection[Request] | None = None
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""

@@ -64,6 +64,38 @@ class Survey:
     def num_members(self) -> int:
         return len(self.candidates) + self.num_implicit_pinned
 
+    def demand_tps(self, rate_cap_tps: float) -> float:
+        """The members' reading rates, each capped at `rate_cap_tps`, summed in member order."""
+        return sum(map(min, self.rates_tps, repeat(rate_cap_tps)))
+
+    def pauses(self, view: SchedulingView) -> PauseQueue:
+        """The pausable members as admission takes them: most reading buffered first."""
+        return PauseQueue([c for c in self.candidates if c.is_pausable], view)
+
+
+class PauseQueue:
+    """Pauses that free device memory for admission, taken in order of least utility (then
+    arrival); each needs host room for its unsynced tail, or it frees nothing."""
+
+    def __init__(self, pausable: list[Candidate], view: SchedulingView) -> None:
+        self._pending = sorted(pausable, key=lambda c: (c.utility, c.request.sort_key))
+        self._next = 0
+        self._host_room = view.kv.num_free_host_blocks
+        self._view = view
+
+    def take(self, shortfall_blocks: int) -> int:
+        """Take pauses until they free `shortfall_blocks` device blocks (or none is left);
+        returns the blocks freed (reclaimed plus the reserve they no longer need)."""
+        freed = 0
+        pending = self._pending
+        while shortfall_blocks > freed and self._next < len(pending):
+            pause = pending[self._next]
+            self._next += 1
+            if pause.unsynced_blocks <= self._host_room:
+                self._host_room -= pause.unsynced_blocks
+                freed += pause.reclaim_blocks + self._view.reserve_blocks(pause.request)
+        return freed
+
 
 def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> float:
     """U = v*dt + gamma*dt*exp(-T/dt) - switch cost, T the seconds of reading buffered.
@@ -114,7 +146,7 @@ def resume_time_s(
 
 
 @dataclass(frozen=True)
-class _Costs:
+class Costs:
     """What a decision prices every member with: link, queue of resumes, pause threshold."""
 
     seconds_per_block: float
@@ -124,7 +156,8 @@ class _Costs:
     min_threshold_s: float  # the least buffer any pause needs
 
 
-def _costs(config: TokenFlowConfig, view: SchedulingView) -> _Costs:
+def decision_costs(config: TokenFlowConfig, view: SchedulingView) -> Costs:
+    """The link, resume and threshold prices of one decision (one pass over the paused)."""
     kv = view.kv
     seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
     prefill_s = view.estimator.prefill_time_s
@@ -133,20 +166,27 @@ def _costs(config: TokenFlowConfig, view: SchedulingView) -> _Costs:
     }
     queue_s = sum(resume_of.values())
     min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
-    return _Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)
+    return Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)
 
 
 def survey(
-    config: TokenFlowConfig, view: SchedulingView, members: Iterable[Request], growth: int
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    members: Iterable[Request],
+    growth: int,
+    costs: Costs | None = None,
 ) -> Survey:
     """One pass over `members`: a candidate for each, and the sums for capacity and W_static."""
     members = list(members)
-    candidates = _candidates(config, view, members, growth, _costs(config, view))
+    costs = costs or decision_costs(config, view)
+    candidates = _candidates(config, view, members, growth, costs)
     bs = view.kv.block_size
     return Survey(candidates, [r.rate_tps for r in members], lifetime_blocks(members, bs))
 
 
-def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -> Survey:
+def survey_started(
+    config: TokenFlowConfig, view: SchedulingView, growth: int, costs: Costs | None = None
+) -> Survey:
     """`survey` of the running and paused members, listing only those whose place can change.
 
     A running stream that cannot be paused is pinned whatever else holds, so it needs no
@@ -154,7 +194,7 @@ def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -
     with a buffer below the least pause threshold is pinned without a look; the others
     (buffer enough to be pausable) get the exact test, and paused streams exact candidates.
     """
-    costs = _costs(config, view)
+    costs = costs or decision_costs(config, view)
     now, threshold = view.now_s, costs.min_threshold_s
     running = view.running
     pinned = [r for r in running if r.last_consume_s - now < threshold]
@@ -169,7 +209,7 @@ def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -
         [r.rate_tps for r in members],
         view.started_lifetime_blocks,
         num_implicit_pinned=len(pinned),
-        implicit_pinned_blocks=_footprint_blocks(pinned, growth, view.kv.block_size),
+        implicit_pinned_blocks=footprint_blocks(pinned, growth, view.kv.block_size),
     )
 
 
@@ -178,7 +218,7 @@ def _pausable_candidates(
     view: SchedulingView,
     suspects: list[Request],
     growth: int,
-    costs: _Costs,
+    costs: Costs,
     pinned: list[Request],
 ) -> list[Candidate]:
     """Candidates of the suspects that pass the exact pause test (in running order); the
@@ -219,7 +259,14 @@ def _pausable_candidates(
     return out
 
 
-def _footprint_blocks(residents: list[Request], growth: int, block_size: int) -> int:
+def paused_candidates(
+    config: TokenFlowConfig, view: SchedulingView, growth: int, costs: Costs
+) -> list[Candidate]:
+    """A candidate per paused member, in the view's order."""
+    return _candidates(config, view, view.preempted, growth, costs)
+
+
+def footprint_blocks(residents: list[Request], growth: int, block_size: int) -> int:
     """Sum over residents of blocks to hold them through the next interval: the blocks of
     min(tokens + max(growth, 1), prompt + max_tokens) (a resident always has a token to go)."""
     ahead = max(growth, 1)
@@ -238,7 +285,7 @@ def _candidates(
     view: SchedulingView,
     members: Iterable[Request],
     growth: int,
-    costs: _Costs,
+    costs: Costs,
 ) -> list[Candidate]:
     """A candidate per member: the decision's inner loop (plain arithmetic on attributes)."""
     now = view.now_s

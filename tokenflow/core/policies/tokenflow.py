@@ -33,11 +33,11 @@ by buffer size).
 from __future__ import annotations
 
 import math
-from itertools import chain, repeat
+from itertools import chain
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.admission import admit, waiting_within_budget, working_set_limit
-from tokenflow.core.policies.balance import balance
+from tokenflow.core.policies.balance import balance, balance_counted
 from tokenflow.core.policies.base import (
     Moves,
     Policy,
@@ -46,16 +46,21 @@ from tokenflow.core.policies.base import (
     Start,
     fcfs_starts,
 )
+from tokenflow.core.policies.residents import Residents, StartedMembers
 from tokenflow.core.policies.survey import (
     Candidate,
+    Costs,
     Survey,
+    decision_costs,
     lifetime_blocks,
+    paused_candidates,
     survey,
     survey_started,
 )
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _NOT_STARTED = (RequestState.WAITING, RequestState.PREEMPTED)
+Started = Survey | StartedMembers
 
 
 class TokenFlowPolicy(Policy):
@@ -108,7 +113,8 @@ class TokenFlowPolicy(Policy):
         self.num_decisions += 1
         self._calm_until_s = -math.inf  # starts follow: look again at the next boundary
         growth = self.growth_tokens(view)
-        started = self._survey_started(view, growth)
+        costs = decision_costs(self.config, view)
+        started = self._started(view, growth, costs)
         capacity, demand = self._capacity_and_demand(view, started)
         degraded = demand > capacity
         admitted: list[Request] = []
@@ -119,27 +125,59 @@ class TokenFlowPolicy(Policy):
             spare = self.config.capacity_headroom * capacity - demand
             admitted = self._admit(view, started, spare)
             self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
-        newcomers = survey(self.config, view, admitted, growth).candidates
+        newcomers = survey(self.config, view, admitted, growth, costs).candidates
+        resumed, paused = self._balance(view, started, newcomers, degraded, growth, costs)
+        preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
+        queued = self._queued_io_blocks(view)
+        self._targets = [self.choose_resume_mode(view, r, queued) for r in resumed]
+        self._target_requests = {r.request_id: r for r in resumed}
+        return Moves(preemptions=preemptions, starts=tuple(self._targets))
+
+    def _started(self, view: SchedulingView, growth: int, costs: Costs) -> Started:
+        """The started members: running ones counted by buffer (`Residents`) where the view
+        keeps the unsettled residents and the host can take any tail, else surveyed."""
+        kv = view.kv
+        if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
+            return survey_started(self.config, view, growth, costs)
+        residents = Residents(self.config, view, costs, growth)
+        return StartedMembers(residents, paused_candidates(self.config, view, growth, costs))
+
+    def _balance(
+        self,
+        view: SchedulingView,
+        started: Started,
+        newcomers: list[Candidate],
+        by_arrival: bool,
+        growth: int,
+        costs: Costs,
+    ) -> tuple[list[Request], list[Request]]:
+        """(Members to bring on, in priority order; residents to pause, in running order)."""
+        blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
+        budget_s = self.config.schedule_interval_s
+        if isinstance(started, StartedMembers):
+            others, residents = started.paused + newcomers, started.residents
+            counted = balance_counted(others, residents, blocks, max_seqs, by_arrival, budget_s)
+            if counted is not None:
+                left_out = set(counted[1])
+                paused = list(filter(left_out.__contains__, view.running)) if left_out else []
+                return [c.request for c in counted[0]], paused
+            started = survey_started(self.config, view, growth, costs)
         selected = balance(
             started.candidates + newcomers,
-            view.kv.config.num_device_blocks,
-            view.config.max_num_seqs,
-            by_arrival=degraded,
-            resume_budget_s=self.config.schedule_interval_s,
+            blocks,
+            max_seqs,
+            by_arrival=by_arrival,
+            resume_budget_s=budget_s,
             num_implicit_pinned=started.num_implicit_pinned,
             implicit_pinned_blocks=started.implicit_pinned_blocks,
         )
         chosen = {c.request.request_id for c in selected}
-        preemptions = tuple(  # residents left out (those listed come in running order)
-            Preemption(c.request.request_id, PreemptMode.OFFLOAD)
+        paused = [  # residents left out (those listed come in running order)
+            c.request
             for c in started.candidates
             if c.is_resident and c.request.request_id not in chosen
-        )
-        queued = self._queued_io_blocks(view)
-        resumed = [c.request for c in selected if not c.is_resident]
-        self._targets = [self.choose_resume_mode(view, r, queued) for r in resumed]
-        self._target_requests = {r.request_id: r for r in resumed}
-        return Moves(preemptions=preemptions, starts=tuple(self._targets))
+        ]
+        return [c.request for c in selected if not c.is_resident], paused
 
     def _demand_tps(self, request: Request) -> float:
         """Tokens/s a member asks of the engine: its reading rate, at most one stream's share."""
@@ -180,25 +218,25 @@ class TokenFlowPolicy(Policy):
         return survey_started(self.config, view, growth)
 
     # -- phase 1: schedulability ----------------------------------------------------------------
-    def _lifetime_blocks(self, view: SchedulingView, started: Survey) -> float:
+    def _lifetime_blocks(self, view: SchedulingView, started: Started) -> float:
         """beta: mean device blocks of a member over its life (of the waiting if no member)."""
         if started.num_members:
             return max(started.sum_lifetime_blocks / started.num_members, 1.0)
         waiting = lifetime_blocks(view.waiting, view.kv.block_size)
         return max(waiting / max(len(view.waiting), 1), 1.0)
 
-    def _capacity(self, view: SchedulingView, started: Survey) -> tuple[float, int]:
+    def _capacity(self, view: SchedulingView, started: Started) -> tuple[float, int]:
         """(Gamma, the feasible batch it is measured at)."""
         beta = self._lifetime_blocks(view, started)
         batch = max(1, min(view.config.max_num_seqs, int(view.kv.config.num_device_blocks / beta)))
         return view.estimator.capacity_tps(batch, beta * view.kv.block_size), batch
 
-    def _capacity_and_demand(self, view: SchedulingView, started: Survey) -> tuple[float, float]:
+    def _capacity_and_demand(self, view: SchedulingView, started: Started) -> tuple[float, float]:
         """(Gamma, the members' demand); sets the per-reader cap `_demand_tps` applies: no
         reader takes more than one stream's share of the feasible batch."""
         capacity, batch = self._capacity(view, started)
         self._rate_cap_tps = capacity / batch
-        return capacity, sum(map(min, started.rates_tps, repeat(self._rate_cap_tps)))
+        return capacity, started.demand_tps(self._rate_cap_tps)
 
     def capacity_tps(self, view: SchedulingView) -> float:
         """Gamma: tokens/s the engine generates at the feasible batch, the number of members
@@ -221,7 +259,9 @@ class TokenFlowPolicy(Policy):
         """b_j >= mu * r_j * (tau_evict + tau_load + tau_schedule) (+ the critical slack)."""
         return survey(self.config, view, [request], 1).candidates[0].is_pausable
 
-    def _admit(self, view: SchedulingView, started: Survey, spare_rate_tps: float) -> list[Request]:
+    def _admit(
+        self, view: SchedulingView, started: Started, spare_rate_tps: float
+    ) -> list[Request]:
         limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
         admitted = admit(self.config, view, started, limit, spare_rate_tps, self._demand_tps)
         if view.waiting:  # (with none waiting, the last decision's prefill budget stands)

@@ -1,0 +1,284 @@
+"""The running streams ordered by buffer: a decision that touches O(changes) of them.
+
+A running stream's utility falls as its buffer grows (`survey.utility`), and only one with
+buffer enough can be paused.  So instead of a candidate per running stream, a decision sorts
+the running streams by buffered seconds once (a C-level sort) and:
+
+- finds the pausable ones by bisection at the least pause threshold, with the exact test only
+  for the few that may still fail it: a band just above the threshold (the threshold grows with
+  a stream's blocks) and the residents that may not be decoding (`SchedulingView.unsettled`);
+- counts how many pausable streams the balancer ranks before a paused stream or a newcomer
+  (bisection on utility, exact comparison on ties): all it needs of the streams that stay;
+- lists the pausable streams it ranks last (the ones a rotation pauses), from the large-buffer
+  end, sorting the run of equal utilities at the cut by the balancer's full key;
+- bounds from below what pausing them all frees for admission, summing exactly only when the
+  bound is not enough.
+
+The decisions are those of the candidate-per-stream survey (`survey_started` + `balance`),
+given that the utility computed in floats never rises with the buffer: every operation in it is
+monotone (IEEE rounding is), provided libm's `exp` is.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import attrgetter
+from typing import NamedTuple
+
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.survey import Candidate, Costs, footprint_blocks
+from tokenflow.core.request import Request, RequestState
+
+_RUNNING = RequestState.RUNNING
+_LAST_CONSUME = attrgetter("last_consume_s")
+_ARRIVAL = attrgetter("arrival_s", "arrival_index")
+_NUM_TOKENS = attrgetter("num_tokens")
+_END = attrgetter("end_tokens")
+_RATE = attrgetter("rate_tps")
+
+
+class _Ranked(NamedTuple):
+    utility: float
+    request: Request
+
+
+_utility_of = attrgetter("utility")
+
+
+class Residents:
+    """The running members, pausable ones found by bisection (see the module docstring)."""
+
+    def __init__(
+        self, config: TokenFlowConfig, view: SchedulingView, costs: Costs, growth: int
+    ) -> None:
+        self.view, self.costs, self.growth = view, costs, growth
+        self.now = now = view.now_s
+        dt = config.schedule_interval_s
+        self._dt, self._inv_dt, self._inv_horizon = dt, 1.0 / dt, 1.0 / config.value_horizon_s
+        self._stall_dt = config.stall_penalty * dt
+        self._mu, self._critical = config.buffer_conservativeness, config.critical_slack_s
+        order = sorted(view.running, key=_LAST_CONSUME, reverse=True)
+        least = costs.min_threshold_s
+        cut = bisect_left(order, True, key=lambda r: r.last_consume_s - now < least)
+        # Buffer >= the least pause threshold, largest first (so utility rises along it); every
+        # other resident is pinned without a look.
+        self.suspects = order[:cut]
+        self.failing = self._failing()  # suspects pinned after all
+        self.num_pausable = cut - len(self.failing)
+        self.num_pinned = len(order) - self.num_pausable
+        self._by_arrival: list[Request] | None = None
+        self._failing_ranked: list[_Ranked] | None = None
+
+    # -- who is pausable ----------------------------------------------------------------------
+    def _threshold_s(self, num_blocks: int) -> float:
+        """`pause_threshold_s` for (unsynced + blocks) == num_blocks: same float operations."""
+        costs = self.costs
+        round_trip = num_blocks * costs.seconds_per_block + costs.queue_s + self._dt
+        return self._mu * round_trip + self._critical
+
+    def _failing(self) -> set[Request]:
+        suspects, view, now = self.suspects, self.view, self.now
+        if not suspects:
+            return set()
+        # Above the threshold of the longest suspect (unsynced <= blocks), a decoding stream
+        # passes; the host has room for any tail (the caller checks free host >= device tier).
+        most_blocks = 2 * -(-max(map(_NUM_TOKENS, suspects)) // view.kv.block_size)
+        sure = self._threshold_s(most_blocks)
+        band = bisect_left(suspects, True, key=lambda r: r.last_consume_s - now < sure)
+        check = suspects[band:]
+        unsettled = view.unsettled
+        if unsettled is None:
+            check = suspects
+        else:
+            least = self.costs.min_threshold_s
+            check = check + [r for r in unsettled if r.last_consume_s - now >= least]
+        return {r for r in check if not self._is_pausable(r)}
+
+    def _is_pausable(self, r: Request) -> bool:
+        """The exact pause test of `survey._pausable_candidates`."""
+        computed = r.num_computed_tokens
+        if not (r.state is _RUNNING and r.output_token_ids and computed >= r.num_tokens - 1):
+            return False
+        kv = self.view.kv
+        blocks = -(-computed // kv.block_size)
+        unsynced = blocks - kv.synced_tokens(r.request_id) // kv.block_size
+        if unsynced > kv.num_free_host_blocks:
+            return False
+        return r.last_consume_s - self.now >= self._threshold_s(unsynced + blocks)
+
+    def pausable(self) -> list[Request]:
+        """The pausable members, largest buffer first (ties in running order)."""
+        failing = self.failing
+        return [r for r in self.suspects if r not in failing] if failing else self.suspects
+
+    # -- rank -------------------------------------------------------------------------------
+    def utility(self, r: Request) -> float:
+        """A running suspect's utility (as `survey._pausable_candidates` computes it)."""
+        buffered = r.last_consume_s - self.now
+        value = 1.0 - buffered * self._inv_horizon
+        return (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
+            -buffered * self._inv_dt
+        )
+
+    @staticmethod
+    def _tie_before(r: Request, other: Candidate) -> bool:
+        """On equal utility, the balancer ranks pausable `r` before `other` (`_utility_order`)."""
+        o = other.request
+        if not o.output_token_ids:
+            return True  # started streams before newcomers
+        return (-r.rate_tps, r.arrival_s, r.arrival_index) < (-o.rate_tps, *o.sort_key)
+
+    def num_before(self, other: Candidate) -> int:
+        """Pausable members the balancer ranks before `other` (paused or newcomer) by utility."""
+        if other.is_overdue:
+            return 0
+        failing = self._failing_by_utility()
+        return self._num_ranked_before(self.suspects, self.utility, other) - (
+            self._num_ranked_before(failing, _utility_of, other)
+        )
+
+    def _num_ranked_before(self, members: list, key: Callable, other: Candidate) -> int:
+        """Of `members` (utility rising along them), those ranked before `other`."""
+        u = other.utility
+        lo = bisect_left(members, u, key=key)
+        hi = bisect_right(members, u, lo=lo, key=key)
+        tied = [m for m in members[lo:hi] if self._tie_before(getattr(m, "request", m), other)]
+        return len(members) - hi + len(tied)
+
+    def _failing_by_utility(self) -> list[_Ranked]:
+        """The failing suspects with their utilities, by utility (computed once)."""
+        if self._failing_ranked is None:
+            pairs = (_Ranked(self.utility(r), r) for r in self.failing)
+            self._failing_ranked = sorted(pairs, key=_utility_of)
+        return self._failing_ranked
+
+    def _arrival_order(self) -> list[Request]:
+        if self._by_arrival is None:
+            self._by_arrival = sorted(self.pausable(), key=_ARRIVAL)
+        return self._by_arrival
+
+    def num_before_by_arrival(self, other: Candidate) -> int:
+        """Pausable members the balancer ranks before `other` in arrival order (degraded):
+        a pausable stream is never urgent or overdue."""
+        if other.is_overdue or other.is_urgent:
+            return 0
+        return bisect_left(self._arrival_order(), other.request.sort_key, key=_ARRIVAL)
+
+    def last(self, count: int, by_arrival: bool) -> list[Request]:
+        """The `count` pausable members the balancer ranks last (in no particular order)."""
+        if count <= 0:
+            return []
+        if by_arrival:
+            return self._arrival_order()[-count:]
+        failing = self.failing
+        members = (r for r in self.suspects if r not in failing)  # lowest utility first
+        taken = [r for _, r in zip(range(count), members, strict=False)]
+        edge = self.utility(taken[-1])
+        extended = False
+        for r in members:  # the run of utilities equal to the cut's: ranked by the full key
+            if self.utility(r) != edge:
+                break
+            taken.append(r)
+            extended = True
+        if extended:
+            taken.sort(key=lambda r: (-self.utility(r), -r.rate_tps, r.arrival_s, r.arrival_index))
+            taken = taken[-count:]
+        return taken
+
+    # -- memory -----------------------------------------------------------------------------
+    def footprint_blocks(self, r: Request) -> int:
+        """A pausable member's device blocks through the next interval (as its candidate's)."""
+        remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
+        extra = self.growth if self.growth < remaining else remaining
+        return -(-(r.num_tokens + (extra if extra > 1 else 1)) // self.view.kv.block_size)
+
+    def all_footprint_blocks(self, exact: bool) -> int:
+        """The device blocks of every resident through the next interval (C-level), or an
+        upper bound of them: the sum of ceil((tokens + max(growth, 1)) / block size) bounded
+        by one division."""
+        running, bs = self.view.running, self.view.kv.block_size
+        if exact:
+            return footprint_blocks(running, self.growth, bs)
+        ahead = max(self.growth, 1) + bs - 1
+        return (sum(map(_NUM_TOKENS, running)) + len(running) * ahead) // bs
+
+
+class PausePool:
+    """What pausing the pausable members frees for admission: reclaimed blocks plus their
+    reserve.  Admission takes pauses only to compare free blocks with a need, so handing out
+    everything at once decides as taking them one by one does, while the host has room for
+    every tail (which the caller ensures); a lower bound comes first, the exact sum only if
+    the bound is not enough."""
+
+    def __init__(self, residents: Residents) -> None:
+        self._residents = residents
+        self._given = 0
+        self._bounded = self._exact = False
+
+    def take(self, shortfall_blocks: int) -> int:
+        """Blocks freed toward `shortfall_blocks`: the lower bound if that covers it, else
+        the rest of the exact sum (0 once all is given)."""
+        if self._exact:
+            return 0
+        if not self._bounded:
+            self._bounded = True
+            bound = self._lower_bound()
+            if bound >= shortfall_blocks:
+                self._given = bound
+                return bound
+        exact = self._total()
+        self._exact = True
+        freed, self._given = exact - self._given, exact
+        return freed
+
+    def _lower_bound(self) -> int:
+        """Each pausable stream is decoding: its table holds >= (tokens - 1) / bs blocks, and
+        its reserve is >= (remaining * ratio - 1) / bs blocks (with a margin for rounding)."""
+        res, view = self._residents, self._residents.view
+        bs, failing = view.kv.block_size, res.failing
+        tokens = sum(map(_NUM_TOKENS, res.suspects)) - sum(map(_NUM_TOKENS, failing))
+        ends = sum(map(_END, res.suspects)) - sum(map(_END, failing))
+        count = res.num_pausable
+        reserve = (view.new_token_ratio * (ends - tokens) * (1.0 - 1e-12) - count) / bs - 1
+        return max((tokens - count) // bs, 0) + max(math.floor(reserve), 0)
+
+    def _total(self) -> int:
+        view = self._residents.view
+        tables, ratio, bs = view.kv.device_tables, view.new_token_ratio, view.kv.block_size
+        total = 0
+        for r in self._residents.pausable():
+            remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
+            total += len(tables.get(r.request_id, ())) - (-int(remaining * ratio) // bs)
+        return total
+
+
+@dataclass(frozen=True)
+class StartedMembers:
+    """The started members as the fast decision sees them: the paused ones as candidates, the
+    running ones as `Residents` (the slow decision's `Survey` answers the same questions)."""
+
+    residents: Residents
+    paused: list[Candidate]  # a candidate per paused member, in the view's order
+
+    @property
+    def num_members(self) -> int:
+        return len(self.residents.view.running) + len(self.paused)
+
+    @property
+    def sum_lifetime_blocks(self) -> int:
+        return self.residents.view.started_lifetime_blocks
+
+    def demand_tps(self, rate_cap_tps: float) -> float:
+        """The members' reading rates, each capped at `rate_cap_tps`, summed in member order."""
+        view = self.residents.view
+        rates = map(_RATE, chain(view.running, view.preempted))
+        return sum(map(min, rates, repeat(rate_cap_tps)))
+
+    def pauses(self, view: SchedulingView) -> PausePool:
+        """What pausing the pausable members frees, as admission takes it."""
+        return PausePool(self.residents)
