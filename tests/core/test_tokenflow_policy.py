@@ -271,7 +271,8 @@ def test_no_decision_without_stress():
 
 
 def test_survey_utility_matches_the_documented_formula():
-    from tokenflow.core.policies.survey import survey, utility
+    from tokenflow.core.policies.pricing import utility
+    from tokenflow.core.policies.survey import survey
 
     core, clock, (r1, r2, r3) = three_streams()
     view = core.scheduler.view(clock.t)

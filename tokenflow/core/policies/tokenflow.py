@@ -46,14 +46,13 @@ from tokenflow.core.policies.base import (
     Start,
     fcfs_starts,
 )
+from tokenflow.core.policies.paused import paused_candidates, queued_io_blocks, resume_starts
+from tokenflow.core.policies.pricing import Costs, decision_costs
 from tokenflow.core.policies.residents import Residents, StartedMembers
 from tokenflow.core.policies.survey import (
     Candidate,
-    Costs,
     Survey,
-    decision_costs,
     lifetime_blocks,
-    paused_candidates,
     survey,
     survey_started,
 )
@@ -128,8 +127,7 @@ class TokenFlowPolicy(Policy):
         newcomers = survey(self.config, view, admitted, growth, costs).candidates
         resumed, paused = self._balance(view, started, newcomers, degraded, growth, costs)
         preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
-        queued = self._queued_io_blocks(view)
-        self._targets = [self.choose_resume_mode(view, r, queued) for r in resumed]
+        self._targets = resume_starts(view, resumed, queued_io_blocks(view))
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
@@ -298,32 +296,15 @@ class TokenFlowPolicy(Policy):
         )
 
     # -- phase 4: reload or recompute -----------------------------------------------------------
-    @staticmethod
-    def _queued_io_blocks(view: SchedulingView) -> int:
-        """Blocks the link must move before a new load: the eviction queue and the blocks
-        of loads in flight not yet copied."""
-        kv = view.kv
-        loading = sum(
-            kv.num_blocks_to_load(r.request_id, r.num_computed_tokens) for r in view.loading
-        )
-        return kv.num_evicting_blocks + loading
-
     def choose_resume_mode(
         self, view: SchedulingView, request: Request, queued_blocks: int | None = None
     ) -> Start:
         """Reload when t_IO (queued + own load traffic) beats the recompute time, or when the
         load lands before the reader runs dry: recomputing takes the whole batch's compute,
         a load only this stream's time (beyond the paper, whose rule is the first clause)."""
-        if not view.kv.has_host_copy(request.request_id, request.num_computed_tokens):
-            return Start(request.request_id, by_load=False)
         if queued_blocks is None:
-            queued_blocks = self._queued_io_blocks(view)
-        own_blocks = view.kv.blocks_for(request.num_computed_tokens)
-        bytes_per_s = view.config.link_bytes_per_s
-        io_s = (queued_blocks + own_blocks) * view.kv.config.block_bytes / bytes_per_s
-        recompute_s = view.estimator.prefill_time_s(request.num_tokens)
-        in_time = io_s < request.slack_s(view.now_s)
-        return Start(request.request_id, by_load=io_s <= recompute_s or in_time)
+            queued_blocks = queued_io_blocks(view)
+        return resume_starts(view, [request], queued_blocks)[0]
 
     # -- mechanism hooks ------------------------------------------------------------------------
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
