@@ -23,6 +23,7 @@ from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import balance as balance_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
+from tokenflow.core.policies.pricing import decision_costs
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import FinishReason, Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -110,3 +111,29 @@ def test_a_small_host_tier_falls_back_and_still_matches(monkeypatch):
     """Below a device tier of host room, the survey decides (and still as the reference)."""
     stats = _drive(TOKENFLOW, seed=3, num=60, host_blocks=300)
     assert stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("rates", [(2.0, 5.0, 10.0), (2.0, 2.5, 1 / 3)])
+def test_demand_from_counted_rates_is_the_sum_in_member_order(rates):
+    """The rate counts the queues keep give the demand the members' list would, to the bit:
+    all capped, all integral and below the cap, or (otherwise) summed in member order."""
+    rng = random.Random(7)
+    policy = TokenFlowPolicy(TOKENFLOW)
+    kv = KVConfig(600, 4000, block_size=4, block_bytes=1000)
+    scheduler = Scheduler(CONFIG, kv, policy)
+    clock = ManualClock()
+    executor = TimedExecutor(clock)
+    for i in range(40):
+        scheduler.add_request(
+            Request(f"r{i:02d}", (3, 4, 5), SamplingParams(max_tokens=400), rng.choice(rates), 0.0)
+        )
+    for _ in range(300):
+        plan = scheduler.schedule(clock.t)
+        scheduler.update(plan, executor.execute(plan), clock.t)
+    view = scheduler.view(clock.t)
+    assert view.preempted and view.running
+    started = policy._started(view, 1, decision_costs(TOKENFLOW, view))
+    members = view.running + view.preempted
+    for cap in (0.3, 1.0, 2.0, 2.2, 4.9, 5.0, 7.3, 1e9):
+        expected = sum(min(r.rate_tps, cap) for r in members)
+        assert started.demand_tps(cap) == expected

@@ -96,6 +96,8 @@ def test_over_capacity_working_set_degrades_without_admission():
     # The same situation with readers far faster than the engine: nobody is admitted.
     for r in (r1, r2):
         r.rate_tps = 1e4
+    # (a rate is fixed once queued; the scheduler counts the members' rates on events)
+    view = replace(view, started_rates={1e4: 2})
     fresh = TokenFlowPolicy(TokenFlowConfig())
     assert not fresh.check_schedulable(view, 0.0)
     assert all(s.request_id != "R3" for s in fresh.decide(view).starts)

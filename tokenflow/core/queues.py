@@ -43,6 +43,7 @@ class RequestQueues:
         self.loading: list[Request] = []  # residents whose KV is still being loaded
         self.remaining_output_tokens = 0  # max_tokens - generated, summed over the residents
         self.started_lifetime_blocks = 0  # lifetime_blocks_of, summed over running + paused
+        self.started_rates: dict[float, int] = {}  # reading rate -> members (running + paused)
         # Residents that may have a full block without a host copy (a superset: a stream joins
         # when a step fills one of its blocks and leaves once write-through has caught up).
         self.write_candidates: dict[str, Request] = {}
@@ -64,6 +65,8 @@ class RequestQueues:
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
             self.started_lifetime_blocks += lifetime_blocks_of(request, self.block_size)
+            rate, rates = float(request.rate_tps), self.started_rates
+            rates[rate] = rates.get(rate, 0) + 1
         else:
             self._leave_preempted(request)
         request.state = state
@@ -93,6 +96,10 @@ class RequestQueues:
             self.waiting.remove(request)
             return
         self.started_lifetime_blocks -= lifetime_blocks_of(request, self.block_size)
+        rate, rates = float(request.rate_tps), self.started_rates
+        rates[rate] -= 1
+        if not rates[rate]:
+            del rates[rate]
         if request.state is RequestState.PREEMPTED:
             self._leave_preempted(request)
         else:

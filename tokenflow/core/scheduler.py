@@ -123,6 +123,7 @@ class Scheduler:
             remaining_output_tokens=self.queues.remaining_output_tokens,
             started_lifetime_blocks=self.queues.started_lifetime_blocks,
             unsettled=self.queues.unsettled.values(),
+            started_rates=self.queues.started_rates,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,

@@ -7,7 +7,7 @@ that does not fit.  Mechanism (block allocation, copies, OOM handling) lives in 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from tokenflow.core.config import SchedulerConfig
@@ -60,6 +60,7 @@ class SchedulingView:
     # Residents that may not be decoding yet (a superset; every other resident with a token
     # is decoding); None: unknown, a policy must look at each resident.
     unsettled: Collection[Request] | None = None
+    started_rates: Mapping[float, int] | None = None  # reading rate -> running + preempted
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""

@@ -276,6 +276,16 @@ class StartedMembers:
     def demand_tps(self, rate_cap_tps: float) -> float:
         """The members' reading rates, each capped at `rate_cap_tps`, summed in member order."""
         view = self.residents.view
+        num_members, counts = self.num_members, view.started_rates
+        if counts and sum(counts.values()) == num_members:
+            # Each term is the cap, or each an integral rate whose partial sums are exact:
+            # the sum in member order is then known without the members.
+            if min(counts) >= rate_cap_tps:
+                return sum(repeat(rate_cap_tps, num_members))
+            if max(counts) <= rate_cap_tps and all(map(float.is_integer, counts)):
+                total = sum(int(rate) * n for rate, n in counts.items())
+                if total < 2**53:
+                    return float(total)
         rates = map(_RATE, chain(view.running, view.preempted))
         return sum(map(min, rates, repeat(rate_cap_tps)))
 
