@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate, compress
+from operator import attrgetter
 
 from tokenflow.core.policies.residents import Residents
 from tokenflow.core.policies.survey import Candidate
@@ -102,14 +103,15 @@ def balance_counted(
     num_pinned = residents.num_pinned
     if num_pinned > max_seqs:
         return None  # (`balance` raises; let it)
-    order = sorted(others, key=_arrival_order if by_arrival else _utility_order)
+    order = _in_order(others, by_arrival)
     flags: list[bool] = []  # taken when reached: the resume budget only
     resume_s = 0.0
     for cand in order:
         fits = True
         if cand.resume_s > 0.0:
             fits = not (resume_s > 0.0 and resume_s + cand.resume_s > resume_budget_s)
-            resume_s += cand.resume_s if fits else 0.0
+            if fits:
+                resume_s += cand.resume_s
         flags.append(fits)
     picks_before = list(accumulate(flags, initial=0))
     num_before = residents.num_before_by_arrival if by_arrival else residents.num_before
@@ -130,3 +132,26 @@ def balance_counted(
         if residents.all_footprint_blocks(exact) + change <= capacity_blocks:
             return picked, left_out
     return None
+
+
+_ARRIVAL = attrgetter("request.arrival_s", "request.arrival_index")
+_RATE = attrgetter("request.rate_tps")
+
+
+def _in_order(others: list[Candidate], by_arrival: bool) -> list[Candidate]:
+    """Unpinned candidates in `_arrival_order` / `_utility_order`, by stable C-level sorts,
+    the least significant key first."""
+    order = sorted(others, key=_ARRIVAL)
+    if by_arrival:
+        order.sort(key=attrgetter("is_urgent"), reverse=True)
+    else:
+        started = [c for c in order if c.request.output_token_ids]
+        if len(started) < len(order):
+            newcomers = [c for c in order if not c.request.output_token_ids]
+        else:
+            newcomers = []
+        started.sort(key=_RATE, reverse=True)  # ties: the faster reader, then arrival
+        order = started + newcomers
+        order.sort(key=attrgetter("utility"), reverse=True)
+    order.sort(key=attrgetter("is_overdue"), reverse=True)
+    return order

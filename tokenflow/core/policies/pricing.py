@@ -79,9 +79,15 @@ def decision_costs(config: TokenFlowConfig, view: SchedulingView) -> Costs:
     kv = view.kv
     seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
     prefill_s = view.estimator.prefill_time_s
-    resume_of = {
-        r.request_id: resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted
-    }
+    resume_of: dict[str, float] = {}
+    synced_of, bs = kv.synced_tokens, kv.block_size
+    for r in view.preempted:  # resume_time_s(), written out: it runs for every paused stream
+        recompute = prefill_s(r.num_tokens)
+        computed = r.num_computed_tokens
+        if computed > 0 and synced_of(r.request_id) >= computed:
+            load = -(-computed // bs) * seconds_per_block
+            recompute = load if load < recompute else recompute
+        resume_of[r.request_id] = recompute
     queue_s = sum(resume_of.values())
     min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
     return Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)

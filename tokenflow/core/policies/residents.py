@@ -145,10 +145,12 @@ class Residents:
     def _num_ranked_before(self, members: list, key: Callable, other: Candidate) -> int:
         """Of `members` (utility rising along them), those ranked before `other`."""
         u = other.utility
-        lo = bisect_left(members, u, key=key)
-        hi = bisect_right(members, u, lo=lo, key=key)
-        tied = [m for m in members[lo:hi] if self._tie_before(getattr(m, "request", m), other)]
-        return len(members) - hi + len(tied)
+        hi = bisect_right(members, u, key=key)
+        count = len(members) - hi
+        while hi > 0 and key(members[hi - 1]) == u:  # the run of equal utility before hi
+            hi -= 1
+            count += self._tie_before(getattr(members[hi], "request", members[hi]), other)
+        return count
 
     def _failing_by_utility(self) -> list[_Ranked]:
         """The failing suspects with their utilities, by utility (computed once)."""
