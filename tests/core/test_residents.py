@@ -25,7 +25,7 @@ from tokenflow.core.policies import balance as balance_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
 from tokenflow.core.policies.pricing import decision_costs
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
-from tokenflow.core.request import FinishReason, Request, SamplingParams
+from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
 
 # Utility 0 past 0.8 s of buffer, paused or running alike: ties between distinct buffers.
@@ -79,11 +79,23 @@ def _drive(config: TokenFlowConfig, seed: int, num: int, host_blocks: int) -> Co
         plan = scheduler.schedule(clock.t)
         scheduler.update(plan, executor.execute(plan), clock.t)
         scheduler.kv.check_integrity()
+        _check_queue_sums(scheduler)
         if plan.is_empty:
             clock.t += 0.005
         steps += 1
         assert steps < 50_000, "no progress"
     return Counter(preemptions=scheduler.num_preemptions_total)
+
+
+def _check_queue_sums(scheduler: Scheduler) -> None:
+    """What the queues keep on events equals a rescan."""
+    queues, running = scheduler.queues, scheduler.running
+    assert queues.resident_tokens == sum(r.num_tokens for r in running)
+    assert queues.started_rates == Counter(r.rate_tps for r in running + scheduler.preempted)
+    for r in running:  # every resident left out of `unsettled` is decoding
+        if r.request_id not in queues.unsettled:
+            assert r.state is RequestState.RUNNING and r.output_token_ids
+            assert r.num_computed_tokens == r.num_tokens - 1
 
 
 @pytest.mark.parametrize("config", [TOKENFLOW, FLAT], ids=["default", "flat-utility"])

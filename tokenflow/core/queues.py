@@ -42,6 +42,7 @@ class RequestQueues:
         ] = []  # the same, by (dry_s, arrival): fixed while paused
         self.loading: list[Request] = []  # residents whose KV is still being loaded
         self.remaining_output_tokens = 0  # max_tokens - generated, summed over the residents
+        self.resident_tokens = 0  # num_tokens, summed over the residents
         self.started_lifetime_blocks = 0  # lifetime_blocks_of, summed over running + paused
         self.started_rates: dict[float, int] = {}  # reading rate -> members (running + paused)
         # Residents that may have a full block without a host copy (a superset: a stream joins
@@ -77,6 +78,7 @@ class RequestQueues:
         self.remaining_output_tokens += (
             request.sampling_params.max_tokens - request.num_output_tokens
         )
+        self.resident_tokens += request.num_tokens
 
     def load_finished(self, request: Request) -> None:
         """A loading request's KV is all on the device: it runs from the next step."""
@@ -129,5 +131,6 @@ class RequestQueues:
         self.remaining_output_tokens -= (
             request.sampling_params.max_tokens - request.num_output_tokens
         )
+        self.resident_tokens -= request.num_tokens
         self.write_candidates.pop(request.request_id, None)
         self.unsettled.pop(request.request_id, None)

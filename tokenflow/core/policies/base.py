@@ -61,6 +61,7 @@ class SchedulingView:
     # is decoding); None: unknown, a policy must look at each resident.
     unsettled: Collection[Request] | None = None
     started_rates: Mapping[float, int] | None = None  # reading rate -> running + preempted
+    resident_tokens: int | None = None  # num_tokens summed over the residents (None: unknown)
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""

@@ -26,7 +26,7 @@ def paused_candidates(
     inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
     stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
     critical, max_stall = config.critical_slack_s, config.max_stall_s
-    resume_of, exp = costs.resume_of, math.exp
+    resume_of, exp, make = costs.resume_of, math.exp, Candidate._make
     out: list[Candidate] = []
     for r in view.preempted:
         num_out = len(r.output_token_ids)
@@ -43,9 +43,7 @@ def paused_candidates(
         urgent = num_out > 0 and slack < critical
         overdue = num_out > 0 and slack <= -max_stall
         resume = resume_of[r.request_id]
-        out.append(
-            Candidate(r, score, footprint, False, False, False, urgent, overdue, 0, 0, resume)
-        )
+        out.append(make((r, score, footprint, False, False, False, urgent, overdue, 0, 0, resume)))
     return out
 
 

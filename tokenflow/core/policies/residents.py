@@ -25,7 +25,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain, repeat, takewhile
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -68,6 +68,7 @@ class Residents:
         # Buffer >= the least pause threshold, largest first (so utility rises along it); every
         # other resident is pinned without a look.
         self.suspects = order[:cut]
+        self._rest = order[cut:]  # pinned without a look
         self.failing = self._failing()  # suspects pinned after all
         self.num_pausable = cut - len(self.failing)
         self.num_pinned = len(order) - self.num_pausable
@@ -181,16 +182,15 @@ class Residents:
         members = (r for r in self.suspects if r not in failing)  # lowest utility first
         taken = [r for _, r in zip(range(count), members, strict=False)]
         edge = self.utility(taken[-1])
-        extended = False
-        for r in members:  # the run of utilities equal to the cut's: ranked by the full key
-            if self.utility(r) != edge:
-                break
-            taken.append(r)
-            extended = True
-        if extended:
-            taken.sort(key=lambda r: (-self.utility(r), -r.rate_tps, r.arrival_s, r.arrival_index))
-            taken = taken[-count:]
-        return taken
+        run = list(takewhile(lambda r: self.utility(r) == edge, members))
+        if not run:
+            return taken
+        # The utilities equal to the cut's run on both sides of it: rank that run by the
+        # balancer's ties (the faster reader, then arrival, first) and keep its last ones.
+        while taken and self.utility(taken[-1]) == edge:
+            run.append(taken.pop())
+        run.sort(key=lambda r: (-r.rate_tps, r.arrival_s, r.arrival_index))
+        return taken + run[len(run) - (count - len(taken)) :]
 
     # -- memory -----------------------------------------------------------------------------
     def footprint_blocks(self, r: Request) -> int:
@@ -207,7 +207,23 @@ class Residents:
         if exact:
             return footprint_blocks(running, self.growth, bs)
         ahead = max(self.growth, 1) + bs - 1
-        return (sum(map(_NUM_TOKENS, running)) + len(running) * ahead) // bs
+        return (self._resident_tokens() + len(running) * ahead) // bs
+
+    def _resident_tokens(self) -> int:
+        tokens = self.view.resident_tokens
+        return sum(map(_NUM_TOKENS, self.view.running)) if tokens is None else tokens
+
+    def suspect_sums(self) -> tuple[int, int]:
+        """(tokens, remaining output tokens) summed over the suspects: from the residents'
+        sums less the other residents' where those are fewer, else directly (C-level)."""
+        rest, view = self._rest, self.view
+        if view.resident_tokens is None or len(rest) >= len(self.suspects):
+            tokens = sum(map(_NUM_TOKENS, self.suspects))
+            return tokens, sum(map(_END, self.suspects)) - tokens
+        rest_tokens = sum(map(_NUM_TOKENS, rest))
+        rest_remaining = sum(map(_END, rest)) - rest_tokens
+        tokens = view.resident_tokens - rest_tokens
+        return tokens, view.remaining_output_tokens - rest_remaining
 
 
 class PausePool:
@@ -243,10 +259,12 @@ class PausePool:
         its reserve is >= (remaining * ratio - 1) / bs blocks (with a margin for rounding)."""
         res, view = self._residents, self._residents.view
         bs, failing = view.kv.block_size, res.failing
-        tokens = sum(map(_NUM_TOKENS, res.suspects)) - sum(map(_NUM_TOKENS, failing))
-        ends = sum(map(_END, res.suspects)) - sum(map(_END, failing))
+        tokens, remaining = res.suspect_sums()
+        failing_tokens = sum(map(_NUM_TOKENS, failing))
+        tokens -= failing_tokens
+        remaining -= sum(map(_END, failing)) - failing_tokens
         count = res.num_pausable
-        reserve = (view.new_token_ratio * (ends - tokens) * (1.0 - 1e-12) - count) / bs - 1
+        reserve = (view.new_token_ratio * remaining * (1.0 - 1e-12) - count) / bs - 1
         return max((tokens - count) // bs, 0) + max(math.floor(reserve), 0)
 
     def _total(self) -> int:
