@@ -104,9 +104,8 @@ def test_counted_decisions_match_the_reference(config, seed, monkeypatch):
     paths: Counter = Counter()
     counted = balance_module.balance_counted
 
-    def spy(others, residents, *args):
-        result = counted(others, residents, *args)
-        by_arrival = args[2]
+    def spy(paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s):
+        result = counted(paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s)
         if result is None:
             paths["fallback"] += 1
         elif result[1]:

@@ -83,27 +83,32 @@ def _arrival_order(c: Candidate) -> tuple[bool, bool, bool, float, int]:
 
 
 def balance_counted(
-    others: list[Candidate],
+    paused: list[Candidate],
+    newcomers: list[Candidate],
     residents: Residents,
     capacity_blocks: int,
     max_seqs: int,
     by_arrival: bool,
     resume_budget_s: float,
 ) -> tuple[list[Candidate], list[Request]] | None:
-    """`balance` over `others` (paused members and newcomers) and the pausable residents,
-    the residents counted, not listed: returns (the others picked, in priority order; the
-    pausable residents left out), or None where the shortcut cannot vouch for the result.
+    """`balance` over the paused members and the newcomers (the others; each list in
+    arrival order) and the pausable residents, counted, not listed: returns (the others
+    picked, in priority order; the pausable residents left out), or None where the shortcut
+    cannot vouch for the result.
 
     A pausable resident is not pinned and needs no resume, so the greedy takes every one it
-    reaches while memory lasts; what others it takes depends only on the others before them
-    (the resume budget).  Memory is checked once, at the end: the residents' footprints, less
-    those left out, plus the others picked, bounded from above; if that fits, no step of the
-    greedy was short of memory (picks only add), else None.
+    reaches while memory lasts; which others it takes depends only on the others before them
+    (the resume budget).  So the first other the greedy does not reach (the slots are full)
+    is found by bisection on the others, from how many residents rank before each; the
+    residents left out are the last ones.  Memory is checked once, at the end: the residents'
+    footprints, less those left out, plus the others picked (bounded from above, exact if
+    the bound is over); if that fits, no step of the greedy was short of memory (picks only
+    add), else None.
     """
     num_pinned = residents.num_pinned
     if num_pinned > max_seqs:
         return None  # (`balance` raises; let it)
-    order = _in_order(others, by_arrival)
+    order = _in_order(paused, newcomers, by_arrival)
     flags: list[bool] = []  # taken when reached: the resume budget only
     resume_s = 0.0
     for cand in order:
@@ -138,19 +143,23 @@ _ARRIVAL = attrgetter("request.arrival_s", "request.arrival_index")
 _RATE = attrgetter("request.rate_tps")
 
 
-def _in_order(others: list[Candidate], by_arrival: bool) -> list[Candidate]:
-    """Unpinned candidates in `_arrival_order` / `_utility_order`, by stable C-level sorts,
-    the least significant key first."""
-    order = sorted(others, key=_ARRIVAL)
+def _in_order(
+    paused: list[Candidate], newcomers: list[Candidate], by_arrival: bool
+) -> list[Candidate]:
+    """Paused members and newcomers (none pinned; each list in arrival order) in
+    `_arrival_order` / `_utility_order`, by stable C-level sorts, the least significant key
+    first."""
     if by_arrival:
+        order = sorted(paused + newcomers, key=_ARRIVAL) if newcomers else list(paused)
         order.sort(key=attrgetter("is_urgent"), reverse=True)
     else:
-        started = [c for c in order if c.request.output_token_ids]
-        if len(started) < len(order):
-            newcomers = [c for c in order if not c.request.output_token_ids]
-        else:
-            newcomers = []
-        started.sort(key=_RATE, reverse=True)  # ties: the faster reader, then arrival
+        # On equal utility: started streams by the faster reader (then arrival), then the
+        # others (a paused stream without a token counts as a newcomer) by arrival.
+        started = [c for c in paused if c.request.output_token_ids]
+        if len(started) < len(paused):
+            fresh = [c for c in paused if not c.request.output_token_ids]
+            newcomers = sorted(fresh + newcomers, key=_ARRIVAL)
+        started.sort(key=_RATE, reverse=True)
         order = started + newcomers
         order.sort(key=attrgetter("utility"), reverse=True)
     order.sort(key=attrgetter("is_overdue"), reverse=True)

@@ -67,10 +67,10 @@ def resume_starts(view: SchedulingView, requests: list[Request], queued_blocks: 
     for r in requests:
         rid, computed = r.request_id, r.num_computed_tokens
         if not (computed > 0 and synced_of(rid) >= computed):  # kv.has_host_copy
-            starts.append(Start(rid, by_load=False))
+            starts.append(Start(rid, False))
             continue
         io_s = (queued_blocks + -(-computed // bs)) * block_bytes / bytes_per_s
         slack = r.dry_s - now if r.output_token_ids else 0.0  # r.slack_s(now)
         in_time = io_s < slack
-        starts.append(Start(rid, by_load=io_s <= prefill_s(r.num_tokens) or in_time))
+        starts.append(Start(rid, io_s <= prefill_s(r.num_tokens) or in_time))  # (by_load)
     return starts

@@ -101,16 +101,17 @@ class Residents:
         return {r for r in check if not self._is_pausable(r)}
 
     def _is_pausable(self, r: Request) -> bool:
-        """The exact pause test of `survey._pausable_candidates`."""
+        """The exact pause test of `survey._pausable_candidates` (same float operations)."""
         computed = r.num_computed_tokens
         if not (r.state is _RUNNING and r.output_token_ids and computed >= r.num_tokens - 1):
             return False
-        kv = self.view.kv
+        kv, costs = self.view.kv, self.costs
         blocks = -(-computed // kv.block_size)
         unsynced = blocks - kv.synced_tokens(r.request_id) // kv.block_size
         if unsynced > kv.num_free_host_blocks:
             return False
-        return r.last_consume_s - self.now >= self._threshold_s(unsynced + blocks)
+        round_trip = (unsynced + blocks) * costs.seconds_per_block + costs.queue_s + self._dt
+        return r.last_consume_s - self.now >= self._mu * round_trip + self._critical
 
     def pausable(self) -> list[Request]:
         """The pausable members, largest buffer first (ties in running order)."""

@@ -153,8 +153,9 @@ class TokenFlowPolicy(Policy):
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
-            others, residents = started.paused + newcomers, started.residents
-            counted = balance_counted(others, residents, blocks, max_seqs, by_arrival, budget_s)
+            counted = balance_counted(
+                started.paused, newcomers, started.residents, blocks, max_seqs, by_arrival, budget_s
+            )
             if counted is not None:
                 left_out = set(counted[1])
                 paused = list(filter(left_out.__contains__, view.running)) if left_out else []
