@@ -42,7 +42,7 @@ def balance(
     """
     if num_implicit_pinned > max_seqs:
         raise ValueError(f"{num_implicit_pinned} pinned members exceed max_seqs {max_seqs}")
-    order = sorted(candidates, key=_arrival_order if by_arrival else _utility_order)
+    order = priority_order(candidates, by_arrival)
     picked: list[Candidate] = []
     used = implicit_pinned_blocks
     resume_s = 0.0
@@ -101,14 +101,13 @@ def balance_counted(
     (the resume budget).  So the first other the greedy does not reach (the slots are full)
     is found by bisection on the others, from how many residents rank before each; the
     residents left out are the last ones.  Memory is checked once, at the end: the residents'
-    footprints, less those left out, plus the others picked (bounded from above, exact if
-    the bound is over); if that fits, no step of the greedy was short of memory (picks only
-    add), else None.
+    footprints (bounded from above), less those left out, plus the others picked; if that
+    fits, no step of the greedy was short of memory (picks only add), else None.
     """
     num_pinned = residents.num_pinned
     if num_pinned > max_seqs:
         return None  # (`balance` raises; let it)
-    order = _in_order(paused, newcomers, by_arrival)
+    order = priority_order(paused + newcomers, by_arrival)
     flags: list[bool] = []  # taken when reached: the resume budget only
     resume_s = 0.0
     for cand in order:
@@ -133,9 +132,8 @@ def balance_counted(
     left_out = residents.last(residents.num_pausable - kept, by_arrival)
     change = sum(c.footprint_blocks for c in picked)
     change -= sum(map(residents.footprint_blocks, left_out))
-    for exact in (False, True):  # a bound first
-        if residents.all_footprint_blocks(exact) + change <= capacity_blocks:
-            return picked, left_out
+    if residents.footprint_bound_blocks() + change <= capacity_blocks:
+        return picked, left_out
     return None
 
 
@@ -143,24 +141,21 @@ _ARRIVAL = attrgetter("request.arrival_s", "request.arrival_index")
 _RATE = attrgetter("request.rate_tps")
 
 
-def _in_order(
-    paused: list[Candidate], newcomers: list[Candidate], by_arrival: bool
-) -> list[Candidate]:
-    """Paused members and newcomers (none pinned; each list in arrival order) in
-    `_arrival_order` / `_utility_order`, by stable C-level sorts, the least significant key
-    first."""
+def priority_order(candidates: list[Candidate], by_arrival: bool) -> list[Candidate]:
+    """`candidates` sorted by `_arrival_order` / `_utility_order`, in stable C-level sorts
+    (least significant key first, so the result is the tuple key's order)."""
+    order = sorted(candidates, key=_ARRIVAL)
     if by_arrival:
-        order = sorted(paused + newcomers, key=_ARRIVAL) if newcomers else list(paused)
         order.sort(key=attrgetter("is_urgent"), reverse=True)
     else:
         # On equal utility: started streams by the faster reader (then arrival), then the
         # others (a paused stream without a token counts as a newcomer) by arrival.
-        started = [c for c in paused if c.request.output_token_ids]
-        if len(started) < len(paused):
-            fresh = [c for c in paused if not c.request.output_token_ids]
-            newcomers = sorted(fresh + newcomers, key=_ARRIVAL)
+        started = [c for c in order if c.request.output_token_ids]
         started.sort(key=_RATE, reverse=True)
-        order = started + newcomers
+        if len(started) < len(order):
+            started += [c for c in order if not c.request.output_token_ids]
+        order = started
         order.sort(key=attrgetter("utility"), reverse=True)
     order.sort(key=attrgetter("is_overdue"), reverse=True)
+    order.sort(key=attrgetter("is_pinned"), reverse=True)
     return order

@@ -193,6 +193,34 @@ class Residents:
         run.sort(key=lambda r: (-r.rate_tps, r.arrival_s, r.arrival_index))
         return taken + run[len(run) - (count - len(taken)) :]
 
+    def candidates(self) -> list[Candidate]:
+        """A candidate per pausable member (as `survey._pausable_candidates` makes them, with
+        `utility` and `footprint_blocks` written out), for the balancer where memory is short
+        and the counted walk does not apply."""
+        kv, now, growth = self.view.kv, self.now, self.growth
+        tables, synced_of, bs = kv.device_tables, kv.synced_tokens, kv.block_size
+        dt, inv_dt, inv_horizon = self._dt, self._inv_dt, self._inv_horizon
+        stall_dt = self._stall_dt
+        make, exp, out = Candidate._make, math.exp, []
+        for r in self.pausable():
+            rid, num_out = r.request_id, len(r.output_token_ids)
+            blocks = -(-r.num_computed_tokens // bs)
+            unsynced = blocks - synced_of(rid) // bs
+            buffered = r.last_consume_s - now
+            value = 1.0 - buffered * inv_horizon
+            score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
+            remaining = r.sampling_params.max_tokens - num_out
+            extra = growth if growth < remaining else remaining
+            footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
+            fields = (r, score, footprint, True, False, True, False, False)
+            out.append(make((*fields, len(tables[rid]), unsynced, 0.0)))
+        return out
+
+    def pinned_footprint_blocks(self) -> int:
+        """The device blocks of the pinned residents through the next interval (C-level)."""
+        pinned = self._rest + list(self.failing)
+        return footprint_blocks(pinned, self.growth, self.view.kv.block_size)
+
     # -- memory -----------------------------------------------------------------------------
     def footprint_blocks(self, r: Request) -> int:
         """A pausable member's device blocks through the next interval (as its candidate's)."""
@@ -200,13 +228,10 @@ class Residents:
         extra = self.growth if self.growth < remaining else remaining
         return -(-(r.num_tokens + (extra if extra > 1 else 1)) // self.view.kv.block_size)
 
-    def all_footprint_blocks(self, exact: bool) -> int:
-        """The device blocks of every resident through the next interval (C-level), or an
-        upper bound of them: the sum of ceil((tokens + max(growth, 1)) / block size) bounded
-        by one division."""
+    def footprint_bound_blocks(self) -> int:
+        """At least the device blocks of every resident through the next interval: the sum of
+        ceil((tokens + max(growth, 1)) / block size), bounded by one division."""
         running, bs = self.view.running, self.view.kv.block_size
-        if exact:
-            return footprint_blocks(running, self.growth, bs)
         ahead = max(self.growth, 1) + bs - 1
         return (self._resident_tokens() + len(running) * ahead) // bs
 

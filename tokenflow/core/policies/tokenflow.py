@@ -125,7 +125,7 @@ class TokenFlowPolicy(Policy):
             admitted = self._admit(view, started, spare)
             self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
         newcomers = survey(self.config, view, admitted, growth, costs).candidates
-        resumed, paused = self._balance(view, started, newcomers, degraded, growth, costs)
+        resumed, paused = self._balance(view, started, newcomers, degraded)
         preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
         self._targets = resume_starts(view, resumed, queued_io_blocks(view))
         self._target_requests = {r.request_id: r for r in resumed}
@@ -146,36 +146,31 @@ class TokenFlowPolicy(Policy):
         started: Started,
         newcomers: list[Candidate],
         by_arrival: bool,
-        growth: int,
-        costs: Costs,
     ) -> tuple[list[Request], list[Request]]:
         """(Members to bring on, in priority order; residents to pause, in running order)."""
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
+            residents = started.residents
             counted = balance_counted(
-                started.paused, newcomers, started.residents, blocks, max_seqs, by_arrival, budget_s
+                started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
             )
             if counted is not None:
                 left_out = set(counted[1])
                 paused = list(filter(left_out.__contains__, view.running)) if left_out else []
                 return [c.request for c in counted[0]], paused
-            started = survey_started(self.config, view, growth, costs)
+            # Memory is short: the greedy over every pausable member's candidate.
+            listed = residents.candidates() + started.paused
+            num_pinned, pinned_blocks = residents.num_pinned, residents.pinned_footprint_blocks()
+        else:
+            listed = started.candidates
+            num_pinned, pinned_blocks = started.num_implicit_pinned, started.implicit_pinned_blocks
         selected = balance(
-            started.candidates + newcomers,
-            blocks,
-            max_seqs,
-            by_arrival=by_arrival,
-            resume_budget_s=budget_s,
-            num_implicit_pinned=started.num_implicit_pinned,
-            implicit_pinned_blocks=started.implicit_pinned_blocks,
+            listed + newcomers, blocks, max_seqs, by_arrival, budget_s, num_pinned, pinned_blocks
         )
-        chosen = {c.request.request_id for c in selected}
-        paused = [  # residents left out (those listed come in running order)
-            c.request
-            for c in started.candidates
-            if c.is_resident and c.request.request_id not in chosen
-        ]
+        chosen = {id(c.request) for c in selected}
+        left = {c.request for c in listed if c.is_resident and id(c.request) not in chosen}
+        paused = list(filter(left.__contains__, view.running)) if left else []
         return [c.request for c in selected if not c.is_resident], paused
 
     def _demand_tps(self, request: Request) -> float:
