@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
-from tokenflow.core.policies.residents import StartedMembers
+from tokenflow.core.policies.started import StartedMembers
 from tokenflow.core.policies.survey import Survey
 from tokenflow.core.request import Request
 

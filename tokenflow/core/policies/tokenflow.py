@@ -48,7 +48,8 @@ from tokenflow.core.policies.base import (
 )
 from tokenflow.core.policies.paused import paused_candidates, queued_io_blocks, resume_starts
 from tokenflow.core.policies.pricing import Costs, decision_costs
-from tokenflow.core.policies.residents import Residents, StartedMembers
+from tokenflow.core.policies.residents import Residents
+from tokenflow.core.policies.started import StartedMembers
 from tokenflow.core.policies.survey import (
     Candidate,
     Survey,
