@@ -211,8 +211,10 @@ class Residents:
             remaining = r.sampling_params.max_tokens - num_out
             extra = growth if growth < remaining else remaining
             footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
-            fields = (r, score, footprint, True, False, True, False, False)
-            out.append(make((*fields, len(tables[rid]), unsynced, 0.0)))
+            reclaim = len(tables[rid])
+            out.append(
+                make((r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0))
+            )
         return out
 
     def pinned_footprint_blocks(self) -> int:

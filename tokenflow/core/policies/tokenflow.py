@@ -152,10 +152,11 @@ class TokenFlowPolicy(Policy):
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
-            residents = started.residents
-            counted = balance_counted(
-                started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
-            )
+            residents, counted = started.residents, None
+            if residents.footprint_bound_blocks() <= blocks:  # else memory is likely short
+                counted = balance_counted(
+                    started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
+                )
             if counted is not None:
                 left_out = set(counted[1])
                 paused = list(filter(left_out.__contains__, view.running)) if left_out else []
