@@ -1,6 +1,6 @@
 """The running streams ordered by buffer: a decision that touches O(changes) of them.
 
-A running stream's utility falls as its buffer grows (`survey.utility`), and only one with
+A running stream's utility falls as its buffer grows (`pricing.utility`), and only one with
 buffer enough can be paused.  So instead of a candidate per running stream, a decision sorts
 the running streams by buffered seconds once (a C-level sort) and:
 
