@@ -8,6 +8,11 @@ own scheduler: ~0.07 ms).
 
     python benchmarks/scheduler_overhead.py [--json] [--repeats 200]
 
+With --in-run it times TokenFlow's decisions as they come while it keeps serving (the states
+vary; memory is often short later in a run):
+
+    python -m benchmarks.scheduler_overhead --in-run --sizes 400,1000 --steps 2500
+
 With --per-step it instead measures what the simulator charges: the scheduler's CPU time of
 whole steps (`schedule()` + `update()`, decisions included at their natural frequency, the
 executor excluded) while each policy serves the burst, and fits fixed + per-active-request
@@ -165,6 +170,32 @@ def against_reference(sizes: list[int], repeats: int) -> int:
     return 0
 
 
+def in_run(sizes: list[int], steps: int) -> int:
+    """TokenFlow's full decisions as they come while it serves the burst for `steps` steps
+    after the warm-up: how many, and their mean, median and 90th percentile time (the frozen
+    state of the other modes is one moment; memory is often short later in a run)."""
+    print(f"{'active':>6s} {'decisions':>9s} {'mean ms':>8s} {'median ms':>9s} {'p90 ms':>7s}")
+    for size in sizes:
+        core, _ = busy_core("tokenflow", size, WARM_STEPS)
+        policy = core.scheduler.policy
+        decide, samples = policy.decide, []
+
+        def timed(view: SchedulingView, decide=decide, samples=samples):
+            start = time.perf_counter()
+            moves = decide(view)
+            samples.append((time.perf_counter() - start) * 1e3)
+            return moves
+
+        policy.decide = timed
+        for _ in range(steps):
+            core.step()
+        samples.sort()
+        p90 = samples[int(0.9 * len(samples))]
+        mean, median = statistics.fmean(samples), statistics.median(samples)
+        print(f"{size:6d} {len(samples):9d} {mean:8.3f} {median:9.3f} {p90:7.3f}", flush=True)
+    return 0
+
+
 def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
     """Decision and per-step medians of every policy at every size."""
     rows = []
@@ -213,12 +244,19 @@ def main() -> int:
         action="store_true",
         help="TokenFlow's decision vs the reference implementation, same state (repo root only)",
     )
+    parser.add_argument(
+        "--in-run",
+        action="store_true",
+        help="time TokenFlow's decisions as they come over --steps steps of serving",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
         return per_step(sizes, args.steps)
     if args.against_reference:
         return against_reference(sizes, args.repeats)
+    if args.in_run:
+        return in_run(sizes, args.steps)
     rows = side_by_side(sizes, args.repeats, args.steps)
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -42,10 +42,16 @@ class RequestQueues:
         ] = []  # the same, by (dry_s, arrival): fixed while paused
         self.loading: list[Request] = []  # residents whose KV is still being loaded
         self.remaining_output_tokens = 0  # max_tokens - generated, summed over the residents
+        self.resident_tokens = 0  # num_tokens, summed over the residents
         self.started_lifetime_blocks = 0  # lifetime_blocks_of, summed over running + paused
+        self.started_rates: dict[float, int] = {}  # reading rate -> members (running + paused)
         # Residents that may have a full block without a host copy (a superset: a stream joins
         # when a step fills one of its blocks and leaves once write-through has caught up).
         self.write_candidates: dict[str, Request] = {}
+        # Residents that may not be decoding (a superset: a stream joins when it enters the
+        # device and leaves once it has sampled a token in a step that filled a block or ran a
+        # prefill); every other resident with a token is decoding.
+        self.unsettled: dict[str, Request] = {}
 
     @property
     def has_work(self) -> bool:
@@ -60,15 +66,19 @@ class RequestQueues:
         if request.state is RequestState.WAITING:
             self.waiting.remove(request)
             self.started_lifetime_blocks += lifetime_blocks_of(request, self.block_size)
+            rate, rates = float(request.rate_tps), self.started_rates
+            rates[rate] = rates.get(rate, 0) + 1
         else:
             self._leave_preempted(request)
         request.state = state
         self.running.append(request)
+        self.unsettled[request.request_id] = request
         if state is RequestState.LOADING:
             self.loading.append(request)
         self.remaining_output_tokens += (
             request.sampling_params.max_tokens - request.num_output_tokens
         )
+        self.resident_tokens += request.num_tokens
 
     def load_finished(self, request: Request) -> None:
         """A loading request's KV is all on the device: it runs from the next step."""
@@ -88,6 +98,10 @@ class RequestQueues:
             self.waiting.remove(request)
             return
         self.started_lifetime_blocks -= lifetime_blocks_of(request, self.block_size)
+        rate, rates = float(request.rate_tps), self.started_rates
+        rates[rate] -= 1
+        if not rates[rate]:
+            del rates[rate]
         if request.state is RequestState.PREEMPTED:
             self._leave_preempted(request)
         else:
@@ -98,11 +112,13 @@ class RequestQueues:
         self.write_candidates[request.request_id] = request
 
     def token_appended(self, request: Request) -> None:
-        """A resident gained a token: past its mean length, its lifetime grows a block at each
-        block boundary (call after `Request.append_token`)."""
+        """A resident gained a token in a step that filled one of its blocks or ran a prefill
+        (call after `Request.append_token`): past its mean length, its lifetime grows a block
+        at each block boundary; and it is decoding now."""
         before = request.num_tokens - 1
         if before % self.block_size == 0 and before >= request.lifetime_tokens:
             self.started_lifetime_blocks += 1
+        self.unsettled.pop(request.request_id, None)  # it just sampled a token: decoding
 
     def _leave_preempted(self, request: Request) -> None:
         self.preempted.remove(request)
@@ -115,4 +131,6 @@ class RequestQueues:
         self.remaining_output_tokens -= (
             request.sampling_params.max_tokens - request.num_output_tokens
         )
+        self.resident_tokens -= request.num_tokens
         self.write_candidates.pop(request.request_id, None)
+        self.unsettled.pop(request.request_id, None)

@@ -83,7 +83,7 @@ class Request:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
-    rate_tps: float
+    rate_tps: float  # the reader's tokens/s; fixed once queued (the scheduler sums it on events)
     arrival_s: float
     arrival_index: int = 0
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids

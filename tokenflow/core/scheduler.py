@@ -122,6 +122,9 @@ class Scheduler:
             write_candidates=self.queues.write_candidates.values(),
             remaining_output_tokens=self.queues.remaining_output_tokens,
             started_lifetime_blocks=self.queues.started_lifetime_blocks,
+            unsettled=self.queues.unsettled.values(),
+            started_rates=self.queues.started_rates,
+            resident_tokens=self.queues.resident_tokens,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
@@ -385,6 +388,7 @@ class Scheduler:
             outputs.append(RequestOutput(rid, (token_id,), num_output, reason))
         # (a finished request left with its own remaining count: subtracting after is exact)
         self.queues.remaining_output_tokens -= num_sampled
+        self.queues.resident_tokens += num_sampled
         self._decay_new_token_ratio()
         return outputs
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.started import StartedMembers
 from tokenflow.core.policies.survey import Survey
 from tokenflow.core.request import Request
 
@@ -43,7 +44,7 @@ def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks
 def admit(
     config: TokenFlowConfig,
     view: SchedulingView,
-    started: Survey,
+    started: Survey | StartedMembers,
     limit: int,
     spare_rate_tps: float,
     demand_of: DemandOf,
@@ -59,12 +60,7 @@ def admit(
     step_tokens = view.config.max_prefill_tokens
     size = started.num_members
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
-    host_room = view.kv.num_free_host_blocks
-    # Pauses that would free memory, most reading buffered first (they lose least).
-    pausable = sorted(
-        (c for c in started.candidates if c.is_pausable),
-        key=lambda c: (c.utility, c.request.sort_key),
-    )
+    pauses = started.pauses(view)  # most reading buffered first (they lose least)
     extra_rate = 0.0
     prefill_tokens = 0
     admitted: list[Request] = []
@@ -76,11 +72,8 @@ def admit(
         if admitted and batch_s(tokens, step_tokens) > interval_s:
             break  # paced: what one interval can prefill
         need = view.start_blocks(request)
-        while need > free and pausable:
-            pause = pausable.pop(0)
-            if pause.unsynced_blocks <= host_room:
-                host_room -= pause.unsynced_blocks
-                free += pause.reclaim_blocks + view.reserve_blocks(pause.request)
+        if need > free:
+            free += pauses.take(need - free)
         if need > free:
             break
         free -= need + view.reserve_blocks(request)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from itertools import accumulate, compress
+from operator import attrgetter
 
+from tokenflow.core.policies.residents import Residents
 from tokenflow.core.policies.survey import Candidate
+from tokenflow.core.request import Request
 
 
 def balance(
@@ -38,7 +42,7 @@ def balance(
     """
     if num_implicit_pinned > max_seqs:
         raise ValueError(f"{num_implicit_pinned} pinned members exceed max_seqs {max_seqs}")
-    order = sorted(candidates, key=_arrival_order if by_arrival else _utility_order)
+    order = priority_order(candidates, by_arrival)
     picked: list[Candidate] = []
     used = implicit_pinned_blocks
     resume_s = 0.0
@@ -76,3 +80,82 @@ def _utility_order(c: Candidate) -> tuple[bool, bool, float, bool, float, float,
 def _arrival_order(c: Candidate) -> tuple[bool, bool, bool, float, int]:
     r = c.request
     return (not c.is_pinned, not c.is_overdue, not c.is_urgent, r.arrival_s, r.arrival_index)
+
+
+def balance_counted(
+    paused: list[Candidate],
+    newcomers: list[Candidate],
+    residents: Residents,
+    capacity_blocks: int,
+    max_seqs: int,
+    by_arrival: bool,
+    resume_budget_s: float,
+) -> tuple[list[Candidate], list[Request]] | None:
+    """`balance` over the paused members and the newcomers (the others; each list in
+    arrival order) and the pausable residents, counted, not listed: returns (the others
+    picked, in priority order; the pausable residents left out), or None where the shortcut
+    cannot vouch for the result.
+
+    A pausable resident is not pinned and needs no resume, so the greedy takes every one it
+    reaches while memory lasts; which others it takes depends only on the others before them
+    (the resume budget).  So the first other the greedy does not reach (the slots are full)
+    is found by bisection on the others, from how many residents rank before each; the
+    residents left out are the last ones.  Memory is checked once, at the end: the residents'
+    footprints (bounded from above), less those left out, plus the others picked; if that
+    fits, no step of the greedy was short of memory (picks only add), else None.
+    """
+    num_pinned = residents.num_pinned
+    if num_pinned > max_seqs:
+        return None  # (`balance` raises; let it)
+    order = priority_order(paused + newcomers, by_arrival)
+    flags: list[bool] = []  # taken when reached: the resume budget only
+    resume_s = 0.0
+    for cand in order:
+        fits = True
+        if cand.resume_s > 0.0:
+            fits = not (resume_s > 0.0 and resume_s + cand.resume_s > resume_budget_s)
+            if fits:
+                resume_s += cand.resume_s
+        flags.append(fits)
+    picks_before = list(accumulate(flags, initial=0))
+    num_before = residents.num_before_by_arrival if by_arrival else residents.num_before
+    limit = max_seqs - num_pinned
+    lo, hi = 0, len(order)  # the first other not reached: the slots were filled before it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if num_before(order[mid]) + picks_before[mid] >= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    picked = list(compress(order[:lo], flags))
+    kept = max(min(residents.num_pausable, limit - len(picked)), 0)
+    left_out = residents.last(residents.num_pausable - kept, by_arrival)
+    change = sum(c.footprint_blocks for c in picked)
+    change -= sum(map(residents.footprint_blocks, left_out))
+    if residents.footprint_bound_blocks() + change <= capacity_blocks:
+        return picked, left_out
+    return None
+
+
+_ARRIVAL = attrgetter("request.arrival_s", "request.arrival_index")
+_RATE = attrgetter("request.rate_tps")
+
+
+def priority_order(candidates: list[Candidate], by_arrival: bool) -> list[Candidate]:
+    """`candidates` sorted by `_arrival_order` / `_utility_order`, in stable C-level sorts
+    (least significant key first, so the result is the tuple key's order)."""
+    order = sorted(candidates, key=_ARRIVAL)
+    if by_arrival:
+        order.sort(key=attrgetter("is_urgent"), reverse=True)
+    else:
+        # On equal utility: started streams by the faster reader (then arrival), then the
+        # others (a paused stream without a token counts as a newcomer) by arrival.
+        started = [c for c in order if c.request.output_token_ids]
+        started.sort(key=_RATE, reverse=True)
+        if len(started) < len(order):
+            started += [c for c in order if not c.request.output_token_ids]
+        order = started
+        order.sort(key=attrgetter("utility"), reverse=True)
+    order.sort(key=attrgetter("is_overdue"), reverse=True)
+    order.sort(key=attrgetter("is_pinned"), reverse=True)
+    return order

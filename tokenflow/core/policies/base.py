@@ -7,7 +7,7 @@ that does not fit.  Mechanism (block allocation, copies, OOM handling) lives in 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from tokenflow.core.config import SchedulerConfig
@@ -57,6 +57,11 @@ class SchedulingView:
     remaining_output_tokens: int  # max_tokens - generated, summed over the residents
     started_lifetime_blocks: int  # blocks at max(tokens, prompt + max_tokens // 2), summed over
     # running + preempted (the members' mean lifetime footprint, times their number)
+    # Residents that may not be decoding yet (a superset; every other resident with a token
+    # is decoding); None: unknown, a policy must look at each resident.
+    unsettled: Collection[Request] | None = None
+    started_rates: Mapping[float, int] | None = None  # reading rate -> running + preempted
+    resident_tokens: int | None = None  # num_tokens summed over the residents (None: unknown)
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""

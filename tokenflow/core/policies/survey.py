@@ -9,21 +9,25 @@ only those whose place can change, so a decision costs O(paused + pausable), not
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import add, attrgetter, floordiv
 from typing import NamedTuple
 
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.kv_manager import KVTierManager
 from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.pricing import (
+    Costs,
+    decision_costs,
+    pause_threshold_s,
+    resume_time_s,
+)
 from tokenflow.core.request import Request, RequestState
 
 _RUNNING = RequestState.RUNNING
 _LOADING = RequestState.LOADING
 _PREEMPTED = RequestState.PREEMPTED
-PrefillTime = Callable[[int], float]
 _NUM_TOKENS = attrgetter("num_tokens")
 _END = attrgetter("end_tokens")
 _LIFETIME = attrgetter("lifetime_tokens")
@@ -64,89 +68,57 @@ class Survey:
     def num_members(self) -> int:
         return len(self.candidates) + self.num_implicit_pinned
 
+    def demand_tps(self, rate_cap_tps: float) -> float:
+        """The members' reading rates, each capped at `rate_cap_tps`, summed in member order."""
+        return sum(map(min, self.rates_tps, repeat(rate_cap_tps)))
 
-def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> float:
-    """U = v*dt + gamma*dt*exp(-T/dt) - switch cost, T the seconds of reading buffered.
-
-    v, a token's value, falls linearly from 1 (empty buffer) to 0 at value_horizon_s; the
-    exponential term is the stall penalty: highest for a nearly empty buffer (SPEC convention).
-    """
-    dt = config.schedule_interval_s
-    value = max(0.0, 1.0 - buffered_s / config.value_horizon_s)
-    switch = 0.0 if is_resident else config.switch_penalty * dt
-    return value * dt + config.stall_penalty * dt * math.exp(-buffered_s / dt) - switch
+    def pauses(self, view: SchedulingView) -> PauseQueue:
+        """The pausable members as admission takes them: most reading buffered first."""
+        return PauseQueue([c for c in self.candidates if c.is_pausable], view)
 
 
-def pause_threshold_s(
-    config: TokenFlowConfig,
-    computed_tokens: int,
-    synced_tokens: int,
-    block_size: int,
-    seconds_per_block: float,
-    resume_queue_s: float = 0.0,
-) -> float:
-    """Buffer (seconds of reading) a stream needs to be paused safely: mu times the round trip
-    (evict its unsynced blocks, wait behind the resumes already queued, load all back, one
-    interval) plus the critical slack, so that a paused stream is not critical the moment it
-    stops (which would thrash).  The queue term makes pausing self-limiting: the more streams
-    wait off the device, the larger a buffer must be before another joins them."""
-    blocks = -(-computed_tokens // block_size)
-    unsynced = blocks - synced_tokens // block_size
-    round_trip_s = (
-        (unsynced + blocks) * seconds_per_block + resume_queue_s + config.schedule_interval_s
-    )
-    return config.buffer_conservativeness * round_trip_s + config.critical_slack_s
+class PauseQueue:
+    """Pauses that free device memory for admission, taken in order of least utility (then
+    arrival); each needs host room for its unsynced tail, or it frees nothing."""
 
+    def __init__(self, pausable: list[Candidate], view: SchedulingView) -> None:
+        self._pending = sorted(pausable, key=lambda c: (c.utility, c.request.sort_key))
+        self._next = 0
+        self._host_room = view.kv.num_free_host_blocks
+        self._view = view
 
-def resume_time_s(
-    request: Request, kv: KVTierManager, seconds_per_block: float, prefill_s: PrefillTime
-) -> float:
-    """Time to bring a paused stream back: loading its host copy, or recomputing if faster.
-
-    (Runs for every paused stream at every decision: `kv.has_host_copy` and `kv.blocks_for`
-    are written out.)"""
-    recompute = prefill_s(request.num_tokens)
-    computed = request.num_computed_tokens
-    if computed > 0 and kv.synced_tokens(request.request_id) >= computed:  # a host copy
-        load = -(-computed // kv.block_size) * seconds_per_block
-        return load if load < recompute else recompute
-    return recompute
-
-
-@dataclass(frozen=True)
-class _Costs:
-    """What a decision prices every member with: link, queue of resumes, pause threshold."""
-
-    seconds_per_block: float
-    prefill_s: PrefillTime
-    resume_of: dict[str, float]  # paused member -> time to bring it back
-    queue_s: float  # all of those, summed
-    min_threshold_s: float  # the least buffer any pause needs
-
-
-def _costs(config: TokenFlowConfig, view: SchedulingView) -> _Costs:
-    kv = view.kv
-    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
-    prefill_s = view.estimator.prefill_time_s
-    resume_of = {
-        r.request_id: resume_time_s(r, kv, seconds_per_block, prefill_s) for r in view.preempted
-    }
-    queue_s = sum(resume_of.values())
-    min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
-    return _Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)
+    def take(self, shortfall_blocks: int) -> int:
+        """Take pauses until they free `shortfall_blocks` device blocks (or none is left);
+        returns the blocks freed (reclaimed plus the reserve they no longer need)."""
+        freed = 0
+        pending = self._pending
+        while shortfall_blocks > freed and self._next < len(pending):
+            pause = pending[self._next]
+            self._next += 1
+            if pause.unsynced_blocks <= self._host_room:
+                self._host_room -= pause.unsynced_blocks
+                freed += pause.reclaim_blocks + self._view.reserve_blocks(pause.request)
+        return freed
 
 
 def survey(
-    config: TokenFlowConfig, view: SchedulingView, members: Iterable[Request], growth: int
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    members: Iterable[Request],
+    growth: int,
+    costs: Costs | None = None,
 ) -> Survey:
     """One pass over `members`: a candidate for each, and the sums for capacity and W_static."""
     members = list(members)
-    candidates = _candidates(config, view, members, growth, _costs(config, view))
+    costs = costs or decision_costs(config, view)
+    candidates = _candidates(config, view, members, growth, costs)
     bs = view.kv.block_size
     return Survey(candidates, [r.rate_tps for r in members], lifetime_blocks(members, bs))
 
 
-def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -> Survey:
+def survey_started(
+    config: TokenFlowConfig, view: SchedulingView, growth: int, costs: Costs | None = None
+) -> Survey:
     """`survey` of the running and paused members, listing only those whose place can change.
 
     A running stream that cannot be paused is pinned whatever else holds, so it needs no
@@ -154,7 +126,7 @@ def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -
     with a buffer below the least pause threshold is pinned without a look; the others
     (buffer enough to be pausable) get the exact test, and paused streams exact candidates.
     """
-    costs = _costs(config, view)
+    costs = costs or decision_costs(config, view)
     now, threshold = view.now_s, costs.min_threshold_s
     running = view.running
     pinned = [r for r in running if r.last_consume_s - now < threshold]
@@ -169,7 +141,7 @@ def survey_started(config: TokenFlowConfig, view: SchedulingView, growth: int) -
         [r.rate_tps for r in members],
         view.started_lifetime_blocks,
         num_implicit_pinned=len(pinned),
-        implicit_pinned_blocks=_footprint_blocks(pinned, growth, view.kv.block_size),
+        implicit_pinned_blocks=footprint_blocks(pinned, growth, view.kv.block_size),
     )
 
 
@@ -178,7 +150,7 @@ def _pausable_candidates(
     view: SchedulingView,
     suspects: list[Request],
     growth: int,
-    costs: _Costs,
+    costs: Costs,
     pinned: list[Request],
 ) -> list[Candidate]:
     """Candidates of the suspects that pass the exact pause test (in running order); the
@@ -219,7 +191,7 @@ def _pausable_candidates(
     return out
 
 
-def _footprint_blocks(residents: list[Request], growth: int, block_size: int) -> int:
+def footprint_blocks(residents: list[Request], growth: int, block_size: int) -> int:
     """Sum over residents of blocks to hold them through the next interval: the blocks of
     min(tokens + max(growth, 1), prompt + max_tokens) (a resident always has a token to go)."""
     ahead = max(growth, 1)
@@ -238,7 +210,7 @@ def _candidates(
     view: SchedulingView,
     members: Iterable[Request],
     growth: int,
-    costs: _Costs,
+    costs: Costs,
 ) -> list[Candidate]:
     """A candidate per member: the decision's inner loop (plain arithmetic on attributes)."""
     now = view.now_s

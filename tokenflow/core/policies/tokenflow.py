@@ -33,7 +33,7 @@ by buffer size).
 from __future__ import annotations
 
 import math
-from itertools import chain, repeat
+from itertools import chain
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.admission import (
@@ -42,7 +42,7 @@ from tokenflow.core.policies.admission import (
     waiting_within_budget,
     working_set_limit,
 )
-from tokenflow.core.policies.balance import balance
+from tokenflow.core.policies.balance import balance, balance_counted
 from tokenflow.core.policies.base import (
     Moves,
     Policy,
@@ -51,6 +51,10 @@ from tokenflow.core.policies.base import (
     Start,
     fcfs_starts,
 )
+from tokenflow.core.policies.paused import paused_candidates, queued_io_blocks, resume_starts
+from tokenflow.core.policies.pricing import Costs, decision_costs
+from tokenflow.core.policies.residents import Residents
+from tokenflow.core.policies.started import StartedMembers
 from tokenflow.core.policies.survey import (
     Candidate,
     Survey,
@@ -61,6 +65,7 @@ from tokenflow.core.policies.survey import (
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _NOT_STARTED = (RequestState.WAITING, RequestState.PREEMPTED)
+Started = Survey | StartedMembers
 
 
 class TokenFlowPolicy(Policy):
@@ -113,7 +118,8 @@ class TokenFlowPolicy(Policy):
         self.num_decisions += 1
         self._calm_until_s = -math.inf  # starts follow: look again at the next boundary
         growth = self.growth_tokens(view)
-        started = self._survey_started(view, growth)
+        costs = decision_costs(self.config, view)
+        started = self._started(view, growth, costs)
         capacity, demand = self._capacity_and_demand(view, started)
         degraded = demand > capacity
         admitted: list[Request] = []
@@ -124,27 +130,55 @@ class TokenFlowPolicy(Policy):
             spare = self.config.capacity_headroom * capacity - demand
             admitted = self._admit(view, started, spare)
             self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
-        newcomers = survey(self.config, view, admitted, growth).candidates
-        selected = balance(
-            started.candidates + newcomers,
-            view.kv.config.num_device_blocks,
-            view.config.max_num_seqs,
-            by_arrival=degraded,
-            resume_budget_s=self.config.schedule_interval_s,
-            num_implicit_pinned=started.num_implicit_pinned,
-            implicit_pinned_blocks=started.implicit_pinned_blocks,
-        )
-        chosen = {c.request.request_id for c in selected}
-        preemptions = tuple(  # residents left out (those listed come in running order)
-            Preemption(c.request.request_id, PreemptMode.OFFLOAD)
-            for c in started.candidates
-            if c.is_resident and c.request.request_id not in chosen
-        )
-        queued = self._queued_io_blocks(view)
-        resumed = [c.request for c in selected if not c.is_resident]
-        self._targets = [self.choose_resume_mode(view, r, queued) for r in resumed]
+        newcomers = survey(self.config, view, admitted, growth, costs).candidates
+        resumed, paused = self._balance(view, started, newcomers, degraded)
+        preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
+        self._targets = resume_starts(view, resumed, queued_io_blocks(view))
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
+
+    def _started(self, view: SchedulingView, growth: int, costs: Costs) -> Started:
+        """The started members: running ones counted by buffer (`Residents`) where the view
+        keeps the unsettled residents and the host can take any tail, else surveyed."""
+        kv = view.kv
+        if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
+            return survey_started(self.config, view, growth, costs)
+        residents = Residents(self.config, view, costs, growth)
+        return StartedMembers(residents, paused_candidates(self.config, view, growth, costs))
+
+    def _balance(
+        self,
+        view: SchedulingView,
+        started: Started,
+        newcomers: list[Candidate],
+        by_arrival: bool,
+    ) -> tuple[list[Request], list[Request]]:
+        """(Members to bring on, in priority order; residents to pause, in running order)."""
+        blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
+        budget_s = self.config.schedule_interval_s
+        if isinstance(started, StartedMembers):
+            residents, counted = started.residents, None
+            if residents.footprint_bound_blocks() <= blocks:  # else memory is likely short
+                counted = balance_counted(
+                    started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
+                )
+            if counted is not None:
+                left_out = set(counted[1])
+                paused = list(filter(left_out.__contains__, view.running)) if left_out else []
+                return [c.request for c in counted[0]], paused
+            # Memory is short: the greedy over every pausable member's candidate.
+            listed = residents.candidates() + started.paused
+            num_pinned, pinned_blocks = residents.num_pinned, residents.pinned_footprint_blocks()
+        else:
+            listed = started.candidates
+            num_pinned, pinned_blocks = started.num_implicit_pinned, started.implicit_pinned_blocks
+        selected = balance(
+            listed + newcomers, blocks, max_seqs, by_arrival, budget_s, num_pinned, pinned_blocks
+        )
+        chosen = {id(c.request) for c in selected}
+        left = {c.request for c in listed if c.is_resident and id(c.request) not in chosen}
+        paused = list(filter(left.__contains__, view.running)) if left else []
+        return [c.request for c in selected if not c.is_resident], paused
 
     def _demand_tps(self, request: Request) -> float:
         """Tokens/s a member asks of the engine: its reading rate, at most one stream's share."""
@@ -185,25 +219,25 @@ class TokenFlowPolicy(Policy):
         return survey_started(self.config, view, growth)
 
     # -- phase 1: schedulability ----------------------------------------------------------------
-    def _lifetime_blocks(self, view: SchedulingView, started: Survey) -> float:
+    def _lifetime_blocks(self, view: SchedulingView, started: Started) -> float:
         """beta: mean device blocks of a member over its life (of the waiting if no member)."""
         if started.num_members:
             return max(started.sum_lifetime_blocks / started.num_members, 1.0)
         waiting = lifetime_blocks(view.waiting, view.kv.block_size)
         return max(waiting / max(len(view.waiting), 1), 1.0)
 
-    def _capacity(self, view: SchedulingView, started: Survey) -> tuple[float, int]:
+    def _capacity(self, view: SchedulingView, started: Started) -> tuple[float, int]:
         """(Gamma, the feasible batch it is measured at)."""
         beta = self._lifetime_blocks(view, started)
         batch = max(1, min(view.config.max_num_seqs, int(view.kv.config.num_device_blocks / beta)))
         return view.estimator.capacity_tps(batch, beta * view.kv.block_size), batch
 
-    def _capacity_and_demand(self, view: SchedulingView, started: Survey) -> tuple[float, float]:
+    def _capacity_and_demand(self, view: SchedulingView, started: Started) -> tuple[float, float]:
         """(Gamma, the members' demand); sets the per-reader cap `_demand_tps` applies: no
         reader takes more than one stream's share of the feasible batch."""
         capacity, batch = self._capacity(view, started)
         self._rate_cap_tps = capacity / batch
-        return capacity, sum(map(min, started.rates_tps, repeat(self._rate_cap_tps)))
+        return capacity, started.demand_tps(self._rate_cap_tps)
 
     def capacity_tps(self, view: SchedulingView) -> float:
         """Gamma: tokens/s the engine generates at the feasible batch, the number of members
@@ -226,7 +260,9 @@ class TokenFlowPolicy(Policy):
         """b_j >= mu * r_j * (tau_evict + tau_load + tau_schedule) (+ the critical slack)."""
         return survey(self.config, view, [request], 1).candidates[0].is_pausable
 
-    def _admit(self, view: SchedulingView, started: Survey, spare_rate_tps: float) -> list[Request]:
+    def _admit(
+        self, view: SchedulingView, started: Started, spare_rate_tps: float
+    ) -> list[Request]:
         limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
         admitted = admit(self.config, view, started, limit, spare_rate_tps, self._demand_tps)
         if view.waiting:  # (with none waiting, the last decision's prefill budget stands)
@@ -263,32 +299,15 @@ class TokenFlowPolicy(Policy):
         )
 
     # -- phase 4: reload or recompute -----------------------------------------------------------
-    @staticmethod
-    def _queued_io_blocks(view: SchedulingView) -> int:
-        """Blocks the link must move before a new load: the eviction queue and the blocks
-        of loads in flight not yet copied."""
-        kv = view.kv
-        loading = sum(
-            kv.num_blocks_to_load(r.request_id, r.num_computed_tokens) for r in view.loading
-        )
-        return kv.num_evicting_blocks + loading
-
     def choose_resume_mode(
         self, view: SchedulingView, request: Request, queued_blocks: int | None = None
     ) -> Start:
         """Reload when t_IO (queued + own load traffic) beats the recompute time, or when the
         load lands before the reader runs dry: recomputing takes the whole batch's compute,
         a load only this stream's time (beyond the paper, whose rule is the first clause)."""
-        if not view.kv.has_host_copy(request.request_id, request.num_computed_tokens):
-            return Start(request.request_id, by_load=False)
         if queued_blocks is None:
-            queued_blocks = self._queued_io_blocks(view)
-        own_blocks = view.kv.blocks_for(request.num_computed_tokens)
-        bytes_per_s = view.config.link_bytes_per_s
-        io_s = (queued_blocks + own_blocks) * view.kv.config.block_bytes / bytes_per_s
-        recompute_s = view.estimator.prefill_time_s(request.num_tokens)
-        in_time = io_s < request.slack_s(view.now_s)
-        return Start(request.request_id, by_load=io_s <= recompute_s or in_time)
+            queued_blocks = queued_io_blocks(view)
+        return resume_starts(view, [request], queued_blocks)[0]
 
     # -- mechanism hooks ------------------------------------------------------------------------
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:

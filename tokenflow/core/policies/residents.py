@@ -1,0 +1,253 @@
+"""The running streams ordered by buffer: a decision that touches O(changes) of them.
+
+A running stream's utility falls as its buffer grows (`pricing.utility`), and only one with
+buffer enough can be paused.  So instead of a candidate per running stream, a decision sorts
+the running streams by buffered seconds once (a C-level sort) and:
+
+- finds the pausable ones by bisection at the least pause threshold, with the exact test only
+  for the few that may still fail it: a band just above the threshold (the threshold grows with
+  a stream's blocks) and the residents that may not be decoding (`SchedulingView.unsettled`);
+- counts how many pausable streams the balancer ranks before a paused stream or a newcomer
+  (bisection on utility, exact comparison on ties): all it needs of the streams that stay;
+- lists the pausable streams it ranks last (the ones a rotation pauses), from the large-buffer
+  end, sorting the run of equal utilities at the cut by the balancer's full key;
+- sums what admission needs of them from the queues' sums (`started.PausePool`).
+
+Where memory is short the balancer needs every pausable member's footprint in order, and gets a
+candidate each (`candidates`).  The decisions are those of the candidate-per-stream survey
+(`survey_started` + `balance`),
+given that the utility computed in floats never rises with the buffer: every operation in it is
+monotone (IEEE rounding is), provided libm's `exp` is.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable
+from itertools import takewhile
+from operator import attrgetter
+from typing import NamedTuple
+
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.survey import Candidate, Costs, footprint_blocks
+from tokenflow.core.request import Request, RequestState
+
+_RUNNING = RequestState.RUNNING
+_LAST_CONSUME = attrgetter("last_consume_s")
+_ARRIVAL = attrgetter("arrival_s", "arrival_index")
+_NUM_TOKENS = attrgetter("num_tokens")
+_END = attrgetter("end_tokens")
+
+
+class _Ranked(NamedTuple):
+    utility: float
+    request: Request
+
+
+_utility_of = attrgetter("utility")
+
+
+class Residents:
+    """The running members, pausable ones found by bisection (see the module docstring)."""
+
+    def __init__(
+        self, config: TokenFlowConfig, view: SchedulingView, costs: Costs, growth: int
+    ) -> None:
+        self.view, self.costs, self.growth = view, costs, growth
+        self.now = now = view.now_s
+        dt = config.schedule_interval_s
+        self._dt, self._inv_dt, self._inv_horizon = dt, 1.0 / dt, 1.0 / config.value_horizon_s
+        self._stall_dt = config.stall_penalty * dt
+        self._mu, self._critical = config.buffer_conservativeness, config.critical_slack_s
+        order = sorted(view.running, key=_LAST_CONSUME, reverse=True)
+        least = costs.min_threshold_s
+        cut = bisect_left(order, True, key=lambda r: r.last_consume_s - now < least)
+        # Buffer >= the least pause threshold, largest first (so utility rises along it); every
+        # other resident is pinned without a look.
+        self.suspects = order[:cut]
+        self._rest = order[cut:]  # pinned without a look
+        self.failing = self._failing()  # suspects pinned after all
+        self.num_pausable = cut - len(self.failing)
+        self.num_pinned = len(order) - self.num_pausable
+        self._by_arrival: list[Request] | None = None
+        self._failing_ranked: list[_Ranked] | None = None
+
+    # -- who is pausable ----------------------------------------------------------------------
+    def _threshold_s(self, num_blocks: int) -> float:
+        """`pause_threshold_s` for (unsynced + blocks) == num_blocks: same float operations."""
+        costs = self.costs
+        round_trip = num_blocks * costs.seconds_per_block + costs.queue_s + self._dt
+        return self._mu * round_trip + self._critical
+
+    def _failing(self) -> set[Request]:
+        suspects, view, now = self.suspects, self.view, self.now
+        if not suspects:
+            return set()
+        # Above the threshold of the longest suspect (unsynced <= blocks), a decoding stream
+        # passes; the host has room for any tail (the caller checks free host >= device tier).
+        most_blocks = 2 * -(-max(map(_NUM_TOKENS, suspects)) // view.kv.block_size)
+        sure = self._threshold_s(most_blocks)
+        band = bisect_left(suspects, True, key=lambda r: r.last_consume_s - now < sure)
+        check = suspects[band:]
+        unsettled = view.unsettled
+        if unsettled is None:
+            check = suspects
+        else:
+            least = self.costs.min_threshold_s
+            check = check + [r for r in unsettled if r.last_consume_s - now >= least]
+        return {r for r in check if not self._is_pausable(r)}
+
+    def _is_pausable(self, r: Request) -> bool:
+        """The exact pause test of `survey._pausable_candidates` (same float operations)."""
+        computed = r.num_computed_tokens
+        if not (r.state is _RUNNING and r.output_token_ids and computed >= r.num_tokens - 1):
+            return False
+        kv, costs = self.view.kv, self.costs
+        blocks = -(-computed // kv.block_size)
+        unsynced = blocks - kv.synced_tokens(r.request_id) // kv.block_size
+        if unsynced > kv.num_free_host_blocks:
+            return False
+        round_trip = (unsynced + blocks) * costs.seconds_per_block + costs.queue_s + self._dt
+        return r.last_consume_s - self.now >= self._mu * round_trip + self._critical
+
+    def pausable(self) -> list[Request]:
+        """The pausable members, largest buffer first (ties in running order)."""
+        failing = self.failing
+        return [r for r in self.suspects if r not in failing] if failing else self.suspects
+
+    # -- rank -------------------------------------------------------------------------------
+    def utility(self, r: Request) -> float:
+        """A running suspect's utility (as `survey._pausable_candidates` computes it)."""
+        buffered = r.last_consume_s - self.now
+        value = 1.0 - buffered * self._inv_horizon
+        return (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
+            -buffered * self._inv_dt
+        )
+
+    @staticmethod
+    def _tie_before(r: Request, other: Candidate) -> bool:
+        """On equal utility, the balancer ranks pausable `r` before `other` (`_utility_order`)."""
+        o = other.request
+        if not o.output_token_ids:
+            return True  # started streams before newcomers
+        return (-r.rate_tps, r.arrival_s, r.arrival_index) < (-o.rate_tps, *o.sort_key)
+
+    def num_before(self, other: Candidate) -> int:
+        """Pausable members the balancer ranks before `other` (paused or newcomer) by utility."""
+        if other.is_overdue:
+            return 0
+        failing = self._failing_by_utility()
+        return self._num_ranked_before(self.suspects, self.utility, other) - (
+            self._num_ranked_before(failing, _utility_of, other)
+        )
+
+    def _num_ranked_before(self, members: list, key: Callable, other: Candidate) -> int:
+        """Of `members` (utility rising along them), those ranked before `other`."""
+        u = other.utility
+        hi = bisect_right(members, u, key=key)
+        count = len(members) - hi
+        while hi > 0 and key(members[hi - 1]) == u:  # the run of equal utility before hi
+            hi -= 1
+            count += self._tie_before(getattr(members[hi], "request", members[hi]), other)
+        return count
+
+    def _failing_by_utility(self) -> list[_Ranked]:
+        """The failing suspects with their utilities, by utility (computed once)."""
+        if self._failing_ranked is None:
+            pairs = (_Ranked(self.utility(r), r) for r in self.failing)
+            self._failing_ranked = sorted(pairs, key=_utility_of)
+        return self._failing_ranked
+
+    def _arrival_order(self) -> list[Request]:
+        if self._by_arrival is None:
+            self._by_arrival = sorted(self.pausable(), key=_ARRIVAL)
+        return self._by_arrival
+
+    def num_before_by_arrival(self, other: Candidate) -> int:
+        """Pausable members the balancer ranks before `other` in arrival order (degraded):
+        a pausable stream is never urgent or overdue."""
+        if other.is_overdue or other.is_urgent:
+            return 0
+        return bisect_left(self._arrival_order(), other.request.sort_key, key=_ARRIVAL)
+
+    def last(self, count: int, by_arrival: bool) -> list[Request]:
+        """The `count` pausable members the balancer ranks last (in no particular order)."""
+        if count <= 0:
+            return []
+        if by_arrival:
+            return self._arrival_order()[-count:]
+        failing = self.failing
+        members = (r for r in self.suspects if r not in failing)  # lowest utility first
+        taken = [r for _, r in zip(range(count), members, strict=False)]
+        edge = self.utility(taken[-1])
+        run = list(takewhile(lambda r: self.utility(r) == edge, members))
+        if not run:
+            return taken
+        # The utilities equal to the cut's run on both sides of it: rank that run by the
+        # balancer's ties (the faster reader, then arrival, first) and keep its last ones.
+        while taken and self.utility(taken[-1]) == edge:
+            run.append(taken.pop())
+        run.sort(key=lambda r: (-r.rate_tps, r.arrival_s, r.arrival_index))
+        return taken + run[len(run) - (count - len(taken)) :]
+
+    def candidates(self) -> list[Candidate]:
+        """A candidate per pausable member (as `survey._pausable_candidates` makes them, with
+        `utility` and `footprint_blocks` written out), for the balancer where memory is short
+        and the counted walk does not apply."""
+        kv, now, growth = self.view.kv, self.now, self.growth
+        tables, synced_of, bs = kv.device_tables, kv.synced_tokens, kv.block_size
+        dt, inv_dt, inv_horizon = self._dt, self._inv_dt, self._inv_horizon
+        stall_dt = self._stall_dt
+        make, exp, out = Candidate._make, math.exp, []
+        for r in self.pausable():
+            rid, num_out = r.request_id, len(r.output_token_ids)
+            blocks = -(-r.num_computed_tokens // bs)
+            unsynced = blocks - synced_of(rid) // bs
+            buffered = r.last_consume_s - now
+            value = 1.0 - buffered * inv_horizon
+            score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
+            remaining = r.sampling_params.max_tokens - num_out
+            extra = growth if growth < remaining else remaining
+            footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
+            reclaim = len(tables[rid])
+            out.append(
+                make((r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0))
+            )
+        return out
+
+    def pinned_footprint_blocks(self) -> int:
+        """The device blocks of the pinned residents through the next interval (C-level)."""
+        pinned = self._rest + list(self.failing)
+        return footprint_blocks(pinned, self.growth, self.view.kv.block_size)
+
+    # -- memory -----------------------------------------------------------------------------
+    def footprint_blocks(self, r: Request) -> int:
+        """A pausable member's device blocks through the next interval (as its candidate's)."""
+        remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
+        extra = self.growth if self.growth < remaining else remaining
+        return -(-(r.num_tokens + (extra if extra > 1 else 1)) // self.view.kv.block_size)
+
+    def footprint_bound_blocks(self) -> int:
+        """At least the device blocks of every resident through the next interval: the sum of
+        ceil((tokens + max(growth, 1)) / block size), bounded by one division."""
+        running, bs = self.view.running, self.view.kv.block_size
+        ahead = max(self.growth, 1) + bs - 1
+        return (self._resident_tokens() + len(running) * ahead) // bs
+
+    def _resident_tokens(self) -> int:
+        tokens = self.view.resident_tokens
+        return sum(map(_NUM_TOKENS, self.view.running)) if tokens is None else tokens
+
+    def suspect_sums(self) -> tuple[int, int]:
+        """(tokens, remaining output tokens) summed over the suspects: from the residents'
+        sums less the other residents' where those are fewer, else directly (C-level)."""
+        rest, view = self._rest, self.view
+        if view.resident_tokens is None or len(rest) >= len(self.suspects):
+            tokens = sum(map(_NUM_TOKENS, self.suspects))
+            return tokens, sum(map(_END, self.suspects)) - tokens
+        rest_tokens = sum(map(_NUM_TOKENS, rest))
+        rest_remaining = sum(map(_END, rest)) - rest_tokens
+        tokens = view.resident_tokens - rest_tokens
+        return tokens, view.remaining_output_tokens - rest_remaining
