@@ -59,6 +59,7 @@ class _PlainHead(torch.nn.Module):
 
     def __init__(self, head: torch.nn.Module) -> None:
         super().__init__()
+        self.weight = head.weight  # [V, H], for the tied embedding
         self.weight_t = head.weight.t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
