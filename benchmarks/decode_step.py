@@ -10,6 +10,7 @@ turns, so background load hits all three; the figure is the median step.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --batches 8 --contexts 1024
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --profile  # eager's ops
 """
 
 from __future__ import annotations
@@ -103,14 +104,39 @@ def measure(batches: list[int], contexts: list[int], repeats: int) -> None:
             )
 
 
+def profile(batches: list[int], context: int, num_steps: int = 5) -> None:
+    """Where the eager path's time goes: torch.profiler's top ops over `num_steps` steps."""
+    from torch.profiler import profile as torch_profile
+
+    model, config, _ = load_model(None, "cpu", None)
+    num_blocks = max(batches) * (-(-(context + 1) // BLOCK_SIZE)) + 8
+    kv_cache = TieredKVCache(config, num_blocks, 1, BLOCK_SIZE, "cpu", model.dtype)
+    executor = ModelExecutor(model, config, kv_cache, "cpu")
+    for batch in batches:
+        plan = decode_plan(batch, context, num_blocks, seed=batch + context)
+        for _ in range(3):
+            executor.execute(plan)
+        with torch_profile() as prof:
+            for _ in range(num_steps):
+                executor.execute(plan)
+        print(f"batch {batch}, context {context}: self CPU time over {num_steps} steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[96])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--profile", action="store_true", help="profile the eager path at the first context"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.profile:
+        profile(args.batches, args.contexts[0])
+        return
     print(f"SmolLM2-135M decode steps, default weights, {args.threads} threads; median ms")
     measure(args.batches, args.contexts, args.repeats)
 
