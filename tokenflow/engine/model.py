@@ -144,8 +144,9 @@ class LMHead(nn.Module):
     """logits = x @ weight.T, the weight kept as [vocab, H] (transformers' layout).
 
     Unlike the layers' projections, this one wide output runs faster as nn.Linear's transposed
-    (NT) GEMM on CPU: 4.3 against 5.0 ms for one row, 7.1 against 9.0 ms for 32
-    (SmolLM2's [49152, 576] in bfloat16, 2 threads).  A tied embedding reads its rows.
+    (NT) GEMM on CPU: 3.4 against 5.4 ms for one row, 4.3 against 6.3 for 8, 7.4 against 9.3
+    for 32 (SmolLM2's [49152, 576] in bfloat16, 2 threads, benchmarks/quant_kernels.py).  A
+    tied embedding reads its rows.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
