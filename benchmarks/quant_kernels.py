@@ -1,6 +1,7 @@
 """Micro-benchmark of torch's CPU matmul kernels at SmolLM2-135M's projection shapes.
 
-Dense float32 and bfloat16 GEMMs against `aten._weight_int8pack_mm` (int8, per-row scales) and
+Dense float32 and bfloat16 GEMMs (the weight stored [in, out], a plain GEMM; bf16/NT: stored
+[out, in] as nn.Linear does) against `aten._weight_int8pack_mm` (int8, per-row scales) and
 `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32), each with float32 and bfloat16
 activations, at several row counts (batch sizes).  Best of `--repeats` calls, microseconds.
 
@@ -42,6 +43,7 @@ def kernels(rows: int, out_features: int, in_features: int) -> dict[str, Callabl
     xb = x.bfloat16()
     weight_t = torch.randn(in_features, out_features)
     weight_tb = weight_t.bfloat16()
+    weight_b = weight_tb.t().contiguous()  # [out, in]: nn.Linear's layout, the NT GEMM
     int8 = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
     row_scales = torch.rand(out_features)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32)
@@ -51,6 +53,7 @@ def kernels(rows: int, out_features: int, in_features: int) -> dict[str, Callabl
     return {
         "fp32": lambda: torch.mm(x, weight_t),
         "bf16": lambda: torch.mm(xb, weight_tb),
+        "bf16/NT": lambda: torch.nn.functional.linear(xb, weight_b),
         "int8/fp32": lambda: torch.ops.aten._weight_int8pack_mm(x, int8, row_scales),
         "int8/bf16": lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, row_scales.bfloat16()),
         "int4/fp32": lambda: int4(x, packed, 32, scales_zeros),

@@ -208,7 +208,7 @@ def paged_attention(
     out = torch.empty_like(query)
     if attn.decode is not None:
         num = attn.decode.num_seqs
-        out[:num] = _decode_attention(query[:num], layer_kv, attn.decode)
+        out[:num] = decode_attention(query[:num], layer_kv, attn.decode)
     for span in attn.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         if span.causal_mask is None:
@@ -227,7 +227,8 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return flat.view(-1, num_kv_heads, head_dim)
 
 
-def _decode_attention(query: torch.Tensor, layer_kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, layer_kv: LayerKV, group: DecodeGroup) -> torch.Tensor:
+    """The decode rows' attention (K/V already written): query [B, heads, D] -> same."""
     if group.reads_in_place:
         return paged_decode_attention(
             query, layer_kv.key, layer_kv.value, group.block_table, group.context_lens

@@ -20,7 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from tokenflow.core.plan import BlockTables, SampledToken, StepPlan, StepResult
-from tokenflow.engine.attention import build_model_inputs
+from tokenflow.engine.attention import ModelInputs, build_model_inputs
+from tokenflow.engine.compiled_decode import CompiledDecoder
 from tokenflow.engine.kv_cache import TieredKVCache
 from tokenflow.engine.model import LlamaModel
 from tokenflow.engine.model_config import ModelConfig
@@ -41,6 +42,7 @@ class ModelExecutor:
         kv_cache: TieredKVCache,
         device: torch.device | str,
         seed: int = 0,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         self.config = config
@@ -56,6 +58,10 @@ class ModelExecutor:
         # where compiling fails, it gathers the blocks for SDPA.
         reads_in_place = not is_cuda and can_read_in_place(self.device, kv_cache.dtype)
         self.in_place_min_keys = MIN_KEYS if reads_in_place else None
+        # Optionally, decode-only steps run through compiled graphs (compiled_decode.py).
+        self.decoder = (
+            _compiled_decoder(model, kv_cache, reads_in_place) if compile_decode else None
+        )
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -105,9 +111,7 @@ class ModelExecutor:
                 self.device,
                 self.in_place_min_keys,
             )
-            logits = self.model(
-                inputs.input_ids, inputs.positions, inputs.attn, self.kv_cache.device_layers
-            )  # [num_sampled, vocab]
+            logits = self._forward(inputs)  # [num_sampled, vocab]
             chunks = [plan.chunks[i] for i in inputs.sampled_chunk_indices]
             rows = [
                 SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in chunks
@@ -117,6 +121,16 @@ class ModelExecutor:
             SampledToken(c.request_id, token_id)
             for c, token_id in zip(chunks, token_ids, strict=True)
         )
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        attn, layers = inputs.attn, self.kv_cache.device_layers
+        decode = attn.decode
+        is_decode_only = decode is not None and not attn.prefills
+        if self.decoder is not None and is_decode_only and len(attn.sample_rows) == decode.num_seqs:
+            return self.decoder.forward(
+                inputs.input_ids, inputs.positions, attn.slot_mapping, decode, layers
+            )
+        return self.model(inputs.input_ids, inputs.positions, attn, layers)
 
     def _sample_isolated(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """Sample the batch; if that raises, row by row, so one bad row fails only its request."""
@@ -132,3 +146,17 @@ class ModelExecutor:
                 self.last_failed_rows[row.request_id] = f"sampling failed: {err}"
                 token_ids.append(_PLACEHOLDER_TOKEN_ID)
         return token_ids
+
+
+def _compiled_decoder(
+    model: LlamaModel, kv_cache: TieredKVCache, reads_in_place: bool
+) -> CompiledDecoder | None:
+    """A warmed-up CompiledDecoder, or None (with a warning) when compiling fails."""
+    decoder = CompiledDecoder(model)
+    try:
+        with torch.inference_mode():
+            decoder.warm_up(kv_cache.device_layers, reads_in_place)
+    except Exception as err:  # noqa: BLE001 - any compiler failure means: stay eager
+        logger.warning("compiled decode steps unavailable (%s); running them eagerly", err)
+        return None
+    return decoder

@@ -94,7 +94,9 @@ class LLMEngine:
         kv_cache = TieredKVCache(
             config, num_device_blocks, num_host_blocks, args.block_size, self.device, dtype
         )
-        self.executor = ModelExecutor(model, config, kv_cache, self.device, seed=args.seed)
+        self.executor = ModelExecutor(
+            model, config, kv_cache, self.device, args.seed, args.compile_decode
+        )
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_prefill_tokens=args.max_prefill_tokens,

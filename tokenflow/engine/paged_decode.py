@@ -26,16 +26,18 @@ MIN_SEQS = 2  # fewer decoding sequences use gather + SDPA
 MIN_KEYS = 2048
 
 
-@torch.compile(dynamic=False)
-def _attend(
+def attend_blocks(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> torch.Tensor:
-    # query [B, kvh, G, D]; key/value_cache [N, bs, kvh, D]; block_table [B, nb] long;
-    # context_lens [B] long (>= 1).  Returns [B, kvh, G, D] in query's dtype.
+    """The attention maths, to be compiled: query [B, kvh, G, D] -> [B, kvh, G, D].
+
+    key/value_cache [N, bs, kvh, D]; block_table [B, nb] long; context_lens [B] long (>= 1).
+    Query group g of KV head h attends to that head's keys; the result is in query's dtype.
+    """
     num_seqs, num_blocks = block_table.shape
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     max_len = num_blocks * block_size
@@ -49,6 +51,10 @@ def _attend(
     scores = scores.masked_fill(is_pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).unsqueeze(-1)  # [B, kvh, G, S, 1]
     return (probs * value.float()).sum(3).to(query.dtype)  # [B, kvh, G, D]
+
+
+# Shapes are marked dynamic by the caller, so one compilation serves every batch.
+_attend = torch.compile(attend_blocks, dynamic=False)
 
 
 def paged_decode_attention(
