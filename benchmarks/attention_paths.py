@@ -28,6 +28,29 @@ from tokenflow.engine.attention import LayerKV, build_model_inputs, paged_attent
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
+def scattered_decode_chunks(
+    batch: int, context: int, num_blocks: int, generator: torch.Generator
+) -> list[ScheduledChunk]:
+    """One greedy decode token per sequence at `context`, the block tables a random
+    permutation of the `num_blocks` blocks (each sent whole: a delta from index 0)."""
+    blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    return [
+        ScheduledChunk(
+            f"r{i}",
+            (100 + i,),
+            context,
+            tuple(order[i * blocks_per_seq : (i + 1) * blocks_per_seq]),
+            0,
+            True,
+            params,
+            1,
+        )
+        for i in range(batch)
+    ]
+
+
 def _case(batch: int, context: int, dtype: torch.dtype, seed: int):
     """Random cache and decode chunks; returns (query, key, value, layer_kv, chunks)."""
     generator = torch.Generator().manual_seed(seed)
@@ -38,21 +61,7 @@ def _case(batch: int, context: int, dtype: torch.dtype, seed: int):
         torch.randn(shape, generator=generator).to(dtype),
         torch.randn(shape, generator=generator).to(dtype),
     )
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    params = SamplingParams(max_tokens=1)
-    chunks = [
-        ScheduledChunk(
-            f"r{i}",
-            (7,),
-            context,
-            tuple(order[i * blocks_per_seq : (i + 1) * blocks_per_seq]),
-            0,  # the whole table: a delta from index 0
-            True,
-            params,
-            1,
-        )
-        for i in range(batch)
-    ]
+    chunks = scattered_decode_chunks(batch, context, num_blocks, generator)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator).to(dtype)
     kv = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
     return query, kv, kv.clone(), layer_kv, chunks

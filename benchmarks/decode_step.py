@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from tokenflow.core.plan import ScheduledChunk, StepPlan  # noqa: E402
-from tokenflow.core.request import SamplingParams  # noqa: E402
+from attention_paths import scattered_decode_chunks  # noqa: E402
+
+from tokenflow.core.plan import StepPlan  # noqa: E402
 from tokenflow.engine import ModelExecutor, TieredKVCache, load_model  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -36,22 +37,7 @@ PATHS = ("before", "eager", "compiled")
 def decode_plan(batch: int, context: int, num_blocks: int, seed: int) -> StepPlan:
     """One decode token per sequence at `context`, block tables drawn at random."""
     generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    chunks = tuple(
-        ScheduledChunk(
-            f"r{i}",
-            (100 + i,),
-            context,
-            tuple(order[i * blocks_per_seq : (i + 1) * blocks_per_seq]),
-            0,  # the whole table: a delta from index 0
-            True,
-            params,
-            1,
-        )
-        for i in range(batch)
-    )
+    chunks = tuple(scattered_decode_chunks(batch, context, num_blocks, generator))
     return StepPlan(1, chunks, (), (), ())
 
 
