@@ -56,8 +56,6 @@ def admit(
     interval_s = config.schedule_interval_s
     if not view.waiting:
         return Admitted([], interval_s)
-    batch_s = view.estimator.prefill_batch_time_s
-    step_tokens = view.config.max_prefill_tokens
     size = started.num_members
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
     pauses = started.pauses(view)  # most reading buffered first (they lose least)
@@ -69,7 +67,7 @@ def admit(
         if size >= limit or (size and extra_rate + rate > spare_rate_tps):
             break  # (an empty working set always takes the head, whatever its rate)
         tokens = prefill_tokens + request.num_tokens
-        if admitted and batch_s(tokens, step_tokens) > interval_s:
+        if admitted and prefill_batch_time_s(view, tokens) > interval_s:
             break  # paced: what one interval can prefill
         need = view.start_blocks(request)
         if need > free:
@@ -81,7 +79,7 @@ def admit(
         admitted.append(request)
         size += 1
         extra_rate += rate
-    return Admitted(admitted, interval_s - batch_s(prefill_tokens, step_tokens))
+    return Admitted(admitted, interval_s - prefill_batch_time_s(view, prefill_tokens))
 
 
 def waiting_within_budget(
