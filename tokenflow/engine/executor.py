@@ -56,7 +56,8 @@ class ModelExecutor:
         self.block_tables = BlockTables()  # every request's device table, from the plans' deltas
         # On CPU decode attention reads the paged KV in place (a compiled kernel); on CUDA, and
         # where compiling fails, it gathers the blocks for SDPA.
-        reads_in_place = not is_cuda and can_read_in_place(self.device, kv_cache.dtype)
+        layer = kv_cache.device_layers[0]
+        reads_in_place = not is_cuda and can_read_in_place(layer.key, layer.value, config.num_heads)
         self.in_place_min_keys = MIN_KEYS if reads_in_place else None
         # Optionally, decode-only steps run through compiled graphs (compiled_decode.py).
         self.decoder = (

@@ -90,18 +90,23 @@ def paged_decode_attention(
     return out[:num_seqs].reshape(num_seqs, num_heads, head_dim)
 
 
-def can_read_in_place(device: torch.device, dtype: torch.dtype) -> bool:
-    """Compile (or load from the compiler's cache) the kernel for `dtype` on `device`.
+def can_read_in_place(key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int) -> bool:
+    """Compile (or load from the compiler's cache) the kernel on the real cache of one layer.
 
+    Head counts, head size, block size and the cache's strides are static in the compiled
+    graph, so warming up on any other tensors would leave the real compilation (seconds) to the
+    first decode step that reads in place: the first burst's requests would wait for it, and
+    the step-time estimator would learn it as a step's cost.  Nothing is written to the cache.
     False, with a warning, when compiling fails (e.g. no C++ compiler): callers then gather.
     """
+    head_dim = key_cache.shape[-1]
     try:
-        cache = torch.zeros(4, 2, 1, 8, dtype=dtype, device=device)
-        query = torch.zeros(3, 2, 8, dtype=dtype, device=device)
-        table = torch.tensor([[0, 1], [2, 3], [1, 0]], device=device)
-        lens = torch.tensor([3, 4, 1], device=device)
-        with torch.inference_mode():
-            paged_decode_attention(query, cache, cache, table, lens)
+        device = key_cache.device
+        with torch.inference_mode():  # inputs made as the executor makes them (guards differ)
+            query = torch.zeros(3, num_heads, head_dim, dtype=key_cache.dtype, device=device)
+            table = torch.zeros(3, 2, dtype=torch.long, device=device)
+            lens = torch.tensor([3, 4, 1], device=device)
+            paged_decode_attention(query, key_cache, value_cache, table, lens)
     except Exception as err:  # noqa: BLE001 - any compiler failure means: use the eager path
         logger.warning("in-place paged decode attention unavailable (%s); gathering K/V", err)
         return False
