@@ -300,6 +300,25 @@ def test_admission_is_paced_by_one_interval_of_prefill():
     assert [r.request_id for r in alone] == ["n0"]
 
 
+def test_unused_prefill_time_carries_over_one_interval():
+    # Prompts of ~0.3 s in a 0.5 s interval: without the carry, one per decision forever (0.2 s
+    # of every interval idle); with it, the unused 0.2 s lets the next decision start two.
+    view = small_view(4000)
+    policy = TokenFlowPolicy(TokenFlowConfig(working_set_host_share=100.0))
+    per_token_s = view.estimator.prefill_time_s(1000) / 1000
+    prompt = int(0.3 / per_token_s)
+    waiting = [make_request(f"n{i}", num_prompt=prompt, max_tokens=1) for i in range(6)]
+    started = Survey([], 0.0, 0, 0)
+    first = policy._admit(replace(view, running=[], waiting=waiting), started, 1e9)
+    assert [r.request_id for r in first] == ["n0"]
+    assert policy._prefill_budget_s == pytest.approx(0.2, abs=0.02)
+    second = policy._admit(replace(view, running=[], waiting=waiting[1:]), started, 1e9)
+    assert [r.request_id for r in second] == ["n1", "n2"]
+    policy._prefill_budget_s = 5.0  # a long quiet spell carries at most one interval
+    third = policy._admit(replace(view, running=[], waiting=waiting[3:]), started, 1e9)
+    assert [r.request_id for r in third] == ["n3", "n4", "n5"][: int(1.0 / 0.3)]
+
+
 def test_admission_credits_prompts_prefilled_together():
     """Short prompts whose prefill is mostly a fixed per-step cost start together: one at
     ~0.3 s alone, four at ~0.33 s in one step, within the 0.5 s interval."""

@@ -232,14 +232,16 @@ class TokenFlowPolicy(Policy):
         interval_s = self.config.schedule_interval_s
         batch_s = view.estimator.prefill_batch_time_s
         step_tokens = view.config.max_prefill_tokens
-        self._prefill_budget_s = interval_s
+        # token bucket: one interval plus the last one's unused prefill time, at most one more
+        budget_s = interval_s + min(max(self._prefill_budget_s, 0.0), interval_s)
+        self._prefill_budget_s = budget_s
         admitted: list[Request] = []
         for request in view.waiting:
             rate = self._demand_tps(request)
             if size >= limit or (size and extra_rate + rate > spare_rate_tps):
                 break  # (an empty working set always takes the head, whatever its rate)
             tokens = sum(r.num_tokens for r in admitted) + request.num_tokens
-            if admitted and batch_s(tokens, step_tokens) > interval_s:
+            if admitted and batch_s(tokens, step_tokens) > budget_s:
                 break  # paced: what one interval can prefill, so Gamma is measured as it fills
             need = view.start_blocks(request)
             while need > free and pausable:
@@ -250,7 +252,7 @@ class TokenFlowPolicy(Policy):
             if need > free:
                 break
             free -= need + view.reserve_blocks(request)
-            self._prefill_budget_s = interval_s - batch_s(tokens, step_tokens)
+            self._prefill_budget_s = budget_s - batch_s(tokens, step_tokens)
             admitted.append(request)
             size += 1
             extra_rate += rate

@@ -38,6 +38,7 @@ from itertools import chain
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.admission import (
     admit,
+    carried_prefill_budget_s,
     prefill_batch_time_s,
     waiting_within_budget,
     working_set_limit,
@@ -264,7 +265,10 @@ class TokenFlowPolicy(Policy):
         self, view: SchedulingView, started: Started, spare_rate_tps: float
     ) -> list[Request]:
         limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
-        admitted = admit(self.config, view, started, limit, spare_rate_tps, self._demand_tps)
+        budget_s = carried_prefill_budget_s(self.config.schedule_interval_s, self._prefill_budget_s)
+        admitted = admit(
+            self.config, view, started, limit, spare_rate_tps, self._demand_tps, budget_s
+        )
         if view.waiting:  # (with none waiting, the last decision's prefill budget stands)
             self._prefill_budget_s = admitted.prefill_budget_s
         return admitted.requests
