@@ -21,7 +21,7 @@ from tests.core.reference.tokenflow_policy import TokenFlowPolicy as RefTokenFlo
 from tests.core.test_parity import CONFIG, TOKENFLOW, TimedExecutor
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig
-from tokenflow.core.policies import balance as balance_module
+from tokenflow.core.policies import counted as counted_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
 from tokenflow.core.policies.pricing import decision_costs
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
@@ -102,7 +102,7 @@ def _check_queue_sums(scheduler: Scheduler) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_counted_decisions_match_the_reference(config, seed, monkeypatch):
     paths: Counter = Counter()
-    counted = balance_module.balance_counted
+    counted = counted_module.balance_counted
 
     def spy(paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s):
         result = counted(paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s)

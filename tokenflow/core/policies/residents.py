@@ -160,7 +160,8 @@ class Residents:
             self._failing_ranked = sorted(pairs, key=_utility_of)
         return self._failing_ranked
 
-    def _arrival_order(self) -> list[Request]:
+    def arrival_order(self) -> list[Request]:
+        """The pausable members by arrival (computed once)."""
         if self._by_arrival is None:
             self._by_arrival = sorted(self.pausable(), key=_ARRIVAL)
         return self._by_arrival
@@ -170,14 +171,14 @@ class Residents:
         a pausable stream is never urgent or overdue."""
         if other.is_overdue or other.is_urgent:
             return 0
-        return bisect_left(self._arrival_order(), other.request.sort_key, key=_ARRIVAL)
+        return bisect_left(self.arrival_order(), other.request.sort_key, key=_ARRIVAL)
 
     def last(self, count: int, by_arrival: bool) -> list[Request]:
         """The `count` pausable members the balancer ranks last (in no particular order)."""
         if count <= 0:
             return []
         if by_arrival:
-            return self._arrival_order()[-count:]
+            return self.arrival_order()[-count:]
         failing = self.failing
         members = (r for r in self.suspects if r not in failing)  # lowest utility first
         taken = [r for _, r in zip(range(count), members, strict=False)]
@@ -192,16 +193,16 @@ class Residents:
         run.sort(key=lambda r: (-r.rate_tps, r.arrival_s, r.arrival_index))
         return taken + run[len(run) - (count - len(taken)) :]
 
-    def candidates(self) -> list[Candidate]:
-        """A candidate per pausable member (as `survey._pausable_candidates` makes them, with
-        `utility` and `footprint_blocks` written out), for the balancer where memory is short
-        and the counted walk does not apply."""
+    def candidates(self, members: list[Request] | None = None) -> list[Candidate]:
+        """A candidate per pausable member (of `members` if given; as `survey.
+        _pausable_candidates` makes them, with `utility` and `footprint_blocks` written out),
+        for the balancer where memory binds."""
         kv, now, growth = self.view.kv, self.now, self.growth
         tables, synced_of, bs = kv.device_tables, kv.synced_tokens, kv.block_size
         dt, inv_dt, inv_horizon = self._dt, self._inv_dt, self._inv_horizon
         stall_dt = self._stall_dt
         make, exp, out = Candidate._make, math.exp, []
-        for r in self.pausable():
+        for r in self.pausable() if members is None else members:
             rid, num_out = r.request_id, len(r.output_token_ids)
             blocks = -(-r.num_computed_tokens // bs)
             unsynced = blocks - synced_of(rid) // bs
@@ -228,6 +229,16 @@ class Residents:
         remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
         extra = self.growth if self.growth < remaining else remaining
         return -(-(r.num_tokens + (extra if extra > 1 else 1)) // self.view.kv.block_size)
+
+    def footprints(self, members: list[Request]) -> list[int]:
+        """`footprint_blocks` of each of `members`, in order."""
+        growth, bs = self.growth, self.view.kv.block_size
+        out = []
+        for r in members:
+            remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
+            extra = growth if growth < remaining else remaining
+            out.append(-(-(r.num_tokens + (extra if extra > 1 else 1)) // bs))
+        return out
 
     def footprint_bound_blocks(self) -> int:
         """At least the device blocks of every resident through the next interval: the sum of

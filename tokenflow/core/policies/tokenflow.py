@@ -42,7 +42,7 @@ from tokenflow.core.policies.admission import (
     waiting_within_budget,
     working_set_limit,
 )
-from tokenflow.core.policies.balance import balance, balance_counted
+from tokenflow.core.policies.balance import balance
 from tokenflow.core.policies.base import (
     Moves,
     Policy,
@@ -51,6 +51,7 @@ from tokenflow.core.policies.base import (
     Start,
     fcfs_starts,
 )
+from tokenflow.core.policies.counted import balance_counted
 from tokenflow.core.policies.paused import paused_candidates, queued_io_blocks, resume_starts
 from tokenflow.core.policies.pricing import Costs, decision_costs
 from tokenflow.core.policies.residents import Residents
@@ -157,16 +158,15 @@ class TokenFlowPolicy(Policy):
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
-            residents, counted = started.residents, None
-            if residents.footprint_bound_blocks() <= blocks:  # else memory is likely short
-                counted = balance_counted(
-                    started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
-                )
+            residents = started.residents
+            counted = balance_counted(
+                started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
+            )
             if counted is not None:
                 left_out = set(counted[1])
                 paused = list(filter(left_out.__contains__, view.running)) if left_out else []
                 return [c.request for c in counted[0]], paused
-            # Memory is short: the greedy over every pausable member's candidate.
+            # More pinned than slots: the greedy over every candidate (it raises).
             listed = residents.candidates() + started.paused
             num_pinned, pinned_blocks = residents.num_pinned, residents.pinned_footprint_blocks()
         else:
