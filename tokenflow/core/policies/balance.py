@@ -99,14 +99,16 @@ def _arrival_order(c: Candidate) -> tuple[bool, bool, bool, float, int]:
     return (not c.is_pinned, not c.is_overdue, not c.is_urgent, r.arrival_s, r.arrival_index)
 
 
-_ARRIVAL = attrgetter("request.arrival_s", "request.arrival_index")
+_ARRIVAL_S = attrgetter("request.arrival_s")
+_INDEX = attrgetter("request.arrival_index")
 _RATE = attrgetter("request.rate_tps")
 
 
 def priority_order(candidates: list[Candidate], by_arrival: bool) -> list[Candidate]:
     """`candidates` sorted by `_arrival_order` / `_utility_order`, in stable C-level sorts
     (least significant key first, so the result is the tuple key's order)."""
-    order = sorted(candidates, key=_ARRIVAL)
+    order = sorted(candidates, key=_INDEX)
+    order.sort(key=_ARRIVAL_S)  # (arrival_s, arrival_index) order
     if by_arrival:
         order.sort(key=attrgetter("is_urgent"), reverse=True)
     else:

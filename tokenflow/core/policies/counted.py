@@ -138,7 +138,7 @@ def memory_walk(
     rest; if the slots fill before that point, the counted result (`slot_result`) stands.
     """
     ranked = residents.arrival_order() if by_arrival else residents.pausable()[::-1]
-    sums = list(accumulate(residents.footprints(ranked), initial=0))
+    sums = residents.footprint_sums(ranked)
     room = capacity_blocks - residents.pinned_footprint_blocks()
     before, blocks_before = others.residents_before, others.blocks_before
     num_others, num_ranked = len(others.order), len(ranked)

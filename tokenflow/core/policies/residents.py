@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from itertools import takewhile
+from itertools import accumulate, takewhile
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -37,6 +37,8 @@ from tokenflow.core.request import Request, RequestState
 _RUNNING = RequestState.RUNNING
 _LAST_CONSUME = attrgetter("last_consume_s")
 _ARRIVAL = attrgetter("arrival_s", "arrival_index")
+_ARRIVAL_S = attrgetter("arrival_s")
+_INDEX = attrgetter("arrival_index")
 _NUM_TOKENS = attrgetter("num_tokens")
 _END = attrgetter("end_tokens")
 
@@ -163,7 +165,10 @@ class Residents:
     def arrival_order(self) -> list[Request]:
         """The pausable members by arrival (computed once)."""
         if self._by_arrival is None:
-            self._by_arrival = sorted(self.pausable(), key=_ARRIVAL)
+            # (arrival_s, arrival_index) order in two stable C-level sorts (no tuple keys)
+            by_index = sorted(self.pausable(), key=_INDEX)
+            by_index.sort(key=_ARRIVAL_S)
+            self._by_arrival = by_index
         return self._by_arrival
 
     def num_before_by_arrival(self, other: Candidate) -> int:
@@ -230,15 +235,19 @@ class Residents:
         extra = self.growth if self.growth < remaining else remaining
         return -(-(r.num_tokens + (extra if extra > 1 else 1)) // self.view.kv.block_size)
 
-    def footprints(self, members: list[Request]) -> list[int]:
-        """`footprint_blocks` of each of `members`, in order."""
+    def footprint_sums(self, members: list[Request]) -> list[int]:
+        """Prefix sums of `footprint_blocks` along `members` (from 0): with growth >= 1, the
+        blocks of min(tokens + growth, prompt + max_tokens) (a resident has a token to go)."""
         growth, bs = self.growth, self.view.kv.block_size
-        out = []
+        if growth < 1:
+            return list(accumulate(map(self.footprint_blocks, members), initial=0))
+        up, total = bs - 1, 0
+        sums = [0]
         for r in members:
-            remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
-            extra = growth if growth < remaining else remaining
-            out.append(-(-(r.num_tokens + (extra if extra > 1 else 1)) // bs))
-        return out
+            t, end = r.num_tokens + growth, r.end_tokens
+            total += ((t if t < end else end) + up) // bs
+            sums.append(total)
+        return sums
 
     def footprint_bound_blocks(self) -> int:
         """At least the device blocks of every resident through the next interval: the sum of
