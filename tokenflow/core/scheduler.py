@@ -232,9 +232,9 @@ class Scheduler:
 
     def _decode_chunks(self, decodes: list[Request], view: SchedulingView) -> list[ScheduledChunk]:
         """One token per stream; when a block cannot be had, retract a victim and retry."""
-        chunks: dict[str, ScheduledChunk] = {}
+        chunks: list[ScheduledChunk] = []
         tables, block_size = self.kv.device_tables, self.kv.block_size
-        sent_blocks = self._sent_blocks
+        sent_blocks, make = self._sent_blocks, ScheduledChunk
         for request in decodes:
             rid = request.request_id
             table = tables.get(rid)
@@ -248,20 +248,22 @@ class Scheduler:
                 new_blocks = tuple(table[sent:])
                 sent_blocks[rid] = len(table)
             outputs = request.output_token_ids
-            chunks[rid] = ScheduledChunk(
-                rid,
-                (outputs[-1],),
-                request.num_computed_tokens,
-                new_blocks,
-                sent,
-                True,
-                request.sampling_params,
-                len(outputs),
+            chunks.append(
+                make(
+                    rid,
+                    (outputs[-1],),
+                    request.num_computed_tokens,
+                    new_blocks,
+                    sent,
+                    True,
+                    request.sampling_params,
+                    len(outputs),
+                )
             )
-        return list(chunks.values())
+        return chunks
 
     def _grow_or_retract(
-        self, request: Request, chunks: dict[str, ScheduledChunk], view: SchedulingView
+        self, request: Request, chunks: list[ScheduledChunk], view: SchedulingView
     ) -> bool:
         """Give a decoding stream its next block, retracting victims (their chunks too) until
         one is free; False if the stream itself had to go."""
@@ -278,7 +280,8 @@ class Scheduler:
                 else Preemption(rid, PreemptMode.RECOMPUTE)
             )
             self._preempt(self.requests[preemption.request_id], preemption.mode)
-            chunks.pop(preemption.request_id, None)
+            victim = preemption.request_id
+            chunks[:] = [c for c in chunks if c.request_id != victim]
             self.new_token_ratio = self.config.init_new_token_ratio
         return request.state is RequestState.RUNNING
 
@@ -374,12 +377,20 @@ class Scheduler:
             if not chunk.samples_token:
                 continue
             token_id = sampled[rid]
-            request.append_token(token_id, now_s)
+            # request.append_token(token_id, now_s), written out: it runs per stream per step
+            output_ids = request.output_token_ids
+            dry_s = request.dry_s
+            last_s = dry_s if output_ids and dry_s > now_s else now_s
+            request.last_consume_s = last_s
+            output_ids.append(token_id)
+            request.token_times_s.append(now_s)
+            request.num_tokens += 1
+            request.dry_s = last_s + 1.0 / request.rate_tps
             # (a decode fills a block exactly when its new token starts one: the rare branch)
             if filled or num_new > 1:
                 queues.token_appended(request)
             num_sampled += 1
-            num_output = len(request.output_token_ids)
+            num_output = len(output_ids)
             reason = None
             if token_id in request.stop_token_set or num_output >= limits[rid]:
                 reason = self._stop_reason(request, token_id)
