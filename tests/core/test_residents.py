@@ -23,7 +23,6 @@ from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import counted as counted_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
-from tokenflow.core.policies.pricing import decision_costs
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -153,7 +152,7 @@ def test_demand_from_counted_rates_is_the_sum_in_member_order(rates):
         scheduler.update(plan, executor.execute(plan), clock.t)
     view = scheduler.view(clock.t)
     assert view.preempted and view.running
-    started = policy._started(view, 1, decision_costs(TOKENFLOW, view))
+    started, _ = policy._started(view, 1)
     members = view.running + view.preempted
     for cap in (0.3, 1.0, 2.0, 2.2, 4.9, 5.0, 7.3, 1e9):
         expected = sum(min(r.rate_tps, cap) for r in members)

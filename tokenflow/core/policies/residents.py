@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from itertools import accumulate, takewhile
+from itertools import accumulate, filterfalse, takewhile
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -74,6 +74,7 @@ class Residents:
         self.num_pausable = cut - len(self.failing)
         self.num_pinned = len(order) - self.num_pausable
         self._by_arrival: list[Request] | None = None
+        self._pausable: list[Request] | None = None
         self._failing_ranked: list[_Ranked] | None = None
 
     # -- who is pausable ----------------------------------------------------------------------
@@ -115,9 +116,14 @@ class Residents:
         return r.last_consume_s - self.now >= self._mu * round_trip + self._critical
 
     def pausable(self) -> list[Request]:
-        """The pausable members, largest buffer first (ties in running order)."""
-        failing = self.failing
-        return [r for r in self.suspects if r not in failing] if failing else self.suspects
+        """The pausable members, largest buffer first (ties in running order; computed once)."""
+        if self._pausable is None:
+            failing = self.failing
+            suspects = self.suspects
+            self._pausable = (
+                list(filterfalse(failing.__contains__, suspects)) if failing else suspects
+            )
+        return self._pausable
 
     # -- rank -------------------------------------------------------------------------------
     def utility(self, r: Request) -> float:
@@ -184,11 +190,10 @@ class Residents:
             return []
         if by_arrival:
             return self.arrival_order()[-count:]
-        failing = self.failing
-        members = (r for r in self.suspects if r not in failing)  # lowest utility first
-        taken = [r for _, r in zip(range(count), members, strict=False)]
+        pausable = self.pausable()  # lowest utility first
+        taken = pausable[:count]
         edge = self.utility(taken[-1])
-        run = list(takewhile(lambda r: self.utility(r) == edge, members))
+        run = list(takewhile(lambda r: self.utility(r) == edge, pausable[count:]))
         if not run:
             return taken
         # The utilities equal to the cut's run on both sides of it: rank that run by the

@@ -119,8 +119,7 @@ class TokenFlowPolicy(Policy):
         self.num_decisions += 1
         self._calm_until_s = -math.inf  # starts follow: look again at the next boundary
         growth = self.growth_tokens(view)
-        costs = decision_costs(self.config, view)
-        started = self._started(view, growth, costs)
+        started, costs = self._started(view, growth)
         capacity, demand = self._capacity_and_demand(view, started)
         degraded = demand > capacity
         admitted: list[Request] = []
@@ -138,14 +137,16 @@ class TokenFlowPolicy(Policy):
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
-    def _started(self, view: SchedulingView, growth: int, costs: Costs) -> Started:
-        """The started members: running ones counted by buffer (`Residents`) where the view
-        keeps the unsettled residents and the host can take any tail, else surveyed."""
+    def _started(self, view: SchedulingView, growth: int) -> tuple[Started, Costs]:
+        """The started members, and the decision's costs: running ones counted by buffer
+        (`Residents`) where the view keeps the unsettled residents and the host can take any
+        tail, else surveyed."""
         kv = view.kv
         if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
-            return survey_started(self.config, view, growth, costs)
-        residents = Residents(self.config, view, costs, growth)
-        return StartedMembers(residents, paused_candidates(self.config, view, growth, costs))
+            costs = decision_costs(self.config, view)
+            return survey_started(self.config, view, growth, costs), costs
+        costs, paused = paused_candidates(self.config, view, growth)
+        return StartedMembers(Residents(self.config, view, costs, growth), paused), costs
 
     def _balance(
         self,
