@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
 from itertools import accumulate, filterfalse, takewhile
 from operator import attrgetter
-from typing import NamedTuple
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
@@ -41,14 +39,6 @@ _ARRIVAL_S = attrgetter("arrival_s")
 _INDEX = attrgetter("arrival_index")
 _NUM_TOKENS = attrgetter("num_tokens")
 _END = attrgetter("end_tokens")
-
-
-class _Ranked(NamedTuple):
-    utility: float
-    request: Request
-
-
-_utility_of = attrgetter("utility")
 
 
 class Residents:
@@ -75,7 +65,8 @@ class Residents:
         self.num_pinned = len(order) - self.num_pausable
         self._by_arrival: list[Request] | None = None
         self._pausable: list[Request] | None = None
-        self._failing_ranked: list[_Ranked] | None = None
+        self._failing_ranked: list[Request] | None = None
+        self._utilities: dict[Request, float] = {}
 
     # -- who is pausable ----------------------------------------------------------------------
     def _threshold_s(self, num_blocks: int) -> float:
@@ -127,12 +118,17 @@ class Residents:
 
     # -- rank -------------------------------------------------------------------------------
     def utility(self, r: Request) -> float:
-        """A running suspect's utility (as `survey._pausable_candidates` computes it)."""
-        buffered = r.last_consume_s - self.now
-        value = 1.0 - buffered * self._inv_horizon
-        return (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
-            -buffered * self._inv_dt
-        )
+        """A running suspect's utility (as `survey._pausable_candidates` computes it; once
+        per decision: bisections probe the same streams)."""
+        u = self._utilities.get(r)
+        if u is None:
+            buffered = r.last_consume_s - self.now
+            value = 1.0 - buffered * self._inv_horizon
+            u = (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
+                -buffered * self._inv_dt
+            )
+            self._utilities[r] = u
+        return u
 
     @staticmethod
     def _tie_before(r: Request, other: Candidate) -> bool:
@@ -146,26 +142,24 @@ class Residents:
         """Pausable members the balancer ranks before `other` (paused or newcomer) by utility."""
         if other.is_overdue:
             return 0
-        failing = self._failing_by_utility()
-        return self._num_ranked_before(self.suspects, self.utility, other) - (
-            self._num_ranked_before(failing, _utility_of, other)
+        return self._num_ranked_before(self.suspects, other) - (
+            self._num_ranked_before(self._failing_by_utility(), other)
         )
 
-    def _num_ranked_before(self, members: list, key: Callable, other: Candidate) -> int:
+    def _num_ranked_before(self, members: list[Request], other: Candidate) -> int:
         """Of `members` (utility rising along them), those ranked before `other`."""
-        u = other.utility
+        u, key = other.utility, self.utility
         hi = bisect_right(members, u, key=key)
         count = len(members) - hi
         while hi > 0 and key(members[hi - 1]) == u:  # the run of equal utility before hi
             hi -= 1
-            count += self._tie_before(getattr(members[hi], "request", members[hi]), other)
+            count += self._tie_before(members[hi], other)
         return count
 
-    def _failing_by_utility(self) -> list[_Ranked]:
-        """The failing suspects with their utilities, by utility (computed once)."""
+    def _failing_by_utility(self) -> list[Request]:
+        """The failing suspects in suspects' order: utility rising along them (computed once)."""
         if self._failing_ranked is None:
-            pairs = (_Ranked(self.utility(r), r) for r in self.failing)
-            self._failing_ranked = sorted(pairs, key=_utility_of)
+            self._failing_ranked = list(filter(self.failing.__contains__, self.suspects))
         return self._failing_ranked
 
     def arrival_order(self) -> list[Request]:
