@@ -6,6 +6,8 @@ out-of-memory retraction) -> copies (loads, then write-through).  `update()` app
 
 from __future__ import annotations
 
+from itertools import filterfalse
+
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
@@ -197,13 +199,8 @@ class Scheduler:
     # -- chunks ---------------------------------------------------------------------------------
     def _build_chunks(self, view: SchedulingView) -> list[ScheduledChunk]:
         """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget)."""
-        decodes: list[Request] = []
-        prefills: list[Request] = []
+        decodes, prefills = self._split_residents()
         running = RequestState.RUNNING
-        for r in self.running:
-            if r.state is running:
-                is_decode = r.output_token_ids and r.num_computed_tokens >= r.num_tokens - 1
-                (decodes if is_decode else prefills).append(r)
         chunk_tokens = self.policy.prefill_chunk_tokens
         if chunk_tokens is None:
             if prefills:
@@ -212,6 +209,25 @@ class Scheduler:
         chunks = self._decode_chunks(decodes, view)
         prefills = [r for r in prefills if r.state is running]  # retraction may take some
         return chunks + self._prefill_chunks(prefills, chunk_tokens - len(chunks), whole=False)
+
+    def _split_residents(self) -> tuple[list[Request], list[Request]]:
+        """(Decoding residents, prefilling ones), each in running order.  Only the unsettled
+        residents are looked at: every other one is decoding (`RequestQueues.unsettled`)."""
+        running = RequestState.RUNNING
+        not_decoding = {
+            r
+            for r in self.queues.unsettled.values()
+            if not (
+                r.state is running
+                and r.output_token_ids
+                and r.num_computed_tokens >= r.num_tokens - 1
+            )
+        }
+        if not not_decoding:
+            return list(self.running), []
+        decodes = list(filterfalse(not_decoding.__contains__, self.running))
+        odd = filter(not_decoding.__contains__, self.running)
+        return decodes, [r for r in odd if r.state is running]
 
     def _prefill_chunks(
         self, prefills: list[Request], budget: int, whole: bool
