@@ -100,6 +100,7 @@ def _check_queue_sums(scheduler: Scheduler) -> None:
     """What the queues keep on events equals a rescan."""
     queues, running = scheduler.queues, scheduler.running
     assert queues.resident_tokens == sum(r.num_tokens for r in running)
+    assert queues.running_by_arrival == sorted(running, key=lambda r: r.sort_key)
     assert queues.started_rates == Counter(r.rate_tps for r in running + scheduler.preempted)
     for r in running:  # every resident left out of `unsettled` is decoding
         if r.request_id not in queues.unsettled:

@@ -127,6 +127,7 @@ class Scheduler:
             unsettled=self.queues.unsettled.values(),
             started_rates=self.queues.started_rates,
             resident_tokens=self.queues.resident_tokens,
+            running_by_arrival=self.queues.running_by_arrival,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,

@@ -62,6 +62,7 @@ class SchedulingView:
     unsettled: Collection[Request] | None = None
     started_rates: Mapping[float, int] | None = None  # reading rate -> running + preempted
     resident_tokens: int | None = None  # num_tokens summed over the residents (None: unknown)
+    running_by_arrival: list[Request] | None = None  # the residents by arrival (None: unknown)
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""

@@ -165,11 +165,21 @@ class Residents:
     def arrival_order(self) -> list[Request]:
         """The pausable members by arrival (computed once)."""
         if self._by_arrival is None:
-            # (arrival_s, arrival_index) order in two stable C-level sorts (no tuple keys)
+            self._by_arrival = self._pausable_by_arrival()
+        return self._by_arrival
+
+    def _pausable_by_arrival(self) -> list[Request]:
+        """The pausable members by arrival: the queues' residents by arrival less the others,
+        or (unknown) sorted in two stable C-level sorts (no tuple keys)."""
+        by_arrival = self.view.running_by_arrival
+        if by_arrival is None:
             by_index = sorted(self.pausable(), key=_INDEX)
             by_index.sort(key=_ARRIVAL_S)
-            self._by_arrival = by_index
-        return self._by_arrival
+            return by_index
+        if not self.failing and not self._rest:
+            return list(by_arrival)
+        pinned = self.failing.union(self._rest)
+        return list(filterfalse(pinned.__contains__, by_arrival))
 
     def num_before_by_arrival(self, other: Candidate) -> int:
         """Pausable members the balancer ranks before `other` in arrival order (degraded):
