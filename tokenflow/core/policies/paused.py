@@ -23,7 +23,7 @@ def paused_candidates(
     in the view's order, in one pass: off the device, so neither pinned nor pausable, its
     utility less the switch cost, its resume time (as `pricing.resume_time_s`)."""
     now, kv = view.now_s, view.kv
-    bs, synced_of = kv.block_size, kv.synced_tokens
+    bs, synced_of = kv.block_size, kv.synced_tokens_of
     seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
     prefill_s = view.estimator.prefill_time_s
     dt = config.schedule_interval_s
@@ -36,7 +36,7 @@ def paused_candidates(
     for r in view.preempted:
         num_out, num_tokens, computed = len(r.output_token_ids), r.num_tokens, r.num_computed_tokens
         resume = prefill_s(num_tokens)
-        if computed > 0 and synced_of(r.request_id) >= computed:  # a host copy: load it?
+        if computed > 0 and synced_of(r.request_id, 0) >= computed:  # a host copy: load it?
             load = -(-computed // bs) * seconds_per_block
             resume = load if load < resume else resume
         resume_of[r.request_id] = resume
@@ -69,13 +69,13 @@ def resume_starts(view: SchedulingView, requests: list[Request], queued_blocks: 
     traffic) beats the recompute time, or when the load lands before the reader runs dry;
     recompute when the host holds no copy."""
     kv, now = view.kv, view.now_s
-    synced_of, bs = kv.synced_tokens, kv.block_size
+    synced_of, bs = kv.synced_tokens_of, kv.block_size
     block_bytes, bytes_per_s = kv.config.block_bytes, view.config.link_bytes_per_s
     prefill_s = view.estimator.prefill_time_s
     starts: list[Start] = []
     for r in requests:
         rid, computed = r.request_id, r.num_computed_tokens
-        if not (computed > 0 and synced_of(rid) >= computed):  # kv.has_host_copy
+        if not (computed > 0 and synced_of(rid, 0) >= computed):  # kv.has_host_copy
             starts.append(Start(rid, False))
             continue
         io_s = (queued_blocks + -(-computed // bs)) * block_bytes / bytes_per_s

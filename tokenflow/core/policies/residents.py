@@ -212,14 +212,14 @@ class Residents:
         _pausable_candidates` makes them, with `utility` and `footprint_blocks` written out),
         for the balancer where memory binds."""
         kv, now, growth = self.view.kv, self.now, self.growth
-        tables, synced_of, bs = kv.device_tables, kv.synced_tokens, kv.block_size
+        tables, synced_of, bs = kv.device_tables, kv.synced_tokens_of, kv.block_size
         dt, inv_dt, inv_horizon = self._dt, self._inv_dt, self._inv_horizon
         stall_dt = self._stall_dt
         make, exp, out = Candidate._make, math.exp, []
         for r in self.pausable() if members is None else members:
             rid, num_out = r.request_id, len(r.output_token_ids)
             blocks = -(-r.num_computed_tokens // bs)
-            unsynced = blocks - synced_of(rid) // bs
+            unsynced = blocks - synced_of(rid, 0) // bs
             buffered = r.last_consume_s - now
             value = 1.0 - buffered * inv_horizon
             score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
