@@ -104,7 +104,7 @@ def balance_counted(
     kept = max(min(residents.num_pausable, limit - len(picked)), 0)
     left_out = residents.last(residents.num_pausable - kept, by_arrival)
     change = sum(c.footprint_blocks for c in picked)
-    change -= sum(map(residents.footprint_blocks, left_out))
+    change -= residents.footprint_sums(left_out)[-1]
     if residents.footprint_bound_blocks() + change <= capacity_blocks:
         return picked, left_out
     return memory_walk(
