@@ -376,11 +376,22 @@ class Scheduler:
                 self.queues.load_finished(request)
         self._loads_completing.clear()
         sampled = {s.request_id: s.token_id for s in result.sampled}
+        outputs, num_sampled = self._apply_chunks(plan.chunks, sampled, now_s)
+        # (a finished request left with its own remaining count: subtracting after is exact)
+        self.queues.remaining_output_tokens -= num_sampled
+        self.queues.resident_tokens += num_sampled
+        self._decay_new_token_ratio()
+        return outputs
+
+    def _apply_chunks(
+        self, chunks: tuple[ScheduledChunk, ...], sampled: dict[str, int], now_s: float
+    ) -> tuple[list[RequestOutput], int]:
+        """Each chunk's computed tokens and sampled token: (the outputs, tokens sampled)."""
         outputs: list[RequestOutput] = []
         requests, running = self.requests, RequestState.RUNNING
         block_size, queues = self.kv.block_size, self.queues
         limits, num_sampled = self._output_limits, 0
-        for chunk in plan.chunks:
+        for chunk in chunks:
             rid = chunk.request_id
             request = requests.get(rid)
             if request is None or request.state is not running:
@@ -414,11 +425,7 @@ class Scheduler:
                 if reason is not None:
                     self._finish(request, reason)
             outputs.append(RequestOutput(rid, (token_id,), num_output, reason))
-        # (a finished request left with its own remaining count: subtracting after is exact)
-        self.queues.remaining_output_tokens -= num_sampled
-        self.queues.resident_tokens += num_sampled
-        self._decay_new_token_ratio()
-        return outputs
+        return outputs, num_sampled
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         num_output = len(request.output_token_ids)

@@ -140,39 +140,43 @@ def memory_walk(
     ranked = residents.arrival_order() if by_arrival else residents.pausable()[::-1]
     sums = residents.footprint_sums(ranked)
     room = capacity_blocks - residents.pinned_footprint_blocks()
-    before, blocks_before = others.residents_before, others.blocks_before
-    num_others, num_ranked = len(others.order), len(ranked)
-    # The first other through which the walk (memory not binding) is past the room ...
-    k = others.first(num_others, lambda k: sums[before(k)] + blocks_before[k + 1] > room)
-    lo, hi = (before(k - 1) if k else 0), before(k)
-    # ... and the first resident before it past the room, else that other itself.
-    miss = bisect_right(sums, room - blocks_before[k], lo + 1, hi + 1) - 1
-    if miss >= hi and k == num_others:
+    start = _first_miss(others, sums, room)
+    if start is None:
         return slot_result  # memory never binds
-    start = min(miss, hi)
     utility = residents.utility
     while (
         not by_arrival
-        and 0 < start < num_ranked
+        and 0 < start < len(ranked)
         and utility(ranked[start - 1]) == utility(ranked[start])
     ):
         start -= 1
-    split = others.first(k, lambda k: before(k) >= start)
+    before, blocks_before = others.residents_before, others.blocks_before
+    split = others.first(len(others.order), lambda k: before(k) >= start)
     num_taken = residents.num_pinned + start + others.picks_before[split]
     if num_taken >= max_seqs:
         return slot_result  # the slots fill before memory binds
     used = capacity_blocks - room + sums[start] + blocks_before[split]
     tail = ranked[start:]
     order = priority_order(residents.candidates(tail) + others.order[split:], by_arrival)
-    picked = greedy(
-        order,
-        capacity_blocks,
-        max_seqs,
-        resume_budget_s,
-        used,
-        num_taken,
-        others.resume_before[split],
-    )
+    resume_s = others.resume_before[split]
+    picked = greedy(order, capacity_blocks, max_seqs, resume_budget_s, used, num_taken, resume_s)
     kept = {id(c.request) for c in picked if c.is_resident}
     taken = list(compress(others.order[:split], others.flags))
     return taken + [c for c in picked if not c.is_resident], [r for r in tail if id(r) not in kept]
+
+
+def _first_miss(others: _Others, sums: list[int], room: int) -> int | None:
+    """Where the walk first finds no room (memory not binding before): the residents ranked
+    before that item (a resident's index, or the count before an other), or None if nowhere.
+    `sums` are the ranked residents' footprint prefix sums; `room` the blocks for them and
+    the others."""
+    before, blocks_before = others.residents_before, others.blocks_before
+    num_others = len(others.order)
+    # The first other through which the walk is past the room ...
+    k = others.first(num_others, lambda k: sums[before(k)] + blocks_before[k + 1] > room)
+    lo, hi = (before(k - 1) if k else 0), before(k)
+    # ... and the first resident before it past the room, else that other itself.
+    miss = bisect_right(sums, room - blocks_before[k], lo + 1, hi + 1) - 1
+    if miss >= hi and k == num_others:
+        return None
+    return min(miss, hi)
