@@ -13,11 +13,11 @@ the running streams by buffered seconds once (a C-level sort) and:
   end, sorting the run of equal utilities at the cut by the balancer's full key;
 - sums what admission needs of them from the queues' sums (`started.PausePool`).
 
-Where memory is short the balancer needs every pausable member's footprint in order, and gets a
-candidate each (`candidates`).  The decisions are those of the candidate-per-stream survey
-(`survey_started` + `balance`),
-given that the utility computed in floats never rises with the buffer: every operation in it is
-monotone (IEEE rounding is), provided libm's `exp` is.
+Where memory binds, the balancer's walk (`counted.memory_walk`) needs the pausable members'
+footprints as prefix sums in rank order (`footprint_sums`) and candidates only from the first
+miss on (`candidates`).  The decisions are those of the candidate-per-stream survey
+(`survey_started` + `balance`), given that the utility computed in floats never rises with the
+buffer: every operation in it is monotone (IEEE rounding is), provided libm's `exp` is.
 """
 
 from __future__ import annotations
