@@ -21,9 +21,8 @@ from tests.core.reference.tokenflow_policy import TokenFlowPolicy as RefTokenFlo
 from tests.core.test_parity import CONFIG, TOKENFLOW, TimedExecutor
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig
-from tokenflow.core.policies import balance as balance_module
+from tokenflow.core.policies import counted as counted_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
-from tokenflow.core.policies.pricing import decision_costs
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -32,7 +31,9 @@ from tokenflow.core.scheduler import Scheduler
 FLAT = replace(TOKENFLOW, stall_penalty=0.0, value_horizon_s=0.8, switch_penalty=0.0)
 
 
-def _requests(num: int, rng: random.Random, window_s: float) -> list[Request]:
+def _requests(
+    num: int, rng: random.Random, window_s: float, rates: tuple[float, ...] = (2.0, 5.0, 10.0)
+) -> list[Request]:
     # Arrivals in a few instants: streams started together share their buffers exactly.
     instants = [round(rng.uniform(0, window_s), 2) for _ in range(6)]
     return sorted(
@@ -41,7 +42,7 @@ def _requests(num: int, rng: random.Random, window_s: float) -> list[Request]:
                 request_id=f"r{i:03d}",
                 prompt_token_ids=tuple(range(3, 3 + rng.randint(1, 30))),
                 sampling_params=SamplingParams(max_tokens=rng.randint(20, 200), ignore_eos=True),
-                rate_tps=rng.choice([2.0, 5.0, 10.0]),
+                rate_tps=rng.choice(rates),
                 arrival_s=rng.choice(instants),
             )
             for i in range(num)
@@ -50,16 +51,24 @@ def _requests(num: int, rng: random.Random, window_s: float) -> list[Request]:
     )
 
 
-def _drive(config: TokenFlowConfig, seed: int, num: int, host_blocks: int) -> Counter:
-    """Serve `num` requests (max_num_seqs 24, a roomy device); compare every decision."""
+def _drive(
+    config: TokenFlowConfig,
+    seed: int,
+    num: int,
+    host_blocks: int,
+    device_blocks: int = 600,
+    rates: tuple[float, ...] = (2.0, 5.0, 10.0),
+) -> Counter:
+    """Serve `num` requests (max_num_seqs 24, by default a roomy device); compare every
+    decision with the reference's."""
     rng = random.Random(seed)
     policy = TokenFlowPolicy(config)
     reference = RefTokenFlow(config)
-    kv = KVConfig(600, host_blocks, block_size=4, block_bytes=1000)
+    kv = KVConfig(device_blocks, host_blocks, block_size=4, block_bytes=1000)
     scheduler = Scheduler(replace(CONFIG, link_bytes_per_s=4e6), kv, policy)
     clock = ManualClock()
     executor = TimedExecutor(clock)
-    pending = _requests(num, rng, window_s=3.0)
+    pending = _requests(num, rng, window_s=3.0, rates=rates)
     decide = policy.decide
 
     def checked(view):
@@ -91,6 +100,7 @@ def _check_queue_sums(scheduler: Scheduler) -> None:
     """What the queues keep on events equals a rescan."""
     queues, running = scheduler.queues, scheduler.running
     assert queues.resident_tokens == sum(r.num_tokens for r in running)
+    assert queues.running_by_arrival == sorted(running, key=lambda r: r.sort_key)
     assert queues.started_rates == Counter(r.rate_tps for r in running + scheduler.preempted)
     for r in running:  # every resident left out of `unsettled` is decoding
         if r.request_id not in queues.unsettled:
@@ -102,7 +112,7 @@ def _check_queue_sums(scheduler: Scheduler) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_counted_decisions_match_the_reference(config, seed, monkeypatch):
     paths: Counter = Counter()
-    counted = balance_module.balance_counted
+    counted = counted_module.balance_counted
 
     def spy(paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s):
         result = counted(paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s)
@@ -143,8 +153,39 @@ def test_demand_from_counted_rates_is_the_sum_in_member_order(rates):
         scheduler.update(plan, executor.execute(plan), clock.t)
     view = scheduler.view(clock.t)
     assert view.preempted and view.running
-    started = policy._started(view, 1, decision_costs(TOKENFLOW, view))
+    started, _ = policy._started(view, 1)
     members = view.running + view.preempted
     for cap in (0.3, 1.0, 2.0, 2.2, 4.9, 5.0, 7.3, 1e9):
         expected = sum(min(r.rate_tps, cap) for r in members)
         assert started.demand_tps(cap) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "rates", "kind"),
+    [
+        (TOKENFLOW, (2.0, 5.0, 10.0), "utility"),
+        (FLAT, (2.0, 5.0, 10.0), "utility"),
+        (TOKENFLOW, (20.0, 40.0), "arrival"),
+    ],
+    ids=["default", "flat-utility", "degraded"],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_memory_short_walk_matches_the_reference(config, rates, kind, seed, monkeypatch):
+    """A device too small for the residents' next interval: the counted walk finds where
+    memory binds (bulk before, the greedy exactly after) and still decides as the reference,
+    in utility order and (overloaded) in arrival order."""
+    paths: Counter = Counter()
+    walk = counted_module.memory_walk
+
+    def spy(by_arrival, others, residents, blocks, max_seqs, budget_s, slot_result):
+        result = walk(by_arrival, others, residents, blocks, max_seqs, budget_s, slot_result)
+        order = "arrival" if by_arrival else "utility"
+        paths[order, "slots" if result is slot_result else "memory"] += 1
+        paths[order, "paused"] += bool(result[1])
+        return result
+
+    monkeypatch.setattr(counted_module, "memory_walk", spy)
+    stats = _drive(config, seed, num=90, host_blocks=4000, device_blocks=160, rates=rates)
+    assert stats["preemptions"] > 10
+    assert paths[kind, "memory"] > 20, paths  # the walk really ran where memory binds
+    assert paths[kind, "paused"] > 5, paths  # and left residents out

@@ -13,7 +13,7 @@ and owned; synced_tokens never exceeds what the host table covers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tokenflow.core.plan import BlockCopy, CopyKind
@@ -93,6 +93,11 @@ class KVTierManager:
     def device_tables(self) -> Mapping[str, list[int]]:
         """Every live device table by request id (hot paths): read them, never modify them."""
         return self._device_tables
+
+    @property
+    def synced_tokens_of(self) -> Callable[[str, int], int]:
+        """`synced_tokens` as a C-level call (hot paths): `synced_tokens_of(request_id, 0)`."""
+        return self._synced_tokens.get
 
     def num_device_blocks_of(self, request_id: str) -> int:
         return len(self._device_tables.get(request_id, ()))

@@ -29,9 +29,13 @@ class CopyKind(enum.Enum):
     LOAD = "load"  # host -> device, of a resumed request
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BlockCopy:
-    """Copy one KV block (all layers, K and V) between tiers."""
+    """Copy one KV block (all layers, K and V) between tiers.
+
+    Treated as immutable; not frozen because frozen dataclasses are slow to build and a step
+    plans dozens of copies (see ScheduledChunk).
+    """
 
     request_id: str
     kind: CopyKind

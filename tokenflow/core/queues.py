@@ -36,6 +36,7 @@ class RequestQueues:
         self.block_size = block_size
         self.waiting: list[Request] = []  # never started
         self.running: list[Request] = []  # resident (RUNNING or LOADING), in order of start
+        self.running_by_arrival: list[Request] = []  # the same, by arrival
         self.preempted: list[Request] = []  # started once, now off the device
         self.preempted_by_dry: list[
             Request
@@ -72,6 +73,7 @@ class RequestQueues:
             self._leave_preempted(request)
         request.state = state
         self.running.append(request)
+        bisect.insort(self.running_by_arrival, request, key=_arrival)
         self.unsettled[request.request_id] = request
         if state is RequestState.LOADING:
             self.loading.append(request)
@@ -126,6 +128,7 @@ class RequestQueues:
 
     def _leave_device(self, request: Request) -> None:
         self.running.remove(request)
+        self.running_by_arrival.remove(request)
         if request.state is RequestState.LOADING:
             self.loading.remove(request)
         self.remaining_output_tokens -= (

@@ -6,6 +6,8 @@ out-of-memory retraction) -> copies (loads, then write-through).  `update()` app
 
 from __future__ import annotations
 
+from itertools import filterfalse
+
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
@@ -125,6 +127,7 @@ class Scheduler:
             unsettled=self.queues.unsettled.values(),
             started_rates=self.queues.started_rates,
             resident_tokens=self.queues.resident_tokens,
+            running_by_arrival=self.queues.running_by_arrival,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
@@ -197,13 +200,8 @@ class Scheduler:
     # -- chunks ---------------------------------------------------------------------------------
     def _build_chunks(self, view: SchedulingView) -> list[ScheduledChunk]:
         """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget)."""
-        decodes: list[Request] = []
-        prefills: list[Request] = []
+        decodes, prefills = self._split_residents()
         running = RequestState.RUNNING
-        for r in self.running:
-            if r.state is running:
-                is_decode = r.output_token_ids and r.num_computed_tokens >= r.num_tokens - 1
-                (decodes if is_decode else prefills).append(r)
         chunk_tokens = self.policy.prefill_chunk_tokens
         if chunk_tokens is None:
             if prefills:
@@ -212,6 +210,25 @@ class Scheduler:
         chunks = self._decode_chunks(decodes, view)
         prefills = [r for r in prefills if r.state is running]  # retraction may take some
         return chunks + self._prefill_chunks(prefills, chunk_tokens - len(chunks), whole=False)
+
+    def _split_residents(self) -> tuple[list[Request], list[Request]]:
+        """(Decoding residents, prefilling ones), each in running order.  Only the unsettled
+        residents are looked at: every other one is decoding (`RequestQueues.unsettled`)."""
+        running = RequestState.RUNNING
+        not_decoding = {
+            r
+            for r in self.queues.unsettled.values()
+            if not (
+                r.state is running
+                and r.output_token_ids
+                and r.num_computed_tokens >= r.num_tokens - 1
+            )
+        }
+        if not not_decoding:
+            return list(self.running), []
+        decodes = list(filterfalse(not_decoding.__contains__, self.running))
+        odd = filter(not_decoding.__contains__, self.running)
+        return decodes, [r for r in odd if r.state is running]
 
     def _prefill_chunks(
         self, prefills: list[Request], budget: int, whole: bool
@@ -232,9 +249,9 @@ class Scheduler:
 
     def _decode_chunks(self, decodes: list[Request], view: SchedulingView) -> list[ScheduledChunk]:
         """One token per stream; when a block cannot be had, retract a victim and retry."""
-        chunks: dict[str, ScheduledChunk] = {}
+        chunks: list[ScheduledChunk] = []
         tables, block_size = self.kv.device_tables, self.kv.block_size
-        sent_blocks = self._sent_blocks
+        sent_blocks, make = self._sent_blocks, ScheduledChunk
         for request in decodes:
             rid = request.request_id
             table = tables.get(rid)
@@ -248,20 +265,22 @@ class Scheduler:
                 new_blocks = tuple(table[sent:])
                 sent_blocks[rid] = len(table)
             outputs = request.output_token_ids
-            chunks[rid] = ScheduledChunk(
-                rid,
-                (outputs[-1],),
-                request.num_computed_tokens,
-                new_blocks,
-                sent,
-                True,
-                request.sampling_params,
-                len(outputs),
+            chunks.append(
+                make(
+                    rid,
+                    (outputs[-1],),
+                    request.num_computed_tokens,
+                    new_blocks,
+                    sent,
+                    True,
+                    request.sampling_params,
+                    len(outputs),
+                )
             )
-        return list(chunks.values())
+        return chunks
 
     def _grow_or_retract(
-        self, request: Request, chunks: dict[str, ScheduledChunk], view: SchedulingView
+        self, request: Request, chunks: list[ScheduledChunk], view: SchedulingView
     ) -> bool:
         """Give a decoding stream its next block, retracting victims (their chunks too) until
         one is free; False if the stream itself had to go."""
@@ -278,7 +297,8 @@ class Scheduler:
                 else Preemption(rid, PreemptMode.RECOMPUTE)
             )
             self._preempt(self.requests[preemption.request_id], preemption.mode)
-            chunks.pop(preemption.request_id, None)
+            victim = preemption.request_id
+            chunks[:] = [c for c in chunks if c.request_id != victim]
             self.new_token_ratio = self.config.init_new_token_ratio
         return request.state is RequestState.RUNNING
 
@@ -356,11 +376,22 @@ class Scheduler:
                 self.queues.load_finished(request)
         self._loads_completing.clear()
         sampled = {s.request_id: s.token_id for s in result.sampled}
+        outputs, num_sampled = self._apply_chunks(plan.chunks, sampled, now_s)
+        # (a finished request left with its own remaining count: subtracting after is exact)
+        self.queues.remaining_output_tokens -= num_sampled
+        self.queues.resident_tokens += num_sampled
+        self._decay_new_token_ratio()
+        return outputs
+
+    def _apply_chunks(
+        self, chunks: tuple[ScheduledChunk, ...], sampled: dict[str, int], now_s: float
+    ) -> tuple[list[RequestOutput], int]:
+        """Each chunk's computed tokens and sampled token: (the outputs, tokens sampled)."""
         outputs: list[RequestOutput] = []
         requests, running = self.requests, RequestState.RUNNING
         block_size, queues = self.kv.block_size, self.queues
         limits, num_sampled = self._output_limits, 0
-        for chunk in plan.chunks:
+        for chunk in chunks:
             rid = chunk.request_id
             request = requests.get(rid)
             if request is None or request.state is not running:
@@ -374,23 +405,27 @@ class Scheduler:
             if not chunk.samples_token:
                 continue
             token_id = sampled[rid]
-            request.append_token(token_id, now_s)
+            # request.append_token(token_id, now_s), written out: it runs per stream per step
+            output_ids = request.output_token_ids
+            dry_s = request.dry_s
+            last_s = dry_s if output_ids and dry_s > now_s else now_s
+            request.last_consume_s = last_s
+            output_ids.append(token_id)
+            request.token_times_s.append(now_s)
+            request.num_tokens += 1
+            request.dry_s = last_s + 1.0 / request.rate_tps
             # (a decode fills a block exactly when its new token starts one: the rare branch)
             if filled or num_new > 1:
                 queues.token_appended(request)
             num_sampled += 1
-            num_output = len(request.output_token_ids)
+            num_output = len(output_ids)
             reason = None
             if token_id in request.stop_token_set or num_output >= limits[rid]:
                 reason = self._stop_reason(request, token_id)
                 if reason is not None:
                     self._finish(request, reason)
             outputs.append(RequestOutput(rid, (token_id,), num_output, reason))
-        # (a finished request left with its own remaining count: subtracting after is exact)
-        self.queues.remaining_output_tokens -= num_sampled
-        self.queues.resident_tokens += num_sampled
-        self._decay_new_token_ratio()
-        return outputs
+        return outputs, num_sampled
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         num_output = len(request.output_token_ids)

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import math
-from itertools import accumulate, compress
 from operator import attrgetter
 
-from tokenflow.core.policies.residents import Residents
 from tokenflow.core.policies.survey import Candidate
-from tokenflow.core.request import Request
 
 
 def balance(
@@ -43,11 +40,31 @@ def balance(
     if num_implicit_pinned > max_seqs:
         raise ValueError(f"{num_implicit_pinned} pinned members exceed max_seqs {max_seqs}")
     order = priority_order(candidates, by_arrival)
+    return greedy(
+        order,
+        capacity_blocks,
+        max_seqs,
+        resume_budget_s,
+        implicit_pinned_blocks,
+        num_implicit_pinned,
+    )
+
+
+def greedy(
+    order: list[Candidate],
+    capacity_blocks: int,
+    max_seqs: int,
+    resume_budget_s: float,
+    used_blocks: int = 0,
+    num_taken: int = 0,
+    resume_s: float = 0.0,
+) -> list[Candidate]:
+    """The balancer's walk over `order` (priority order) from a state: `used_blocks` of device
+    memory and `num_taken` slots already taken, `resume_s` of the resume budget spent."""
     picked: list[Candidate] = []
-    used = implicit_pinned_blocks
-    resume_s = 0.0
+    used = used_blocks
     for cand in order:
-        if len(picked) + num_implicit_pinned >= max_seqs:
+        if len(picked) + num_taken >= max_seqs:
             break
         if not cand.is_pinned and used + cand.footprint_blocks > capacity_blocks:
             continue
@@ -82,69 +99,16 @@ def _arrival_order(c: Candidate) -> tuple[bool, bool, bool, float, int]:
     return (not c.is_pinned, not c.is_overdue, not c.is_urgent, r.arrival_s, r.arrival_index)
 
 
-def balance_counted(
-    paused: list[Candidate],
-    newcomers: list[Candidate],
-    residents: Residents,
-    capacity_blocks: int,
-    max_seqs: int,
-    by_arrival: bool,
-    resume_budget_s: float,
-) -> tuple[list[Candidate], list[Request]] | None:
-    """`balance` over the paused members and the newcomers (the others; each list in
-    arrival order) and the pausable residents, counted, not listed: returns (the others
-    picked, in priority order; the pausable residents left out), or None where the shortcut
-    cannot vouch for the result.
-
-    A pausable resident is not pinned and needs no resume, so the greedy takes every one it
-    reaches while memory lasts; which others it takes depends only on the others before them
-    (the resume budget).  So the first other the greedy does not reach (the slots are full)
-    is found by bisection on the others, from how many residents rank before each; the
-    residents left out are the last ones.  Memory is checked once, at the end: the residents'
-    footprints (bounded from above), less those left out, plus the others picked; if that
-    fits, no step of the greedy was short of memory (picks only add), else None.
-    """
-    num_pinned = residents.num_pinned
-    if num_pinned > max_seqs:
-        return None  # (`balance` raises; let it)
-    order = priority_order(paused + newcomers, by_arrival)
-    flags: list[bool] = []  # taken when reached: the resume budget only
-    resume_s = 0.0
-    for cand in order:
-        fits = True
-        if cand.resume_s > 0.0:
-            fits = not (resume_s > 0.0 and resume_s + cand.resume_s > resume_budget_s)
-            if fits:
-                resume_s += cand.resume_s
-        flags.append(fits)
-    picks_before = list(accumulate(flags, initial=0))
-    num_before = residents.num_before_by_arrival if by_arrival else residents.num_before
-    limit = max_seqs - num_pinned
-    lo, hi = 0, len(order)  # the first other not reached: the slots were filled before it
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if num_before(order[mid]) + picks_before[mid] >= limit:
-            hi = mid
-        else:
-            lo = mid + 1
-    picked = list(compress(order[:lo], flags))
-    kept = max(min(residents.num_pausable, limit - len(picked)), 0)
-    left_out = residents.last(residents.num_pausable - kept, by_arrival)
-    change = sum(c.footprint_blocks for c in picked)
-    change -= sum(map(residents.footprint_blocks, left_out))
-    if residents.footprint_bound_blocks() + change <= capacity_blocks:
-        return picked, left_out
-    return None
-
-
-_ARRIVAL = attrgetter("request.arrival_s", "request.arrival_index")
+_ARRIVAL_S = attrgetter("request.arrival_s")
+_INDEX = attrgetter("request.arrival_index")
 _RATE = attrgetter("request.rate_tps")
 
 
 def priority_order(candidates: list[Candidate], by_arrival: bool) -> list[Candidate]:
     """`candidates` sorted by `_arrival_order` / `_utility_order`, in stable C-level sorts
     (least significant key first, so the result is the tuple key's order)."""
-    order = sorted(candidates, key=_ARRIVAL)
+    order = sorted(candidates, key=_INDEX)
+    order.sort(key=_ARRIVAL_S)  # (arrival_s, arrival_index) order
     if by_arrival:
         order.sort(key=attrgetter("is_urgent"), reverse=True)
     else:

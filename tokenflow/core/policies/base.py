@@ -16,13 +16,15 @@ from tokenflow.core.kv_manager import KVTierManager
 from tokenflow.core.request import PreemptMode, Request
 
 
-@dataclass(frozen=True)
+# Preemption and Start are treated as immutable; not frozen because frozen dataclasses are
+# slow to build and a decision makes one per stream it moves.
+@dataclass(slots=True)
 class Preemption:
     request_id: str
     mode: PreemptMode
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Start:
     """Bring a request onto the device: by loading its host KV, or by (re)computing it."""
 
@@ -62,6 +64,7 @@ class SchedulingView:
     unsettled: Collection[Request] | None = None
     started_rates: Mapping[float, int] | None = None  # reading rate -> running + preempted
     resident_tokens: int | None = None  # num_tokens summed over the residents (None: unknown)
+    running_by_arrival: list[Request] | None = None  # the residents by arrival (None: unknown)
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""

@@ -11,40 +11,49 @@ import math
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView, Start
-from tokenflow.core.policies.pricing import Costs
+from tokenflow.core.policies.pricing import Costs, costs_of
 from tokenflow.core.policies.survey import Candidate
 from tokenflow.core.request import Request
 
 
 def paused_candidates(
-    config: TokenFlowConfig, view: SchedulingView, growth: int, costs: Costs
-) -> list[Candidate]:
-    """A candidate per paused member, in the view's order: off the device, so neither pinned
-    nor pausable, its utility less the switch cost, its resume time from `costs`."""
-    now, bs = view.now_s, view.kv.block_size
+    config: TokenFlowConfig, view: SchedulingView, growth: int
+) -> tuple[Costs, list[Candidate]]:
+    """The decision's `Costs` (`pricing.decision_costs`) and a candidate per paused member,
+    in the view's order, in one pass: off the device, so neither pinned nor pausable, its
+    utility less the switch cost, its resume time (as `pricing.resume_time_s`)."""
+    now, kv = view.now_s, view.kv
+    bs, synced_of = kv.block_size, kv.synced_tokens_of
+    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
+    prefill_s = view.estimator.prefill_time_s
     dt = config.schedule_interval_s
     inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
     stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
     critical, max_stall = config.critical_slack_s, config.max_stall_s
-    resume_of, exp, make = costs.resume_of, math.exp, Candidate._make
+    exp, make = math.exp, Candidate._make
+    resume_of: dict[str, float] = {}
     out: list[Candidate] = []
     for r in view.preempted:
-        num_out = len(r.output_token_ids)
+        num_out, num_tokens, computed = len(r.output_token_ids), r.num_tokens, r.num_computed_tokens
+        resume = prefill_s(num_tokens)
+        if computed > 0 and synced_of(r.request_id, 0) >= computed:  # a host copy: load it?
+            load = -(-computed // bs) * seconds_per_block
+            resume = load if load < resume else resume
+        resume_of[r.request_id] = resume
         buffered = r.last_consume_s - now if num_out else 0.0
         if buffered < 0.0:
             buffered = 0.0
         remaining = r.sampling_params.max_tokens - num_out
         extra = growth if growth < remaining else remaining
-        footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
+        footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
         slack = r.dry_s - now if num_out else 0.0
         value = 1.0 - buffered * inv_horizon
         score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
         score -= switch
         urgent = num_out > 0 and slack < critical
         overdue = num_out > 0 and slack <= -max_stall
-        resume = resume_of[r.request_id]
         out.append(make((r, score, footprint, False, False, False, urgent, overdue, 0, 0, resume)))
-    return out
+    return costs_of(config, view, resume_of), out
 
 
 def queued_io_blocks(view: SchedulingView) -> int:
@@ -60,13 +69,13 @@ def resume_starts(view: SchedulingView, requests: list[Request], queued_blocks: 
     traffic) beats the recompute time, or when the load lands before the reader runs dry;
     recompute when the host holds no copy."""
     kv, now = view.kv, view.now_s
-    synced_of, bs = kv.synced_tokens, kv.block_size
+    synced_of, bs = kv.synced_tokens_of, kv.block_size
     block_bytes, bytes_per_s = kv.config.block_bytes, view.config.link_bytes_per_s
     prefill_s = view.estimator.prefill_time_s
     starts: list[Start] = []
     for r in requests:
         rid, computed = r.request_id, r.num_computed_tokens
-        if not (computed > 0 and synced_of(rid) >= computed):  # kv.has_host_copy
+        if not (computed > 0 and synced_of(rid, 0) >= computed):  # kv.has_host_copy
             starts.append(Start(rid, False))
             continue
         io_s = (queued_blocks + -(-computed // bs)) * block_bytes / bytes_per_s

@@ -88,6 +88,14 @@ def decision_costs(config: TokenFlowConfig, view: SchedulingView) -> Costs:
             load = -(-computed // bs) * seconds_per_block
             recompute = load if load < recompute else recompute
         resume_of[r.request_id] = recompute
+    return costs_of(config, view, resume_of)
+
+
+def costs_of(config: TokenFlowConfig, view: SchedulingView, resume_of: dict[str, float]) -> Costs:
+    """The decision's `Costs` given each paused member's resume time (in the view's order)."""
+    kv = view.kv
+    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
     queue_s = sum(resume_of.values())
     min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
+    prefill_s = view.estimator.prefill_time_s
     return Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)

@@ -13,21 +13,19 @@ the running streams by buffered seconds once (a C-level sort) and:
   end, sorting the run of equal utilities at the cut by the balancer's full key;
 - sums what admission needs of them from the queues' sums (`started.PausePool`).
 
-Where memory is short the balancer needs every pausable member's footprint in order, and gets a
-candidate each (`candidates`).  The decisions are those of the candidate-per-stream survey
-(`survey_started` + `balance`),
-given that the utility computed in floats never rises with the buffer: every operation in it is
-monotone (IEEE rounding is), provided libm's `exp` is.
+Where memory binds, the balancer's walk (`counted.memory_walk`) needs the pausable members'
+footprints as prefix sums in rank order (`footprint_sums`) and candidates only from the first
+miss on (`candidates`).  The decisions are those of the candidate-per-stream survey
+(`survey_started` + `balance`), given that the utility computed in floats never rises with the
+buffer: every operation in it is monotone (IEEE rounding is), provided libm's `exp` is.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable
-from itertools import takewhile
+from itertools import accumulate, filterfalse, takewhile
 from operator import attrgetter
-from typing import NamedTuple
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
@@ -37,16 +35,10 @@ from tokenflow.core.request import Request, RequestState
 _RUNNING = RequestState.RUNNING
 _LAST_CONSUME = attrgetter("last_consume_s")
 _ARRIVAL = attrgetter("arrival_s", "arrival_index")
+_ARRIVAL_S = attrgetter("arrival_s")
+_INDEX = attrgetter("arrival_index")
 _NUM_TOKENS = attrgetter("num_tokens")
 _END = attrgetter("end_tokens")
-
-
-class _Ranked(NamedTuple):
-    utility: float
-    request: Request
-
-
-_utility_of = attrgetter("utility")
 
 
 class Residents:
@@ -72,7 +64,9 @@ class Residents:
         self.num_pausable = cut - len(self.failing)
         self.num_pinned = len(order) - self.num_pausable
         self._by_arrival: list[Request] | None = None
-        self._failing_ranked: list[_Ranked] | None = None
+        self._pausable: list[Request] | None = None
+        self._failing_ranked: list[Request] | None = None
+        self._utilities: dict[Request, float] = {}
 
     # -- who is pausable ----------------------------------------------------------------------
     def _threshold_s(self, num_blocks: int) -> float:
@@ -113,18 +107,28 @@ class Residents:
         return r.last_consume_s - self.now >= self._mu * round_trip + self._critical
 
     def pausable(self) -> list[Request]:
-        """The pausable members, largest buffer first (ties in running order)."""
-        failing = self.failing
-        return [r for r in self.suspects if r not in failing] if failing else self.suspects
+        """The pausable members, largest buffer first (ties in running order; computed once)."""
+        if self._pausable is None:
+            failing = self.failing
+            suspects = self.suspects
+            self._pausable = (
+                list(filterfalse(failing.__contains__, suspects)) if failing else suspects
+            )
+        return self._pausable
 
     # -- rank -------------------------------------------------------------------------------
     def utility(self, r: Request) -> float:
-        """A running suspect's utility (as `survey._pausable_candidates` computes it)."""
-        buffered = r.last_consume_s - self.now
-        value = 1.0 - buffered * self._inv_horizon
-        return (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
-            -buffered * self._inv_dt
-        )
+        """A running suspect's utility (as `survey._pausable_candidates` computes it; once
+        per decision: bisections probe the same streams)."""
+        u = self._utilities.get(r)
+        if u is None:
+            buffered = r.last_consume_s - self.now
+            value = 1.0 - buffered * self._inv_horizon
+            u = (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
+                -buffered * self._inv_dt
+            )
+            self._utilities[r] = u
+        return u
 
     @staticmethod
     def _tie_before(r: Request, other: Candidate) -> bool:
@@ -138,51 +142,62 @@ class Residents:
         """Pausable members the balancer ranks before `other` (paused or newcomer) by utility."""
         if other.is_overdue:
             return 0
-        failing = self._failing_by_utility()
-        return self._num_ranked_before(self.suspects, self.utility, other) - (
-            self._num_ranked_before(failing, _utility_of, other)
+        return self._num_ranked_before(self.suspects, other) - (
+            self._num_ranked_before(self._failing_by_utility(), other)
         )
 
-    def _num_ranked_before(self, members: list, key: Callable, other: Candidate) -> int:
+    def _num_ranked_before(self, members: list[Request], other: Candidate) -> int:
         """Of `members` (utility rising along them), those ranked before `other`."""
-        u = other.utility
+        u, key = other.utility, self.utility
         hi = bisect_right(members, u, key=key)
         count = len(members) - hi
         while hi > 0 and key(members[hi - 1]) == u:  # the run of equal utility before hi
             hi -= 1
-            count += self._tie_before(getattr(members[hi], "request", members[hi]), other)
+            count += self._tie_before(members[hi], other)
         return count
 
-    def _failing_by_utility(self) -> list[_Ranked]:
-        """The failing suspects with their utilities, by utility (computed once)."""
+    def _failing_by_utility(self) -> list[Request]:
+        """The failing suspects in suspects' order: utility rising along them (computed once)."""
         if self._failing_ranked is None:
-            pairs = (_Ranked(self.utility(r), r) for r in self.failing)
-            self._failing_ranked = sorted(pairs, key=_utility_of)
+            self._failing_ranked = list(filter(self.failing.__contains__, self.suspects))
         return self._failing_ranked
 
-    def _arrival_order(self) -> list[Request]:
+    def arrival_order(self) -> list[Request]:
+        """The pausable members by arrival (computed once)."""
         if self._by_arrival is None:
-            self._by_arrival = sorted(self.pausable(), key=_ARRIVAL)
+            self._by_arrival = self._pausable_by_arrival()
         return self._by_arrival
+
+    def _pausable_by_arrival(self) -> list[Request]:
+        """The pausable members by arrival: the queues' residents by arrival less the others,
+        or (unknown) sorted in two stable C-level sorts (no tuple keys)."""
+        by_arrival = self.view.running_by_arrival
+        if by_arrival is None:
+            by_index = sorted(self.pausable(), key=_INDEX)
+            by_index.sort(key=_ARRIVAL_S)
+            return by_index
+        if not self.failing and not self._rest:
+            return list(by_arrival)
+        pinned = self.failing.union(self._rest)
+        return list(filterfalse(pinned.__contains__, by_arrival))
 
     def num_before_by_arrival(self, other: Candidate) -> int:
         """Pausable members the balancer ranks before `other` in arrival order (degraded):
         a pausable stream is never urgent or overdue."""
         if other.is_overdue or other.is_urgent:
             return 0
-        return bisect_left(self._arrival_order(), other.request.sort_key, key=_ARRIVAL)
+        return bisect_left(self.arrival_order(), other.request.sort_key, key=_ARRIVAL)
 
     def last(self, count: int, by_arrival: bool) -> list[Request]:
         """The `count` pausable members the balancer ranks last (in no particular order)."""
         if count <= 0:
             return []
         if by_arrival:
-            return self._arrival_order()[-count:]
-        failing = self.failing
-        members = (r for r in self.suspects if r not in failing)  # lowest utility first
-        taken = [r for _, r in zip(range(count), members, strict=False)]
+            return self.arrival_order()[-count:]
+        pausable = self.pausable()  # lowest utility first
+        taken = pausable[:count]
         edge = self.utility(taken[-1])
-        run = list(takewhile(lambda r: self.utility(r) == edge, members))
+        run = list(takewhile(lambda r: self.utility(r) == edge, pausable[count:]))
         if not run:
             return taken
         # The utilities equal to the cut's run on both sides of it: rank that run by the
@@ -192,19 +207,19 @@ class Residents:
         run.sort(key=lambda r: (-r.rate_tps, r.arrival_s, r.arrival_index))
         return taken + run[len(run) - (count - len(taken)) :]
 
-    def candidates(self) -> list[Candidate]:
-        """A candidate per pausable member (as `survey._pausable_candidates` makes them, with
-        `utility` and `footprint_blocks` written out), for the balancer where memory is short
-        and the counted walk does not apply."""
+    def candidates(self, members: list[Request] | None = None) -> list[Candidate]:
+        """A candidate per pausable member (of `members` if given; as `survey.
+        _pausable_candidates` makes them, with `utility` and `footprint_blocks` written out),
+        for the balancer where memory binds."""
         kv, now, growth = self.view.kv, self.now, self.growth
-        tables, synced_of, bs = kv.device_tables, kv.synced_tokens, kv.block_size
+        tables, synced_of, bs = kv.device_tables, kv.synced_tokens_of, kv.block_size
         dt, inv_dt, inv_horizon = self._dt, self._inv_dt, self._inv_horizon
         stall_dt = self._stall_dt
         make, exp, out = Candidate._make, math.exp, []
-        for r in self.pausable():
+        for r in self.pausable() if members is None else members:
             rid, num_out = r.request_id, len(r.output_token_ids)
             blocks = -(-r.num_computed_tokens // bs)
-            unsynced = blocks - synced_of(rid) // bs
+            unsynced = blocks - synced_of(rid, 0) // bs
             buffered = r.last_consume_s - now
             value = 1.0 - buffered * inv_horizon
             score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
@@ -228,6 +243,20 @@ class Residents:
         remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
         extra = self.growth if self.growth < remaining else remaining
         return -(-(r.num_tokens + (extra if extra > 1 else 1)) // self.view.kv.block_size)
+
+    def footprint_sums(self, members: list[Request]) -> list[int]:
+        """Prefix sums of `footprint_blocks` along `members` (from 0): with growth >= 1, the
+        blocks of min(tokens + growth, prompt + max_tokens) (a resident has a token to go)."""
+        growth, bs = self.growth, self.view.kv.block_size
+        if growth < 1:
+            return list(accumulate(map(self.footprint_blocks, members), initial=0))
+        up, total = bs - 1, 0
+        sums = [0]
+        for r in members:
+            t, end = r.num_tokens + growth, r.end_tokens
+            total += ((t if t < end else end) + up) // bs
+            sums.append(total)
+        return sums
 
     def footprint_bound_blocks(self) -> int:
         """At least the device blocks of every resident through the next interval: the sum of

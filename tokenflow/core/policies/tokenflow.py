@@ -43,7 +43,7 @@ from tokenflow.core.policies.admission import (
     waiting_within_budget,
     working_set_limit,
 )
-from tokenflow.core.policies.balance import balance, balance_counted
+from tokenflow.core.policies.balance import balance
 from tokenflow.core.policies.base import (
     Moves,
     Policy,
@@ -52,6 +52,7 @@ from tokenflow.core.policies.base import (
     Start,
     fcfs_starts,
 )
+from tokenflow.core.policies.counted import balance_counted
 from tokenflow.core.policies.paused import paused_candidates, queued_io_blocks, resume_starts
 from tokenflow.core.policies.pricing import Costs, decision_costs
 from tokenflow.core.policies.residents import Residents
@@ -119,8 +120,7 @@ class TokenFlowPolicy(Policy):
         self.num_decisions += 1
         self._calm_until_s = -math.inf  # starts follow: look again at the next boundary
         growth = self.growth_tokens(view)
-        costs = decision_costs(self.config, view)
-        started = self._started(view, growth, costs)
+        started, costs = self._started(view, growth)
         capacity, demand = self._capacity_and_demand(view, started)
         degraded = demand > capacity
         admitted: list[Request] = []
@@ -138,14 +138,16 @@ class TokenFlowPolicy(Policy):
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
-    def _started(self, view: SchedulingView, growth: int, costs: Costs) -> Started:
-        """The started members: running ones counted by buffer (`Residents`) where the view
-        keeps the unsettled residents and the host can take any tail, else surveyed."""
+    def _started(self, view: SchedulingView, growth: int) -> tuple[Started, Costs]:
+        """The started members, and the decision's costs: running ones counted by buffer
+        (`Residents`) where the view keeps the unsettled residents and the host can take any
+        tail, else surveyed."""
         kv = view.kv
         if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
-            return survey_started(self.config, view, growth, costs)
-        residents = Residents(self.config, view, costs, growth)
-        return StartedMembers(residents, paused_candidates(self.config, view, growth, costs))
+            costs = decision_costs(self.config, view)
+            return survey_started(self.config, view, growth, costs), costs
+        costs, paused = paused_candidates(self.config, view, growth)
+        return StartedMembers(Residents(self.config, view, costs, growth), paused), costs
 
     def _balance(
         self,
@@ -158,16 +160,15 @@ class TokenFlowPolicy(Policy):
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
-            residents, counted = started.residents, None
-            if residents.footprint_bound_blocks() <= blocks:  # else memory is likely short
-                counted = balance_counted(
-                    started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
-                )
+            residents = started.residents
+            counted = balance_counted(
+                started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
+            )
             if counted is not None:
                 left_out = set(counted[1])
                 paused = list(filter(left_out.__contains__, view.running)) if left_out else []
                 return [c.request for c in counted[0]], paused
-            # Memory is short: the greedy over every pausable member's candidate.
+            # More pinned than slots: the greedy over every candidate (it raises).
             listed = residents.candidates() + started.paused
             num_pinned, pinned_blocks = residents.num_pinned, residents.pinned_footprint_blocks()
         else:
