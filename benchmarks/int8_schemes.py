@@ -10,7 +10,9 @@ benchmarks/quant_accuracy.py and benchmarks/quant_kernels.py.  The schemes:
   before fbgemm's per-tensor quantization and the row's output multiplied back (the GEMM is
   linear in x),
 - "token-oK": per-token, plus the K input channels with the largest maxima on a calibration
-  text kept out of the int8 GEMM and run as a small float32 GEMM (LLM.int8()-style).
+  text kept out of the int8 GEMM and run as a small float32 GEMM (LLM.int8()-style),
+- "head-...": only the LM head (the largest single GEMM, dense bfloat16 today because the tied
+  embedding is Q8_0) through the scheme; the layers keep the default int4 path.
 
 Why the activations are the problem: a few channels of the layers' inputs are tens of times
 larger than the rest (up to ~30x the row RMS in SmolLM2-135M), so one int8 scale per row leaves
@@ -43,7 +45,15 @@ CALIBRATION_TEXT = (
     "<|im_start|>user\nTranslate 'good morning' to Spanish.<|im_end|>\n"
     "<|im_start|>assistant\nBuenos días.<|im_end|>"
 )
-SCHEMES = ("tensor", "token", "token-o16", "token-o64")
+SCHEMES = (
+    "tensor",
+    "token",
+    "token-o16",
+    "token-o64",
+    "head-token",
+    "head-token-o8",
+    "head-token-o32",
+)
 GREEDY = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
 
 
@@ -159,14 +169,17 @@ def record_input_maxima(
 
 
 def convert(model: LlamaModel, config, scheme: str, calibration_ids: Sequence[int]) -> None:
-    """Replace every projection and the LM head of a float32 `model` by int8 `scheme`."""
+    """Replace the projections and the LM head of `model` (only the head: "head-...") by int8
+    `scheme`; the layers of a float32 model, the head of any."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}")
     num_outliers = int(scheme.split("-o")[1]) if "-o" in scheme else 0
-    targets = [(layer.self_attn, "qkv_proj") for layer in model.layers]
-    targets += [(layer.self_attn, "o_proj") for layer in model.layers]
-    targets += [(layer.mlp, "gate_up_proj") for layer in model.layers]
-    targets += [(layer.mlp, "down_proj") for layer in model.layers]
+    targets = []
+    if not scheme.startswith("head-"):
+        targets += [(layer.self_attn, "qkv_proj") for layer in model.layers]
+        targets += [(layer.self_attn, "o_proj") for layer in model.layers]
+        targets += [(layer.mlp, "gate_up_proj") for layer in model.layers]
+        targets += [(layer.mlp, "down_proj") for layer in model.layers]
     targets.append((model, "lm_head"))
     modules = [getattr(owner, name) for owner, name in targets]
     maxima = record_input_maxima(modules, lambda: run_prefill(model, config, calibration_ids))

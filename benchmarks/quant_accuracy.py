@@ -1,7 +1,9 @@
 """How far each weight path's outputs drift from the dense float32 SmolLM2-135M.
 
-For every path (int4: the default 4-bit packed weights with bfloat16 activations; int8-*: the
-fbgemm int8 schemes of int8_schemes.py on the float32 model), against the dense float32 model
+For every path (dense-bf16: the dequantized weights in bfloat16; int4: the default 4-bit packed
+weights with bfloat16 activations; int8-*: the fbgemm int8 schemes of int8_schemes.py on the
+float32 model, int8-head-*: the default model with only its LM head in int8), against the
+dense float32 model
 (the GGUF dequantized, the transformers oracle of tests/engine/test_real_model.py):
 
 - greedy agreement: how many leading greedy tokens equal the dense model's, per prompt, summed
@@ -135,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--no-baselines", action="store_true", help="skip dense-bf16 and int4")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -150,13 +153,17 @@ def main() -> None:
         f"{'path':>16} {'agree 1-stream':>15} {'agree batched':>14} {'max|dlogit|':>12}"
         f" {'median':>7} {'top1':>5} {'s':>5}"
     )
-    paths = ["dense-bf16", "int4", *[f"int8-{scheme}" for scheme in args.schemes]]
+    baselines = [] if args.no_baselines else ["dense-bf16", "int4"]
+    paths = [*baselines, *[f"int8-{scheme}" for scheme in args.schemes]]
     for path in paths:
         start = time.perf_counter()
         if path == "dense-bf16":
             loaded = load_model(None, "cpu", torch.bfloat16, weights="dense")
         elif path == "int4":
             loaded = load_model(None, "cpu", None, weights="int4")  # the default: bf16
+        elif path.startswith("int8-head-"):  # the default model with an int8 LM head
+            loaded = load_model(None, "cpu", None, weights="int4")
+            convert(loaded.model, loaded.config, path.removeprefix("int8-"), calibration_ids)
         else:
             loaded = load_model(None, "cpu", torch.float32, weights="dense")
             convert(loaded.model, loaded.config, path.removeprefix("int8-"), calibration_ids)
