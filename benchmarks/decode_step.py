@@ -100,7 +100,10 @@ def measure(batches: list[int], contexts: list[int], repeats: int) -> None:
 def measure_int8(batches: list[int], contexts: list[int], repeats: int, scheme: str) -> None:
     """Median ms per step of the default model and of the int8 `scheme` model, alternated."""
     default = load_model(None, "cpu", None)
-    int8 = load_model(None, "cpu", torch.float32, weights="dense")
+    head_only = scheme.startswith("head-")  # the default model with an int8 LM head
+    int8 = load_model(
+        None, "cpu", None if head_only else torch.float32, "dense" if not head_only else "auto"
+    )
     convert(int8.model, int8.config, scheme, int8.tokenizer.encode(CALIBRATION_TEXT))
     num_blocks = max(batches) * (-(-(max(contexts) + 1) // BLOCK_SIZE)) + 8
     executors = {}
