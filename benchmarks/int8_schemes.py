@@ -1,8 +1,12 @@
 """int8-compute weight schemes on fbgemm's dynamic int8 GEMM, for the benchmarks only.
 
-Not a weight format of the engine: none of these met the accuracy bar (the int4 path's greedy
-agreement with the float32 model) while staying faster than the current path; see
-benchmarks/quant_accuracy.py and benchmarks/quant_kernels.py.  The schemes:
+Not a weight format of the engine: none of these met the accuracy bar (the default int4 path's
+greedy agreement with, and logit drift from, the float32 model) while being faster than the
+default path; see benchmarks/quant_accuracy.py, benchmarks/quant_kernels.py and
+benchmarks/decode_step.py --int8.  Measured here (10 prompts x 48 greedy tokens, one stream +
+one batch, next-token max |logit diff| max/median): int4 539/960, 0.57/0.37; "tensor" 51, 14/7.8;
+"token" 137, 3.6/2.7; "token-o64" 300, 1.1/0.97 and 0.73-0.82x the default's decode steps;
+"head-token" 517, 1.14/0.81 and 1.1-1.3x.  The schemes:
 
 - "tensor": fbgemm as it is: int8 weights (one scale per output row), the activations
   quantized with one scale for the whole call (all rows),
