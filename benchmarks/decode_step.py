@@ -11,6 +11,12 @@ turns, so background load hits all three; the figure is the median step.
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --batches 8 --contexts 1024
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --profile  # eager's ops
+
+With `--int8 SCHEME`, instead: the eager default model against the float32 model whose
+projections and LM head run an int8 scheme of int8_schemes.py (fbgemm), alternated step by
+step, and the ratio default/int8 (above 1: int8 is faster).
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --int8 token-o64
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from attention_paths import scattered_decode_chunks  # noqa: E402
+from int8_schemes import CALIBRATION_TEXT, SCHEMES, convert  # noqa: E402
 
 from tokenflow.core.plan import StepPlan  # noqa: E402
 from tokenflow.engine import ModelExecutor, TieredKVCache, load_model  # noqa: E402
@@ -90,6 +97,38 @@ def measure(batches: list[int], contexts: list[int], repeats: int) -> None:
             )
 
 
+def measure_int8(batches: list[int], contexts: list[int], repeats: int, scheme: str) -> None:
+    """Median ms per step of the default model and of the int8 `scheme` model, alternated."""
+    default = load_model(None, "cpu", None)
+    head_only = scheme.startswith("head-")  # the default model with an int8 LM head
+    int8 = load_model(
+        None, "cpu", None if head_only else torch.float32, "dense" if not head_only else "auto"
+    )
+    convert(int8.model, int8.config, scheme, int8.tokenizer.encode(CALIBRATION_TEXT))
+    num_blocks = max(batches) * (-(-(max(contexts) + 1) // BLOCK_SIZE)) + 8
+    executors = {}
+    for name, loaded in (("default", default), ("int8", int8)):
+        kv = TieredKVCache(loaded.config, num_blocks, 1, BLOCK_SIZE, "cpu", loaded.model.dtype)
+        executors[name] = ModelExecutor(loaded.model, loaded.config, kv, "cpu")
+    print(f"{'batch':>5} {'context':>7} {'default ms':>11} {'int8 ms':>11}  default/int8")
+    for context in contexts:
+        for batch in batches:
+            plan = decode_plan(batch, context, num_blocks, seed=batch + context)
+            times: dict[str, list[float]] = {name: [] for name in executors}
+            for index in range(repeats + 1):
+                for name, executor in executors.items():
+                    begin = time.perf_counter()
+                    executor.execute(plan)
+                    if index > 0:  # the first round warms up
+                        times[name].append(time.perf_counter() - begin)
+            ms = {name: statistics.median(times[name]) * 1e3 for name in executors}
+            print(
+                f"{batch:>5} {context:>7} {ms['default']:>11.2f} {ms['int8']:>11.2f}"
+                f"  {ms['default'] / ms['int8']:>11.2f}x",
+                flush=True,
+            )
+
+
 def profile(batches: list[int], context: int, num_steps: int = 5) -> None:
     """Where the eager path's time goes: torch.profiler's top ops over `num_steps` steps."""
     from torch.profiler import profile as torch_profile
@@ -118,8 +157,13 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="profile the eager path at the first context"
     )
+    parser.add_argument("--int8", choices=SCHEMES, help="compare the default with this scheme")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.int8:
+        print(f"SmolLM2-135M decode steps, default vs int8 {args.int8}, {args.threads} threads")
+        measure_int8(args.batches, args.contexts, args.repeats, args.int8)
+        return
     if args.profile:
         profile(args.batches, args.contexts[0])
         return
