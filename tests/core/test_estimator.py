@@ -85,3 +85,21 @@ def test_early_steps_are_never_left_out():
     # with too few steps to predict from, the prior may be far off: every step counts
     est = fed(decode_steps=[(1, 100, 2.0)] * 3)
     assert est.num_outliers == 0
+
+
+def test_the_kept_window_sums_fit_as_a_fresh_pass_would():
+    # 1000 varied steps through a 64-step window: the sums kept as steps come and go must give
+    # the fit of the last 64 steps alone (to rounding).
+    import random
+
+    rng = random.Random(7)
+    steps = [
+        (b, b * rng.randint(50, 900), 0.02 + 0.003 * b + rng.random() * 0.01)
+        for b in (rng.randint(1, 64) for _ in range(1000))
+    ]
+    kept = fed(decode_steps=steps)
+    fresh = fed(decode_steps=steps[-64:])
+    for batch, context in ((1, 100), (16, 400), (64, 900)):
+        assert kept.decode_time_s(batch, context) == pytest.approx(
+            fresh.decode_time_s(batch, context), rel=1e-9
+        )
