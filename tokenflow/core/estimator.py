@@ -104,7 +104,6 @@ class StepTimeEstimator:
                 self._decode_sums.add(*decode[0], sign=-1.0)
             decode.append(obs)
             self._decode_sums.add(*obs)
-            self._decode_sums.n = len(decode)
             self._num_decode_seen += 1
             if self._num_decode_seen % decode.maxlen == 0:  # bound the float drift of -/+
                 self._decode_sums = _DecodeSums.of(decode)
@@ -137,8 +136,7 @@ class StepTimeEstimator:
         C is scaled to thousands of tokens so both slopes' ridges weigh alike.  It runs after
         every decode step, so the window's sums are kept as steps come and go (`_DecodeSums`)
         instead of summed again (a pass over 64 steps was ~10% of the scheduler's step)."""
-        sums = self._decode_sums
-        n = sums.n
+        sums, n = self._decode_sums, len(self._decode_obs)
         mean_b, mean_c, mean_t = sums.b / n, sums.c / n, sums.t / n
         sbb = sums.bb - n * mean_b * mean_b
         sbc = sums.bc - n * mean_b * mean_c
@@ -210,10 +208,9 @@ class StepTimeEstimator:
 class _DecodeSums:
     """Raw moments of a window of decode steps (B, C in thousands of tokens, t)."""
 
-    __slots__ = ("n", "b", "c", "t", "bb", "bc", "cc", "bt", "ct")
+    __slots__ = ("b", "c", "t", "bb", "bc", "cc", "bt", "ct")
 
     def __init__(self) -> None:
-        self.n = 0
         self.b = self.c = self.t = self.bb = self.bc = self.cc = self.bt = self.ct = 0.0
 
     def add(self, b: int, c: int, t: float, sign: float = 1.0) -> None:
@@ -234,5 +231,4 @@ class _DecodeSums:
         sums = cls()
         for step in steps:
             sums.add(*step)
-        sums.n = len(steps)
         return sums

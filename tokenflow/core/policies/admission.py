@@ -42,7 +42,6 @@ def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks
 
 
 def admit(
-    config: TokenFlowConfig,
     view: SchedulingView,
     started: Survey | StartedMembers,
     limit: int,

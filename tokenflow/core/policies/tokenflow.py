@@ -267,9 +267,7 @@ class TokenFlowPolicy(Policy):
     ) -> list[Request]:
         limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
         budget_s = carried_prefill_budget_s(self.config.schedule_interval_s, self._prefill_budget_s)
-        admitted = admit(
-            self.config, view, started, limit, spare_rate_tps, self._demand_tps, budget_s
-        )
+        admitted = admit(view, started, limit, spare_rate_tps, self._demand_tps, budget_s)
         if view.waiting:  # (with none waiting, the last decision's prefill budget stands)
             self._prefill_budget_s = admitted.prefill_budget_s
         return admitted.requests
