@@ -334,3 +334,35 @@ def test_admission_credits_prompts_prefilled_together():
     admitted = policy._admit(replace(view, waiting=waiting), started, 1e9)
     assert len(admitted) == 6
     assert policy._prefill_budget_s == pytest.approx(0.5 - estimator.prefill_time_s(6 * 32))
+
+
+def test_admission_reserve_starts_lower_than_sglangs_and_admits_what_it_frees():
+    # A resident with ~60 tokens to go: SGLang's reserve (0.7 of them, 11 blocks of 4) leaves
+    # 6 of the 17 free blocks, too few for a 32-token prompt; TokenFlow's (0.3, 5 blocks) leaves 12
+    # (and both fit the next interval: 10 steps of 0.05 s).
+    def second_started(tokenflow_config: TokenFlowConfig) -> bool:
+        core, clock, _ = make_core(
+            "tokenflow", num_device_blocks=20, step_s=0.05, tokenflow_config=tokenflow_config
+        )
+        core.add_request(make_request("a", num_prompt=8, max_tokens=60, rate=5.0))
+        core.step()
+        core.add_request(make_request("b", num_prompt=32, max_tokens=40, rate=5.0, arrival=0.01))
+        for _ in range(3):
+            clock.t += 0.6  # past the decision interval
+            core.step()
+        return core.scheduler.requests["b"].output_token_ids != []
+
+    assert TokenFlowConfig().init_new_token_ratio == 0.3
+    assert second_started(TokenFlowConfig())
+    assert not second_started(TokenFlowConfig(init_new_token_ratio=0.7))
+
+
+def test_the_policy_ratio_is_capped_by_the_schedulers_and_floored_by_its_minimum():
+    policy = TokenFlowPolicy(TokenFlowConfig(init_new_token_ratio=0.3))
+    assert policy.init_new_token_ratio(SchedulerConfig()) == 0.3
+    low = SchedulerConfig(init_new_token_ratio=0.05, min_new_token_ratio=0.01)
+    assert policy.init_new_token_ratio(low) == 0.05
+    floor = SchedulerConfig(init_new_token_ratio=0.7, min_new_token_ratio=0.4)
+    assert policy.init_new_token_ratio(floor) == 0.4
+    core, _, _ = make_core("fcfs", scheduler_config=SchedulerConfig())
+    assert core.scheduler.new_token_ratio == 0.7  # the baselines keep SGLang's reserve

@@ -43,7 +43,7 @@ class Scheduler:
         self.waiting = self.queues.waiting  # (the same lists, for readers of the scheduler)
         self.running = self.queues.running
         self.preempted = self.queues.preempted
-        self.new_token_ratio = config.init_new_token_ratio
+        self.new_token_ratio = self._init_ratio = policy.init_new_token_ratio(config)
         self.num_preemptions_total = 0
         self.num_loads_total = 0
         self.num_recomputes_total = 0
@@ -299,7 +299,7 @@ class Scheduler:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
             victim = preemption.request_id
             chunks[:] = [c for c in chunks if c.request_id != victim]
-            self.new_token_ratio = self.config.init_new_token_ratio
+            self.new_token_ratio = self._init_ratio
         return request.state is RequestState.RUNNING
 
     def _chunk(self, request: Request, count: int) -> ScheduledChunk:
@@ -437,7 +437,5 @@ class Scheduler:
 
     def _decay_new_token_ratio(self) -> None:
         cfg = self.config
-        step = (
-            cfg.init_new_token_ratio - cfg.min_new_token_ratio
-        ) / cfg.new_token_ratio_decay_steps
+        step = (self._init_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
         self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)

@@ -41,7 +41,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.preempted: list[Request] = []
-        self.new_token_ratio = config.init_new_token_ratio
+        self.new_token_ratio = self._init_ratio = policy.init_new_token_ratio(config)
         self.num_preemptions_total = 0
         self.num_loads_total = 0
         self.num_recomputes_total = 0
@@ -248,7 +248,7 @@ class Scheduler:
                 )
                 self._preempt(self.requests[preemption.request_id], preemption.mode)
                 chunks.pop(preemption.request_id, None)
-                self.new_token_ratio = self.config.init_new_token_ratio
+                self.new_token_ratio = self._init_ratio
             if request.state is RequestState.RUNNING:
                 chunks[request.request_id] = self._chunk(request, 1)
         return list(chunks.values())
@@ -357,7 +357,5 @@ class Scheduler:
 
     def _decay_new_token_ratio(self) -> None:
         cfg = self.config
-        step = (
-            cfg.init_new_token_ratio - cfg.min_new_token_ratio
-        ) / cfg.new_token_ratio_decay_steps
+        step = (self._init_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
         self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)

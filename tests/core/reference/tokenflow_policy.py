@@ -36,7 +36,7 @@ import math
 from itertools import chain
 
 from tests.core.reference.survey import Survey, survey
-from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.balance import balance
 from tokenflow.core.policies.base import (
     Moves,
@@ -66,6 +66,12 @@ class TokenFlowPolicy(Policy):
         self.num_degraded_decisions = 0
 
     # -- entry point ------------------------------------------------------------------------------
+
+    def init_new_token_ratio(self, config: SchedulerConfig) -> float:
+        """The smaller admission reserve (`TokenFlowConfig.init_new_token_ratio`)."""
+        ratio = min(config.init_new_token_ratio, self.config.init_new_token_ratio)
+        return max(ratio, config.min_new_token_ratio)
+
     def plan_moves(self, view: SchedulingView) -> Moves:
         """A full decision at interval boundaries under stress; otherwise carry out the last one."""
         if view.now_s >= self._next_decision_s and self.is_stressed(view):

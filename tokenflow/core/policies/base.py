@@ -99,6 +99,11 @@ class Policy:
         """Decide this step's preemptions and starts."""
         return Moves(starts=tuple(fcfs_starts(view)))
 
+    def init_new_token_ratio(self, config: SchedulerConfig) -> float:
+        """Where the admission reserve's new-token ratio starts, and returns to after an
+        out-of-memory retraction (it decays to `config.min_new_token_ratio`)."""
+        return config.init_new_token_ratio
+
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
         """Pick the request to retract when decode growth finds no free block (SGLang's rule:
         fewest generated tokens, then longest prompt, then latest arrival), by recompute."""

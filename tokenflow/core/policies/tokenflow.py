@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from itertools import chain
 
-from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
     admit,
     carried_prefill_budget_s,
@@ -86,6 +86,12 @@ class TokenFlowPolicy(Policy):
         self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
         self.num_decisions = 0
         self.num_degraded_decisions = 0
+
+    def init_new_token_ratio(self, config: SchedulerConfig) -> float:
+        """A smaller reserve than SGLang's (`TokenFlowConfig.init_new_token_ratio`): a
+        resident short of memory is paused with its buffer, not retracted."""
+        ratio = min(config.init_new_token_ratio, self.config.init_new_token_ratio)
+        return max(ratio, config.min_new_token_ratio)
 
     # -- entry point ------------------------------------------------------------------------------
     def plan_moves(self, view: SchedulingView) -> Moves:

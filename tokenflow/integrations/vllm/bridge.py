@@ -96,7 +96,7 @@ class PolicyBridge:
         )
         self.default_rate_tps = default_rate_tps
         self.requests: dict[str, Request] = {}
-        self.new_token_ratio = config.init_new_token_ratio
+        self.new_token_ratio = self._init_ratio = self.policy.init_new_token_ratio(config)
         self.num_preemptions_total = 0
         self.num_offloads_as_recompute = 0
         self.num_offloads = 0
@@ -189,7 +189,7 @@ class PolicyBridge:
         """The core policy's moves for this step (and the new-token ratio's decay)."""
         moves = self.policy.plan_moves(view)
         cfg = self.config
-        span = cfg.init_new_token_ratio - cfg.min_new_token_ratio
+        span = self._init_ratio - cfg.min_new_token_ratio
         step = span / cfg.new_token_ratio_decay_steps
         self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)
         return moves
@@ -226,7 +226,7 @@ class PolicyBridge:
 
     def out_of_memory(self) -> None:
         """vLLM retracted a request for lack of blocks: admit less eagerly again (as the core)."""
-        self.new_token_ratio = self.config.init_new_token_ratio
+        self.new_token_ratio = self._init_ratio
 
     def observe_step(
         self,

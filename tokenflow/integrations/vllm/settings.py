@@ -10,7 +10,8 @@ Keys (all optional)::
     scheduler          overrides of the core `SchedulerConfig` fields that vLLM does not set
                        (vLLM sets max_num_seqs, max_prefill_tokens and max_model_len), e.g.
                        {"init_new_token_ratio": 0.7}; by default the admission reserve is
-                       small, like vLLM's own admission (which keeps none)
+                       small, like vLLM's own admission (which keeps none); the policy's
+                       `init_new_token_ratio` caps the scheduler's (0.3 for tokenflow)
 """
 
 from __future__ import annotations
