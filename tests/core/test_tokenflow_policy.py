@@ -336,7 +336,7 @@ def test_admission_credits_prompts_prefilled_together():
     assert policy._prefill_budget_s == pytest.approx(0.5 - estimator.prefill_time_s(6 * 32))
 
 
-def test_admission_reserve_starts_lower_than_sglangs_and_admits_what_it_frees():
+def test_a_lower_admission_reserve_admits_what_sglangs_holds_back():
     # A resident with ~60 tokens to go: SGLang's reserve (0.7 of them, 11 blocks of 4) leaves
     # 6 of the 17 free blocks, too few for a 32-token prompt; TokenFlow's (0.3, 5 blocks) leaves 12
     # (and both fit the next interval: 10 steps of 0.05 s).
@@ -352,9 +352,8 @@ def test_admission_reserve_starts_lower_than_sglangs_and_admits_what_it_frees():
             core.step()
         return core.scheduler.requests["b"].output_token_ids != []
 
-    assert TokenFlowConfig().init_new_token_ratio == 0.3
-    assert second_started(TokenFlowConfig())
-    assert not second_started(TokenFlowConfig(init_new_token_ratio=0.7))
+    assert second_started(TokenFlowConfig(init_new_token_ratio=0.3))
+    assert not second_started(TokenFlowConfig())  # the core's default: SGLang's 0.7
 
 
 def test_the_policy_ratio_is_capped_by_the_schedulers_and_floored_by_its_minimum():

@@ -24,3 +24,13 @@ def test_overload_options_reach_the_tokenflow_policy():
 def test_bad_overload_options_are_refused(option, value):
     with pytest.raises(ValueError):
         parse(option, value)
+
+
+def test_serve_runs_the_cpu_profile_of_the_policy_and_options_override_it():
+    served = parse().tokenflow
+    assert (served.critical_slack_s, served.init_new_token_ratio) == (1.0, 0.3)
+    assert EngineArgs().tokenflow == served
+    tuned = parse("--critical-slack", "2", "--new-token-ratio", "0.7").tokenflow
+    assert (tuned.critical_slack_s, tuned.init_new_token_ratio) == (2.0, 0.7)
+    with pytest.raises(ValueError):
+        parse("--new-token-ratio", "1.5")

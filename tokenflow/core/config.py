@@ -58,10 +58,7 @@ class TokenFlowConfig:
     buffer_conservativeness: float = 2.0
     working_set_smoothing: float = 0.2  # lambda: W_sched = W_static - lambda*(W_static - N_run)
     working_set_host_share: float = 4.0  # W_static counts device memory + this share of it on host
-    # T_critical: a buffer this close to dry means stress.  1 s, not 2: it is also the margin a
-    # pause keeps beyond mu x the round trip, and 2 s held the CPU burst's newcomers back while
-    # buffers grew (docs/overload.md)
-    critical_slack_s: float = 1.0
+    critical_slack_s: float = 2.0  # T_critical: a buffer this close to dry means stress
     stall_penalty: float = 1.0  # gamma: weight of the empty-buffer term in a stream's priority
     value_horizon_s: float = 8.0  # a token's value falls to 0 when this much reading is buffered
     switch_penalty: float = 0.2  # utility lost by bringing a stream back to the device
@@ -69,10 +66,9 @@ class TokenFlowConfig:
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
     # Admission's reserve for the residents' future tokens starts at this share of their
-    # remaining output (the scheduler's init_new_token_ratio, 0.7 as in SGLang, if lower):
-    # a scheduler that must retract a stream out of memory needs the large reserve; TokenFlow
-    # pauses a stream with buffer instead (docs/overload.md)
-    init_new_token_ratio: float = 0.3
+    # remaining output, or the scheduler's init_new_token_ratio if lower.  SGLang's 0.7 by
+    # default; `tokenflow serve` uses less on the CPU (docs/overload.md)
+    init_new_token_ratio: float = 0.7
 
     def __post_init__(self) -> None:
         _check_positive(self, "schedule_interval_s", "buffer_conservativeness", "value_horizon_s")

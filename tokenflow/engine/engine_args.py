@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES
+
+# The policy as `serve` runs it.  On a CPU steps are ~100x slower than on a GPU, so buffers grow
+# by about one second of reading per second and newcomers wait for streams to become pausable:
+# a pause margin (critical slack) of 1 s instead of 2, and an admission reserve of 0.3 of the
+# residents' remaining output instead of SGLang's 0.7 (TokenFlow pauses a stream short of
+# memory instead of retracting it), took the CPU reading burst's P99 TTFT from 13-17 s to
+# 11-12 s.  In the GPU simulator the same values raised overload stalls, so the core's
+# defaults keep 2 s and 0.7 (docs/overload.md).
+SERVE_TOKENFLOW = TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
-    tokenflow: TokenFlowConfig = field(default_factory=TokenFlowConfig)
+    tokenflow: TokenFlowConfig = SERVE_TOKENFLOW
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -124,10 +133,21 @@ class EngineArgs:
             help="tokens/s for requests that state no stream_rate",
         )
         tf = parser.add_argument_group("tokenflow policy")
-        defaults = TokenFlowConfig()
+        defaults = SERVE_TOKENFLOW
         tf.add_argument("--schedule-interval", type=float, default=defaults.schedule_interval_s)
         tf.add_argument("--mu", type=float, default=defaults.buffer_conservativeness)
-        tf.add_argument("--critical-slack", type=float, default=defaults.critical_slack_s)
+        tf.add_argument(
+            "--critical-slack",
+            type=float,
+            default=defaults.critical_slack_s,
+            help="seconds of buffer that mean stress, and a pause's margin (docs/overload.md)",
+        )
+        tf.add_argument(
+            "--new-token-ratio",
+            type=float,
+            default=defaults.init_new_token_ratio,
+            help="admission reserves this share of each resident's remaining output at first",
+        )
         tf.add_argument(
             "--capacity-headroom",
             type=float,
@@ -149,6 +169,7 @@ class EngineArgs:
             schedule_interval_s=args.schedule_interval,
             buffer_conservativeness=args.mu,
             critical_slack_s=args.critical_slack,
+            init_new_token_ratio=args.new_token_ratio,
             capacity_headroom=args.capacity_headroom,
             max_stall_s=args.max_stall_s,
             write_through=not args.no_write_through,
