@@ -102,6 +102,9 @@ def _check_queue_sums(scheduler: Scheduler) -> None:
     assert queues.resident_tokens == sum(r.num_tokens for r in running)
     assert queues.running_by_arrival == sorted(running, key=lambda r: r.sort_key)
     assert queues.started_rates == Counter(r.rate_tps for r in running + scheduler.preempted)
+    kv = scheduler.kv
+    to_load = (kv.num_blocks_to_load(r.request_id, r.num_computed_tokens) for r in queues.loading)
+    assert kv.num_queued_load_blocks == sum(to_load)
     for r in running:  # every resident left out of `unsettled` is decoding
         if r.request_id not in queues.unsettled:
             assert r.state is RequestState.RUNNING and r.output_token_ids

@@ -58,10 +58,8 @@ def paused_candidates(
 
 def queued_io_blocks(view: SchedulingView) -> int:
     """Blocks the link must move before a new load: the eviction queue and the blocks of
-    loads in flight not yet copied."""
-    kv = view.kv
-    loading = sum(kv.num_blocks_to_load(r.request_id, r.num_computed_tokens) for r in view.loading)
-    return kv.num_evicting_blocks + loading
+    loads in flight not yet copied (the KV manager keeps that count on events)."""
+    return view.kv.num_evicting_blocks + view.kv.num_queued_load_blocks
 
 
 def resume_starts(view: SchedulingView, requests: list[Request], queued_blocks: int) -> list[Start]:
