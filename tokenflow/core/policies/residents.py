@@ -215,7 +215,7 @@ class Residents:
         tables, synced_of, bs = kv.device_tables, kv.synced_tokens_of, kv.block_size
         dt, inv_dt, inv_horizon = self._dt, self._inv_dt, self._inv_horizon
         stall_dt = self._stall_dt
-        make, exp, out = Candidate._make, math.exp, []
+        new, exp, out = tuple.__new__, math.exp, []  # (new: Candidate._make, C-level)
         for r in self.pausable() if members is None else members:
             rid, num_out = r.request_id, len(r.output_token_ids)
             blocks = -(-r.num_computed_tokens // bs)
@@ -228,7 +228,10 @@ class Residents:
             footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
             reclaim = len(tables[rid])
             out.append(
-                make((r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0))
+                new(
+                    Candidate,
+                    (r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0),
+                )
             )
         return out
 

@@ -53,7 +53,12 @@ from tokenflow.core.policies.base import (
     fcfs_starts,
 )
 from tokenflow.core.policies.counted import balance_counted
-from tokenflow.core.policies.paused import paused_candidates, queued_io_blocks, resume_starts
+from tokenflow.core.policies.paused import (
+    PausedPrices,
+    paused_candidates,
+    queued_io_blocks,
+    resume_starts,
+)
 from tokenflow.core.policies.pricing import Costs, decision_costs
 from tokenflow.core.policies.residents import Residents
 from tokenflow.core.policies.started import StartedMembers
@@ -84,6 +89,7 @@ class TokenFlowPolicy(Policy):
         self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
         self._rate_cap_tps = math.inf  # one stream's share of capacity at the feasible batch
         self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
+        self._paused_prices = PausedPrices()  # what is fixed while a member waits
         self.num_decisions = 0
         self.num_degraded_decisions = 0
 
@@ -146,7 +152,7 @@ class TokenFlowPolicy(Policy):
         if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
             costs = decision_costs(self.config, view)
             return survey_started(self.config, view, growth, costs), costs
-        costs, paused = paused_candidates(self.config, view, growth)
+        costs, paused = paused_candidates(self.config, view, growth, self._paused_prices)
         return StartedMembers(Residents(self.config, view, costs, growth), paused), costs
 
     def _balance(
