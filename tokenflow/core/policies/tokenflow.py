@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
+from operator import itemgetter
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.admission import (
@@ -72,6 +73,7 @@ from tokenflow.core.policies.survey import (
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _NOT_STARTED = (RequestState.WAITING, RequestState.PREEMPTED)
+_LAST = itemgetter(-1)
 Started = Survey | StartedMembers
 
 
@@ -330,14 +332,17 @@ class TokenFlowPolicy(Policy):
         return Preemption(victim.request_id, PreemptMode.OFFLOAD)
 
     def write_through_order(self, view: SchedulingView) -> list[Request]:
-        """Running streams by buffered reading, largest first: likeliest to be preempted."""
+        """Running streams by buffered reading, largest first: likeliest to be preempted (ties
+        by arrival).  Runs every step: `has_unsynced_full_block` and `slack_s` are written
+        out, and the sort compares plain tuples (arrival indices are unique)."""
         if not self.config.write_through:
             return []
-        now, kv = view.now_s, view.kv
-        pending = [
-            r
+        now, kv, running = view.now_s, view.kv, RequestState.RUNNING
+        bs, synced_of = kv.block_size, kv.synced_tokens_of
+        keyed = [
+            (-(r.dry_s - now) if r.output_token_ids else -0.0, r.arrival_s, r.arrival_index, r)
             for r in view.write_candidates
-            if r.state is RequestState.RUNNING
-            and kv.has_unsynced_full_block(r.request_id, r.num_computed_tokens)
+            if r.state is running and r.num_computed_tokens // bs > synced_of(r.request_id, 0) // bs
         ]
-        return sorted(pending, key=lambda r: (-r.slack_s(now), r.sort_key))
+        keyed.sort()
+        return list(map(_LAST, keyed))
