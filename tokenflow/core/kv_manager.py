@@ -168,28 +168,30 @@ class KVTierManager:
         copies: list[BlockCopy] = []
         if not self.config.offload:
             return copies
-        bs = self.block_size
+        bs, synced, free_host = self.block_size, self._synced_tokens, self._free_host
+        add, kind = copies.append, CopyKind.WRITE_THROUGH
+        left = budget_blocks  # copies still allowed
         for request_id, num_tokens in candidates:
-            if len(copies) >= budget_blocks:
+            if left <= 0:
                 break
-            first = self._synced_tokens.get(request_id, 0) // bs
+            first = synced.get(request_id, 0) // bs
             last = num_tokens // bs  # exclusive: number of full blocks
             device = self._device_tables.get(request_id)
             if device is None or first >= last:
                 continue
             host = self._host_tables.setdefault(request_id, [])
+            end = min(last, first + left)
             index = first
-            while index < last and len(copies) < budget_blocks:
+            while index < end:
                 if index >= len(host):
-                    if not self._free_host:
+                    if not free_host:
                         break
-                    host.append(self._free_host.pop())
-                copies.append(
-                    BlockCopy(request_id, CopyKind.WRITE_THROUGH, device[index], host[index])
-                )
+                    host.append(free_host.pop())
+                add(BlockCopy(request_id, kind, device[index], host[index]))
                 index += 1
+            left -= index - first
             if index > first:
-                self._synced_tokens[request_id] = index * bs
+                synced[request_id] = index * bs
             if not host:
                 del self._host_tables[request_id]
         return copies
