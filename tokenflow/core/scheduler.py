@@ -227,6 +227,8 @@ class Scheduler:
         if not not_decoding:
             return list(self.running), []
         decodes = list(filterfalse(not_decoding.__contains__, self.running))
+        if all(r.state is not running for r in not_decoding):
+            return decodes, []  # (only loads: no prefill to order)
         odd = filter(not_decoding.__contains__, self.running)
         return decodes, [r for r in odd if r.state is running]
 
