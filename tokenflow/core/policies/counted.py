@@ -97,12 +97,7 @@ def balance_counted(
     if num_pinned > max_seqs:
         return None  # (`balance` raises; let it)
     num_before = residents.num_before_by_arrival if by_arrival else residents.num_before
-    # Each list is in arrival order (the view's and the waiting queue's): so is the two
-    # together when the last paused member arrived before the first newcomer.
-    in_order = not (paused and newcomers) or (
-        paused[-1].request.sort_key < newcomers[0].request.sort_key
-    )
-    order = priority_order(paused + newcomers, by_arrival, in_order)
+    order = priority_order(paused + newcomers, by_arrival, _in_arrival_order(paused, newcomers))
     others = _Others(order, resume_budget_s, num_before, residents.num_pausable)
     limit = max_seqs - num_pinned
     # The first other not reached: the slots were filled before it.
@@ -125,6 +120,14 @@ def balance_counted(
         resume_budget_s,
         (picked, left_out),
     )
+
+
+def _in_arrival_order(paused: list[Candidate], newcomers: list[Candidate]) -> bool:
+    """Each list is in arrival order (the view's and the waiting queue's): so is the two
+    together when the last paused member arrived before the first newcomer."""
+    if not (paused and newcomers):
+        return True
+    return paused[-1].request.sort_key < newcomers[0].request.sort_key
 
 
 def memory_walk(

@@ -8,6 +8,7 @@ choose_resume_mode`, in the same order of operations: the same floats).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView, Start
@@ -69,17 +70,7 @@ def paused_candidates(
         key = (num_tokens, computed, synced_of(rid, 0))
         entry = get(rid)
         if entry is None or entry[0] != key:
-            resume = prefill_s(num_tokens)
-            if computed > 0 and key[2] >= computed:  # a host copy: load it?
-                load = -(-computed // bs) * seconds_per_block
-                resume = load if load < resume else resume
-            remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
-            extra = growth if growth < remaining else remaining
-            entry = entries[rid] = (
-                key,
-                resume,
-                -(-(num_tokens + (extra if extra > 1 else 1)) // bs),
-            )
+            entry = entries[rid] = _fixed_prices(r, key, growth, bs, seconds_per_block, prefill_s)
         resume_of[rid] = resume = entry[1]
         if r.output_token_ids:
             buffered = r.last_consume_s - now
@@ -96,6 +87,26 @@ def paused_candidates(
             new(Candidate, (r, score, entry[2], False, False, False, urgent, overdue, 0, 0, resume))
         )
     return costs_of(config, view, resume_of), out
+
+
+def _fixed_prices(
+    r: Request,
+    key: tuple[int, int, int],
+    growth: int,
+    bs: int,
+    seconds_per_block: float,
+    prefill_s: Callable[[int], float],
+) -> tuple[tuple[int, int, int], float, int]:
+    """(`key`, resume time as `pricing.resume_time_s`, footprint over the next interval) of a
+    paused member whose (tokens, computed tokens, synced tokens) are `key`."""
+    num_tokens, computed, synced = key
+    resume = prefill_s(num_tokens)
+    if computed > 0 and synced >= computed:  # a host copy: load it?
+        load = -(-computed // bs) * seconds_per_block
+        resume = load if load < resume else resume
+    remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
+    extra = growth if growth < remaining else remaining
+    return key, resume, -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
 
 
 def queued_io_blocks(view: SchedulingView) -> int:
