@@ -130,3 +130,39 @@ def test_without_load_evict_overlap_synced_blocks_wait_for_the_eviction():
     kv.end_step()
     assert kv.num_free_device_blocks == 6
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_queued_load_blocks_kept_on_events_equal_a_rescan(seed):
+    """Loads begin, are planned in pieces, finish, or end early (freed, evicted, dropped):
+    the kept count of blocks still to load equals the sum over the loads in flight."""
+    import random
+
+    rng = random.Random(seed)
+    kv = manager(device=24, host=40)
+    tokens: dict[str, int] = {}  # request -> tokens of its KV
+    where: dict[str, str] = {}  # request -> "device", "host" or "loading"
+    for _ in range(600):
+        rid = f"r{rng.randrange(8)}"
+        state = where.get(rid)
+        if state is None and kv.allocate(rid, n := rng.randint(1, 20)):
+            tokens[rid], where[rid] = n, "device"
+        elif state == "device" and kv.evict(rid, tokens[rid]) is not None:
+            where[rid] = "host"
+        elif state == "host" and kv.begin_load(rid, tokens[rid]):
+            where[rid] = "loading"
+        elif state == "loading" and rng.random() < 0.6:
+            kv.plan_load(rid, tokens[rid], rng.randint(1, 3))
+            if kv.is_loaded(rid, tokens[rid]) and rng.random() < 0.5:
+                where[rid] = "device"  # loaded and running: its entry stays until it leaves
+        elif state == "loading":
+            kv.free_device(rid)  # preempted while loading: the host copy stays
+            where[rid] = "host"
+        elif state is not None and rng.random() < 0.2:
+            kv.drop(rid)
+            del where[rid]
+        kv.end_step()
+        loading = [r for r, s in where.items() if s == "loading"]
+        rescan = sum(kv.num_blocks_to_load(r, tokens[r]) for r in loading)
+        assert kv.num_queued_load_blocks == rescan
+        kv.check_integrity()

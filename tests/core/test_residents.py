@@ -23,6 +23,7 @@ from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import counted as counted_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
+from tokenflow.core.policies.paused import PausedPrices, paused_candidates
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -72,6 +73,7 @@ def _drive(
     decide = policy.decide
 
     def checked(view):
+        _check_paused_prices(policy, view)
         expected = reference.decide(view)
         moves = decide(view)
         assert moves == expected, f"decision {policy.num_decisions} at {view.now_s:.3f} s"
@@ -96,12 +98,24 @@ def _drive(
     return Counter(preemptions=scheduler.num_preemptions_total)
 
 
+def _check_paused_prices(policy: TokenFlowPolicy, view) -> None:
+    """The paused members' candidates and costs from the prices kept across decisions equal
+    those priced afresh."""
+    growth = policy.growth_tokens(view)
+    kept = paused_candidates(policy.config, view, growth, policy._paused_prices)
+    fresh = paused_candidates(policy.config, view, growth, PausedPrices())
+    assert kept == fresh
+
+
 def _check_queue_sums(scheduler: Scheduler) -> None:
     """What the queues keep on events equals a rescan."""
     queues, running = scheduler.queues, scheduler.running
     assert queues.resident_tokens == sum(r.num_tokens for r in running)
     assert queues.running_by_arrival == sorted(running, key=lambda r: r.sort_key)
     assert queues.started_rates == Counter(r.rate_tps for r in running + scheduler.preempted)
+    kv = scheduler.kv
+    to_load = (kv.num_blocks_to_load(r.request_id, r.num_computed_tokens) for r in queues.loading)
+    assert kv.num_queued_load_blocks == sum(to_load)
     for r in running:  # every resident left out of `unsettled` is decoding
         if r.request_id not in queues.unsettled:
             assert r.state is RequestState.RUNNING and r.output_token_ids
@@ -189,3 +203,28 @@ def test_memory_short_walk_matches_the_reference(config, rates, kind, seed, monk
     assert stats["preemptions"] > 10
     assert paths[kind, "memory"] > 20, paths  # the walk really ran where memory binds
     assert paths[kind, "paused"] > 5, paths  # and left residents out
+
+
+def test_paused_prices_follow_a_dropped_host_copy():
+    """A start by recompute that finds no room leaves its member paused without its host copy
+    (same tokens): the kept prices must see it (the key holds computed tokens and the copy)."""
+    rng = random.Random(5)
+    policy = TokenFlowPolicy(TOKENFLOW)
+    kv = KVConfig(600, 4000, block_size=4, block_bytes=1000)
+    scheduler = Scheduler(replace(CONFIG, link_bytes_per_s=4e6), kv, policy)
+    clock, pending = ManualClock(), _requests(90, rng, window_s=3.0)
+    executor = TimedExecutor(clock)
+    while not any(scheduler.kv.synced_tokens(r.request_id) for r in scheduler.preempted):
+        while pending and pending[0].arrival_s <= clock.t:
+            scheduler.add_request(pending.pop(0))
+        plan = scheduler.schedule(clock.t)
+        scheduler.update(plan, executor.execute(plan), clock.t)
+        clock.t += 0.005 if plan.is_empty else 0.0
+    view = scheduler.view(clock.t)
+    growth = policy.growth_tokens(view)
+    paused_candidates(policy.config, view, growth, policy._paused_prices)
+    member = next(r for r in view.preempted if scheduler.kv.synced_tokens(r.request_id))
+    scheduler.kv.drop(member.request_id)  # what `_apply_starts` does before a failed allocate
+    member.num_computed_tokens = 0
+    kept = paused_candidates(policy.config, view, growth, policy._paused_prices)
+    assert kept == paused_candidates(policy.config, view, growth, PausedPrices())

@@ -61,6 +61,8 @@ class KVTierManager:
         self._host_tables: dict[str, list[int]] = {}
         self._synced_tokens: dict[str, int] = {}
         self._loaded_blocks: dict[str, int] = {}  # request -> leading blocks already loaded
+        self._load_blocks: dict[str, int] = {}  # request -> blocks its load copies in all
+        self._num_blocks_to_load = 0  # of the loads in flight, blocks not yet planned
         self._release_after_step: list[int] = []  # device blocks whose eviction copy is in flight
 
     # -- queries -----------------------------------------------------------------------------------
@@ -127,6 +129,12 @@ class KVTierManager:
             return 0
         return self.blocks_for(num_tokens) - self._loaded_blocks[request_id]
 
+    @property
+    def num_queued_load_blocks(self) -> int:
+        """Blocks of all loads in flight not yet planned for copying (kept on events: a load
+        begins, is planned, or ends early by a free, an eviction or a drop)."""
+        return self._num_blocks_to_load
+
     # -- device allocation ------------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         """True when the device table can grow to cover `num_tokens` tokens."""
@@ -160,28 +168,30 @@ class KVTierManager:
         copies: list[BlockCopy] = []
         if not self.config.offload:
             return copies
-        bs = self.block_size
+        bs, synced, free_host = self.block_size, self._synced_tokens, self._free_host
+        add, kind = copies.append, CopyKind.WRITE_THROUGH
+        left = budget_blocks  # copies still allowed
         for request_id, num_tokens in candidates:
-            if len(copies) >= budget_blocks:
+            if left <= 0:
                 break
-            first = self._synced_tokens.get(request_id, 0) // bs
+            first = synced.get(request_id, 0) // bs
             last = num_tokens // bs  # exclusive: number of full blocks
             device = self._device_tables.get(request_id)
             if device is None or first >= last:
                 continue
             host = self._host_tables.setdefault(request_id, [])
+            end = min(last, first + left)
             index = first
-            while index < last and len(copies) < budget_blocks:
+            while index < end:
                 if index >= len(host):
-                    if not self._free_host:
+                    if not free_host:
                         break
-                    host.append(self._free_host.pop())
-                copies.append(
-                    BlockCopy(request_id, CopyKind.WRITE_THROUGH, device[index], host[index])
-                )
+                    host.append(free_host.pop())
+                add(BlockCopy(request_id, kind, device[index], host[index]))
                 index += 1
+            left -= index - first
             if index > first:
-                self._synced_tokens[request_id] = index * bs
+                synced[request_id] = index * bs
             if not host:
                 del self._host_tables[request_id]
         return copies
@@ -215,7 +225,7 @@ class KVTierManager:
         self._free_device.extend(reversed(device[needed:]))
         self._release_after_step.extend(device[synced_now:needed])
         self._device_tables.pop(request_id, None)
-        self._loaded_blocks.pop(request_id, None)
+        self._end_load(request_id)
         self._synced_tokens[request_id] = num_tokens
         return EvictionPlan(copies)
 
@@ -226,6 +236,9 @@ class KVTierManager:
         if not self.allocate(request_id, num_tokens):
             return False
         self._loaded_blocks[request_id] = 0
+        blocks = self.blocks_for(num_tokens)
+        self._load_blocks[request_id] = blocks
+        self._num_blocks_to_load += blocks
         return True
 
     def plan_load(self, request_id: str, num_tokens: int, budget_blocks: int) -> list[BlockCopy]:
@@ -234,6 +247,7 @@ class KVTierManager:
         end = min(self.blocks_for(num_tokens), start + budget_blocks)
         device, host = self._device_tables[request_id], self._host_tables[request_id]
         self._loaded_blocks[request_id] = end
+        self._num_blocks_to_load -= max(min(end, self._load_blocks[request_id]) - start, 0)
         return [BlockCopy(request_id, CopyKind.LOAD, host[i], device[i]) for i in range(start, end)]
 
     def is_loaded(self, request_id: str, num_tokens: int) -> bool:
@@ -243,9 +257,15 @@ class KVTierManager:
     def free_device(self, request_id: str) -> int:
         """Release a request's device blocks, keeping its host copy; returns blocks freed."""
         device = self._device_tables.pop(request_id, [])
-        self._loaded_blocks.pop(request_id, None)
+        self._end_load(request_id)
         self._free_device.extend(reversed(device))
         return len(device)
+
+    def _end_load(self, request_id: str) -> None:
+        """Forget a request's load (done or not): its unplanned blocks leave the queue."""
+        loaded = self._loaded_blocks.pop(request_id, None)
+        if loaded is not None:
+            self._num_blocks_to_load -= max(self._load_blocks.pop(request_id) - loaded, 0)
 
     def drop(self, request_id: str) -> None:
         """Forget a request in both tiers (finish, abort, or preemption by recompute)."""
@@ -272,6 +292,10 @@ class KVTierManager:
             assert synced <= covered, f"{request_id}: {synced} synced tokens, host holds {covered}"
         for request_id in self._loaded_blocks:
             assert request_id in self._device_tables, f"{request_id}: loading without blocks"
+        assert self._load_blocks.keys() == self._loaded_blocks.keys(), "loads out of step"
+        to_load = sum(max(n - self._loaded_blocks[rid], 0) for rid, n in self._load_blocks.items())
+        kept = self._num_blocks_to_load
+        assert to_load == kept, f"{to_load} blocks left to load, {kept} kept"
 
     @staticmethod
     def _check_tier(name: str, total: int, free: list[int], tables: dict[str, list[int]]) -> None:

@@ -227,6 +227,8 @@ class Scheduler:
         if not not_decoding:
             return list(self.running), []
         decodes = list(filterfalse(not_decoding.__contains__, self.running))
+        if all(r.state is not running for r in not_decoding):
+            return decodes, []  # (only loads: no prefill to order)
         odd = filter(not_decoding.__contains__, self.running)
         return decodes, [r for r in odd if r.state is running]
 
@@ -353,11 +355,16 @@ class Scheduler:
         candidates = [(r.request_id, r.num_computed_tokens) for r in order]
         copies = self.kv.plan_write_through(candidates, budget)
         # Forget the streams whose full blocks all have a host copy now: one comes back only
-        # when a step fills another of its blocks (`update`).
-        has_unsynced = self.kv.has_unsynced_full_block
-        for rid, request in list(pending.items()):
-            if not has_unsynced(rid, request.num_computed_tokens):
-                del pending[rid]
+        # when a step fills another of its blocks (`update`).  (`has_unsynced_full_block`,
+        # written out: it runs for every candidate every step.)
+        synced_of, bs = self.kv.synced_tokens_of, self.kv.block_size
+        done = [
+            rid
+            for rid, r in pending.items()
+            if r.num_computed_tokens // bs <= synced_of(rid, 0) // bs
+        ]
+        for rid in done:
+            del pending[rid]
         return copies
 
     # -- update ---------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ policies' decisions scan them all.
 Calibration: `python benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800` times
 `schedule()` + `update()` of whole steps (full decisions included at their natural frequency)
 while each policy serves a burst on a simulated H200, and fits the line by least squares.  The
-defaults below are the mean of two such runs on the development machine (a 2-core VM, quiet,
+defaults below are the mean of two such runs on the development machine (a 2-core VM, shared,
 Python 3.11; figures in docs/results.md).  A server CPU is faster; the charge is still small
-beside a GPU step (~0.26 ms for FCFS, ~0.46 ms for TokenFlow at 500 active requests, against
+beside a GPU step (~0.23 ms for FCFS, ~0.30 ms for TokenFlow at 500 active requests, against
 steps of 20-60 ms), but no longer zero.
 """
 
@@ -47,14 +47,15 @@ def default_overhead(policy: str) -> SchedulerOverhead:
     """The calibrated per-step charge of `policy` (see the module docstring)."""
     calibrated = {
         # benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800 --steps 200, twice,
-        # on a quiet development machine, with the O(changes) hot path of issue 9 (states with
-        # waiting requests, 500 steps of service before timing):
-        # fcfs 0.1414 ms + 0.249 us, 0.1370 + 0.245; chunked 0.1617 + 0.272, 0.1449 + 0.358;
-        # andes 0.1399 + 0.242, 0.2472 + 0.105; tokenflow 0.2262 + 0.434, 0.2752 + 0.413.
-        "fcfs": SchedulerOverhead(0.139e-3, 0.247e-6),
-        "chunked": SchedulerOverhead(0.153e-3, 0.315e-6),
-        "andes": SchedulerOverhead(0.194e-3, 0.174e-6),
-        "tokenflow": SchedulerOverhead(0.251e-3, 0.424e-6),
+        # on the development machine (load ~1.5 from other work), after the paused members'
+        # prices were kept across decisions and write-through ordering was trimmed (issue 9;
+        # states with waiting requests, 500 steps of service before timing):
+        # fcfs 0.1100 ms + 0.240 us, 0.1107 + 0.236; chunked 0.1324 + 0.271, 0.1290 + 0.277;
+        # andes 0.1077 + 0.237, 0.1100 + 0.233; tokenflow 0.1577 + 0.290, 0.1582 + 0.281.
+        "fcfs": SchedulerOverhead(0.110e-3, 0.238e-6),
+        "chunked": SchedulerOverhead(0.131e-3, 0.274e-6),
+        "andes": SchedulerOverhead(0.109e-3, 0.235e-6),
+        "tokenflow": SchedulerOverhead(0.158e-3, 0.286e-6),
     }
     if policy not in calibrated:
         raise ValueError(f"no calibrated scheduler overhead for policy {policy!r}")

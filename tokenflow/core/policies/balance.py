@@ -104,11 +104,17 @@ _INDEX = attrgetter("request.arrival_index")
 _RATE = attrgetter("request.rate_tps")
 
 
-def priority_order(candidates: list[Candidate], by_arrival: bool) -> list[Candidate]:
+def priority_order(
+    candidates: list[Candidate], by_arrival: bool, in_arrival_order: bool = False
+) -> list[Candidate]:
     """`candidates` sorted by `_arrival_order` / `_utility_order`, in stable C-level sorts
-    (least significant key first, so the result is the tuple key's order)."""
-    order = sorted(candidates, key=_INDEX)
-    order.sort(key=_ARRIVAL_S)  # (arrival_s, arrival_index) order
+    (least significant key first, so the result is the tuple key's order); the first two
+    are skipped when the caller knows `candidates` are in (arrival_s, arrival_index) order."""
+    if in_arrival_order:
+        order = list(candidates)
+    else:
+        order = sorted(candidates, key=_INDEX)
+        order.sort(key=_ARRIVAL_S)  # (arrival_s, arrival_index) order
     if by_arrival:
         order.sort(key=attrgetter("is_urgent"), reverse=True)
     else:

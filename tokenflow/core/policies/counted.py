@@ -12,6 +12,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable
 from itertools import accumulate, compress
+from operator import attrgetter, mul
 
 from tokenflow.core.policies.balance import greedy, priority_order
 from tokenflow.core.policies.residents import Residents
@@ -19,6 +20,8 @@ from tokenflow.core.policies.survey import Candidate
 from tokenflow.core.request import Request
 
 Result = tuple[list[Candidate], list[Request]]
+_RESUME = attrgetter("resume_s")
+_FOOTPRINT = attrgetter("footprint_blocks")
 
 
 class _Others:
@@ -30,21 +33,22 @@ class _Others:
         self, order: list[Candidate], budget_s: float, num_before: Callable, num_pausable: int
     ) -> None:
         self.order = order
-        self.flags: list[bool] = []
-        self.resume_before, self.blocks_before = [0.0], [0]
-        resume_s, blocks = 0.0, 0
-        for cand in order:
-            fits = True
-            if cand.resume_s > 0.0:
-                fits = not (resume_s > 0.0 and resume_s + cand.resume_s > budget_s)
-                if fits:
-                    resume_s += cand.resume_s
-            if fits:
-                blocks += cand.footprint_blocks
-            self.flags.append(fits)
-            self.resume_before.append(resume_s)
-            self.blocks_before.append(blocks)
-        self.picks_before = list(accumulate(self.flags, initial=0))
+        flags: list[bool] = []
+        resume_before = [0.0]
+        resume_s, take, spent = 0.0, flags.append, resume_before.append
+        for cost in map(_RESUME, order):  # (0.0 for newcomers)
+            if cost > 0.0:
+                if resume_s > 0.0 and resume_s + cost > budget_s:
+                    take(False)
+                    spent(resume_s)
+                    continue
+                resume_s += cost
+            take(True)
+            spent(resume_s)
+        self.flags, self.resume_before = flags, resume_before
+        footprints = map(mul, map(_FOOTPRINT, order), flags)  # 0 where not taken
+        self.blocks_before = list(accumulate(footprints, initial=0))
+        self.picks_before = list(accumulate(flags, initial=0))
         self._num_before, self._num_pausable = num_before, num_pausable
         self._counts: dict[int, int] = {}
 
@@ -93,7 +97,7 @@ def balance_counted(
     if num_pinned > max_seqs:
         return None  # (`balance` raises; let it)
     num_before = residents.num_before_by_arrival if by_arrival else residents.num_before
-    order = priority_order(paused + newcomers, by_arrival)
+    order = priority_order(paused + newcomers, by_arrival, _in_arrival_order(paused, newcomers))
     others = _Others(order, resume_budget_s, num_before, residents.num_pausable)
     limit = max_seqs - num_pinned
     # The first other not reached: the slots were filled before it.
@@ -116,6 +120,14 @@ def balance_counted(
         resume_budget_s,
         (picked, left_out),
     )
+
+
+def _in_arrival_order(paused: list[Candidate], newcomers: list[Candidate]) -> bool:
+    """Each list is in arrival order (the view's and the waiting queue's): so is the two
+    together when the last paused member arrived before the first newcomer."""
+    if not (paused and newcomers):
+        return True
+    return paused[-1].request.sort_key < newcomers[0].request.sort_key
 
 
 def memory_walk(

@@ -8,6 +8,7 @@ choose_resume_mode`, in the same order of operations: the same floats).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView, Start
@@ -16,12 +17,41 @@ from tokenflow.core.policies.survey import Candidate
 from tokenflow.core.request import Request
 
 
+class PausedPrices:
+    """What is fixed while a member is paused, kept across decisions: its resume time (the
+    host copy and its tokens do not change while it waits) and its footprint over the next
+    interval.  An entry is keyed by the member's tokens, computed tokens and host copy, so a
+    change of any (a failed recompute start drops the copy) reprices it; the whole cache is
+    keyed by the prefill fit, the link, the block size and the growth, so it empties when
+    any of those moves."""
+
+    def __init__(self) -> None:
+        self._fit: tuple = ()
+        self._entries: dict[str, tuple[tuple[int, int, int], float, int]] = {}
+
+    def entries(self, view: SchedulingView, growth: int) -> dict:
+        """The entries valid for this view's fit (emptied if the fit moved; pruned to the
+        paused members when it holds many more)."""
+        est, kv = view.estimator, view.kv
+        fit = (est.prefill_step_s, est.prefill_token_s, kv.config.block_bytes, kv.block_size)
+        fit += (view.config.link_bytes_per_s, growth)
+        entries = self._entries
+        if fit != self._fit or len(entries) > 2 * len(view.preempted) + 64:
+            self._fit = fit
+            entries.clear()
+        return entries
+
+
 def paused_candidates(
-    config: TokenFlowConfig, view: SchedulingView, growth: int
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    growth: int,
+    prices: PausedPrices | None = None,
 ) -> tuple[Costs, list[Candidate]]:
     """The decision's `Costs` (`pricing.decision_costs`) and a candidate per paused member,
     in the view's order, in one pass: off the device, so neither pinned nor pausable, its
-    utility less the switch cost, its resume time (as `pricing.resume_time_s`)."""
+    utility less the switch cost, its resume time (as `pricing.resume_time_s`).  What is
+    fixed while a member waits comes from `prices` where it holds it."""
     now, kv = view.now_s, view.kv
     bs, synced_of = kv.block_size, kv.synced_tokens_of
     seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
@@ -30,38 +60,59 @@ def paused_candidates(
     inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
     stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
     critical, max_stall = config.critical_slack_s, config.max_stall_s
-    exp, make = math.exp, Candidate._make
+    exp, new = math.exp, tuple.__new__  # (Candidate._make without its Python frame)
+    entries = (prices or PausedPrices()).entries(view, growth)
+    get = entries.get
     resume_of: dict[str, float] = {}
     out: list[Candidate] = []
     for r in view.preempted:
-        num_out, num_tokens, computed = len(r.output_token_ids), r.num_tokens, r.num_computed_tokens
-        resume = prefill_s(num_tokens)
-        if computed > 0 and synced_of(r.request_id, 0) >= computed:  # a host copy: load it?
-            load = -(-computed // bs) * seconds_per_block
-            resume = load if load < resume else resume
-        resume_of[r.request_id] = resume
-        buffered = r.last_consume_s - now if num_out else 0.0
-        if buffered < 0.0:
-            buffered = 0.0
-        remaining = r.sampling_params.max_tokens - num_out
-        extra = growth if growth < remaining else remaining
-        footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
-        slack = r.dry_s - now if num_out else 0.0
+        rid, num_tokens, computed = r.request_id, r.num_tokens, r.num_computed_tokens
+        key = (num_tokens, computed, synced_of(rid, 0))
+        entry = get(rid)
+        if entry is None or entry[0] != key:
+            entry = entries[rid] = _fixed_prices(r, key, growth, bs, seconds_per_block, prefill_s)
+        resume_of[rid] = resume = entry[1]
+        if r.output_token_ids:
+            buffered = r.last_consume_s - now
+            if buffered < 0.0:
+                buffered = 0.0
+            slack = r.dry_s - now
+            urgent, overdue = slack < critical, slack <= -max_stall
+        else:
+            buffered, urgent, overdue = 0.0, False, False
         value = 1.0 - buffered * inv_horizon
         score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
         score -= switch
-        urgent = num_out > 0 and slack < critical
-        overdue = num_out > 0 and slack <= -max_stall
-        out.append(make((r, score, footprint, False, False, False, urgent, overdue, 0, 0, resume)))
+        out.append(
+            new(Candidate, (r, score, entry[2], False, False, False, urgent, overdue, 0, 0, resume))
+        )
     return costs_of(config, view, resume_of), out
+
+
+def _fixed_prices(
+    r: Request,
+    key: tuple[int, int, int],
+    growth: int,
+    bs: int,
+    seconds_per_block: float,
+    prefill_s: Callable[[int], float],
+) -> tuple[tuple[int, int, int], float, int]:
+    """(`key`, resume time as `pricing.resume_time_s`, footprint over the next interval) of a
+    paused member whose (tokens, computed tokens, synced tokens) are `key`."""
+    num_tokens, computed, synced = key
+    resume = prefill_s(num_tokens)
+    if computed > 0 and synced >= computed:  # a host copy: load it?
+        load = -(-computed // bs) * seconds_per_block
+        resume = load if load < resume else resume
+    remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
+    extra = growth if growth < remaining else remaining
+    return key, resume, -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
 
 
 def queued_io_blocks(view: SchedulingView) -> int:
     """Blocks the link must move before a new load: the eviction queue and the blocks of
-    loads in flight not yet copied."""
-    kv = view.kv
-    loading = sum(kv.num_blocks_to_load(r.request_id, r.num_computed_tokens) for r in view.loading)
-    return kv.num_evicting_blocks + loading
+    loads in flight not yet copied (the KV manager keeps that count on events)."""
+    return view.kv.num_evicting_blocks + view.kv.num_queued_load_blocks
 
 
 def resume_starts(view: SchedulingView, requests: list[Request], queued_blocks: int) -> list[Start]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from itertools import accumulate, filterfalse, takewhile
+from itertools import accumulate, filterfalse
 from operator import attrgetter
 
 from tokenflow.core.config import TokenFlowConfig
@@ -39,6 +39,11 @@ _ARRIVAL_S = attrgetter("arrival_s")
 _INDEX = attrgetter("arrival_index")
 _NUM_TOKENS = attrgetter("num_tokens")
 _END = attrgetter("end_tokens")
+_RATE = attrgetter("rate_tps")
+
+
+def _NEG_LAST_CONSUME(r: Request) -> float:  # noqa: N802 (a key, named as the getters)
+    return -r.last_consume_s
 
 
 class Residents:
@@ -91,20 +96,27 @@ class Residents:
         else:
             least = self.costs.min_threshold_s
             check = check + [r for r in unsettled if r.last_consume_s - now >= least]
-        return {r for r in check if not self._is_pausable(r)}
+        return self._not_pausable(check)
 
-    def _is_pausable(self, r: Request) -> bool:
-        """The exact pause test of `survey._pausable_candidates` (same float operations)."""
-        computed = r.num_computed_tokens
-        if not (r.state is _RUNNING and r.output_token_ids and computed >= r.num_tokens - 1):
-            return False
-        kv, costs = self.view.kv, self.costs
-        blocks = -(-computed // kv.block_size)
-        unsynced = blocks - kv.synced_tokens(r.request_id) // kv.block_size
-        if unsynced > kv.num_free_host_blocks:
-            return False
-        round_trip = (unsynced + blocks) * costs.seconds_per_block + costs.queue_s + self._dt
-        return r.last_consume_s - self.now >= self._mu * round_trip + self._critical
+    def _not_pausable(self, check: list[Request]) -> set[Request]:
+        """Those of `check` failing the exact pause test of `survey._pausable_candidates`
+        (same float operations; one loop with the decision's figures in locals)."""
+        kv, costs, now = self.view.kv, self.costs, self.now
+        bs, synced_of, free_host = kv.block_size, kv.synced_tokens_of, kv.num_free_host_blocks
+        per_block_s, queue_s, dt = costs.seconds_per_block, costs.queue_s, self._dt
+        mu, critical = self._mu, self._critical
+        failing = set()
+        for r in check:
+            computed = r.num_computed_tokens
+            if not (r.state is _RUNNING and r.output_token_ids and computed >= r.num_tokens - 1):
+                failing.add(r)
+                continue
+            blocks = -(-computed // bs)
+            unsynced = blocks - synced_of(r.request_id, 0) // bs
+            round_trip = (unsynced + blocks) * per_block_s + queue_s + dt
+            if unsynced > free_host or r.last_consume_s - now < mu * round_trip + critical:
+                failing.add(r)
+        return failing
 
     def pausable(self) -> list[Request]:
         """The pausable members, largest buffer first (ties in running order; computed once)."""
@@ -195,17 +207,29 @@ class Residents:
         if by_arrival:
             return self.arrival_order()[-count:]
         pausable = self.pausable()  # lowest utility first
-        taken = pausable[:count]
-        edge = self.utility(taken[-1])
-        run = list(takewhile(lambda r: self.utility(r) == edge, pausable[count:]))
-        if not run:
-            return taken
-        # The utilities equal to the cut's run on both sides of it: rank that run by the
-        # balancer's ties (the faster reader, then arrival, first) and keep its last ones.
-        while taken and self.utility(taken[-1]) == edge:
-            run.append(taken.pop())
-        run.sort(key=lambda r: (-r.rate_tps, r.arrival_s, r.arrival_index))
-        return taken + run[len(run) - (count - len(taken)) :]
+        utility, edge = self.utility, self.utility(pausable[count - 1])
+        # The run of utilities equal to the cut's, on both sides of it: equal buffers first
+        # (bisections: the list is by buffer), then any distinct buffer of equal utility.
+        lo, hi = self._equal_buffers(pausable, pausable[count - 1].last_consume_s)
+        while hi < len(pausable) and utility(pausable[hi]) == edge:
+            hi += 1
+        if hi == count:
+            return pausable[:count]
+        while lo > 0 and utility(pausable[lo - 1]) == edge:
+            lo -= 1
+        # Rank that run by the balancer's ties (the faster reader, then arrival, first; stable
+        # C-level sorts, arrival indices unique) and keep its last ones.
+        run = sorted(pausable[lo:hi], key=_INDEX)
+        run.sort(key=_ARRIVAL_S)
+        run.sort(key=_RATE, reverse=True)
+        return pausable[:lo] + run[len(run) - (count - lo) :]
+
+    @staticmethod
+    def _equal_buffers(members: list[Request], last_consume_s: float) -> tuple[int, int]:
+        """The slice of `members` (by last_consume_s, falling) holding `last_consume_s`."""
+        key = _NEG_LAST_CONSUME
+        lo = bisect_left(members, -last_consume_s, key=key)
+        return lo, bisect_right(members, -last_consume_s, lo, key=key)
 
     def candidates(self, members: list[Request] | None = None) -> list[Candidate]:
         """A candidate per pausable member (of `members` if given; as `survey.
@@ -215,7 +239,7 @@ class Residents:
         tables, synced_of, bs = kv.device_tables, kv.synced_tokens_of, kv.block_size
         dt, inv_dt, inv_horizon = self._dt, self._inv_dt, self._inv_horizon
         stall_dt = self._stall_dt
-        make, exp, out = Candidate._make, math.exp, []
+        new, exp, out = tuple.__new__, math.exp, []  # (new: Candidate._make, C-level)
         for r in self.pausable() if members is None else members:
             rid, num_out = r.request_id, len(r.output_token_ids)
             blocks = -(-r.num_computed_tokens // bs)
@@ -228,7 +252,10 @@ class Residents:
             footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
             reclaim = len(tables[rid])
             out.append(
-                make((r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0))
+                new(
+                    Candidate,
+                    (r, score, footprint, True, False, True, False, False, reclaim, unsynced, 0.0),
+                )
             )
         return out
 

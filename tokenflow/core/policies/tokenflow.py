@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from itertools import chain
+from operator import itemgetter
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
@@ -53,7 +54,12 @@ from tokenflow.core.policies.base import (
     fcfs_starts,
 )
 from tokenflow.core.policies.counted import balance_counted
-from tokenflow.core.policies.paused import paused_candidates, queued_io_blocks, resume_starts
+from tokenflow.core.policies.paused import (
+    PausedPrices,
+    paused_candidates,
+    queued_io_blocks,
+    resume_starts,
+)
 from tokenflow.core.policies.pricing import Costs, decision_costs
 from tokenflow.core.policies.residents import Residents
 from tokenflow.core.policies.started import StartedMembers
@@ -67,6 +73,7 @@ from tokenflow.core.policies.survey import (
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _NOT_STARTED = (RequestState.WAITING, RequestState.PREEMPTED)
+_LAST = itemgetter(-1)
 Started = Survey | StartedMembers
 
 
@@ -84,6 +91,7 @@ class TokenFlowPolicy(Policy):
         self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
         self._rate_cap_tps = math.inf  # one stream's share of capacity at the feasible batch
         self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
+        self._paused_prices = PausedPrices()  # what is fixed while a member waits
         self.num_decisions = 0
         self.num_degraded_decisions = 0
 
@@ -152,7 +160,7 @@ class TokenFlowPolicy(Policy):
         if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
             costs = decision_costs(self.config, view)
             return survey_started(self.config, view, growth, costs), costs
-        costs, paused = paused_candidates(self.config, view, growth)
+        costs, paused = paused_candidates(self.config, view, growth, self._paused_prices)
         return StartedMembers(Residents(self.config, view, costs, growth), paused), costs
 
     def _balance(
@@ -330,14 +338,17 @@ class TokenFlowPolicy(Policy):
         return Preemption(victim.request_id, PreemptMode.OFFLOAD)
 
     def write_through_order(self, view: SchedulingView) -> list[Request]:
-        """Running streams by buffered reading, largest first: likeliest to be preempted."""
+        """Running streams by buffered reading, largest first: likeliest to be preempted (ties
+        by arrival).  Runs every step: `has_unsynced_full_block` and `slack_s` are written
+        out, and the sort compares plain tuples (arrival indices are unique)."""
         if not self.config.write_through:
             return []
-        now, kv = view.now_s, view.kv
-        pending = [
-            r
+        now, kv, running = view.now_s, view.kv, RequestState.RUNNING
+        bs, synced_of = kv.block_size, kv.synced_tokens_of
+        keyed = [
+            (-(r.dry_s - now) if r.output_token_ids else -0.0, r.arrival_s, r.arrival_index, r)
             for r in view.write_candidates
-            if r.state is RequestState.RUNNING
-            and kv.has_unsynced_full_block(r.request_id, r.num_computed_tokens)
+            if r.state is running and r.num_computed_tokens // bs > synced_of(r.request_id, 0) // bs
         ]
-        return sorted(pending, key=lambda r: (-r.slack_s(now), r.sort_key))
+        keyed.sort()
+        return list(map(_LAST, keyed))
