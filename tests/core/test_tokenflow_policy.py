@@ -9,6 +9,7 @@ from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import CopyKind
+from tokenflow.core.policies.admission import CapacityFloor
 from tokenflow.core.policies.survey import Candidate, Survey, survey
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import PreemptMode, RequestState
@@ -365,3 +366,40 @@ def test_the_policy_ratio_is_capped_by_the_schedulers_and_floored_by_its_minimum
     assert policy.init_new_token_ratio(floor) == 0.4
     core, _, _ = make_core("fcfs", scheduler_config=SchedulerConfig())
     assert core.scheduler.new_token_ratio == 0.7  # the baselines keep SGLang's reserve
+
+
+def test_admission_trusts_a_rise_of_gamma_only_once_it_held_for_the_window():
+    floor = CapacityFloor(window_s=1.0)
+    assert floor.observe(0.0, 5500.0) == 5500.0
+    assert floor.observe(0.5, 7600.0) == 5500.0  # one high estimate alone is not trusted
+    assert floor.observe(1.0, 5600.0) == 5600.0  # the lower median of the window
+    assert floor.observe(1.5, 5700.0) == 5700.0
+    assert floor.observe(2.0, 7700.0) == 5700.0
+    assert floor.observe(2.5, 7800.0) == 7700.0  # a rise that held is trusted
+    falling = CapacityFloor(window_s=1.0)
+    falling.observe(0.0, 6000.0)
+    assert falling.observe(0.5, 3000.0) == 3000.0  # a fall, in half the window, is followed
+    assert CapacityFloor(window_s=0.0).observe(0.0, 7600.0) == 7600.0
+
+
+def test_admission_spends_the_trusted_gamma_not_the_latest():
+    class Distrust:  # a floor that trusts no capacity at all
+        def observe(self, now_s: float, capacity_tps: float) -> float:
+            seen.append(capacity_tps)
+            return 0.0
+
+    def started(distrust: bool) -> int:
+        core, clock, _ = make_core("tokenflow", step_s=0.05)
+        core.add_request(make_request("a", num_prompt=4, max_tokens=40, rate=5.0))
+        core.step()
+        if distrust:
+            core.scheduler.policy._capacity_floor = Distrust()
+        for i in range(4):
+            core.add_request(make_request(f"b{i}", num_prompt=4, max_tokens=40, rate=5.0))
+        clock.t += 0.6
+        core.step()
+        return sum(1 for r in core.scheduler.requests.values() if r.num_computed_tokens)
+
+    seen: list[float] = []
+    assert started(distrust=False) == 5
+    assert started(distrust=True) == 1 and seen and seen[0] > 0

@@ -63,6 +63,7 @@ class TokenFlowConfig:
     value_horizon_s: float = 8.0  # a token's value falls to 0 when this much reading is buffered
     switch_penalty: float = 0.2  # utility lost by bringing a stream back to the device
     capacity_headroom: float = 1.0  # admit only while reading rates stay <= this share of Gamma
+    capacity_window_s: float = 1.0  # admission uses the lower median Gamma of this window
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
     # Admission's reserve for the residents' future tokens starts at this share of their
@@ -80,8 +81,10 @@ class TokenFlowConfig:
             raise ValueError("working_set_smoothing (lambda) must be in [0, 1]")
         if self.critical_slack_s < 0 or self.stall_penalty < 0 or self.switch_penalty < 0:
             raise ValueError("critical_slack_s, stall_penalty and switch_penalty must be >= 0")
-        if self.working_set_host_share < 0 or self.max_stall_s < 0:
-            raise ValueError("working_set_host_share and max_stall_s must be >= 0")
+        if self.working_set_host_share < 0 or self.max_stall_s < 0 or self.capacity_window_s < 0:
+            raise ValueError(
+                "working_set_host_share, max_stall_s and capacity_window_s must be >= 0"
+            )
         if not 0.0 < self.capacity_headroom <= 2.0:
             raise ValueError("capacity_headroom must be in (0, 2]")
 

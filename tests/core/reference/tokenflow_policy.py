@@ -37,6 +37,7 @@ from itertools import chain
 
 from tests.core.reference.survey import Survey, survey
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
+from tokenflow.core.policies.admission import CapacityFloor
 from tokenflow.core.policies.balance import balance
 from tokenflow.core.policies.base import (
     Moves,
@@ -62,6 +63,7 @@ class TokenFlowPolicy(Policy):
         self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
         self._rate_cap_tps = math.inf  # one stream's share of capacity at the feasible batch
         self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
+        self._capacity_floor = CapacityFloor(config.capacity_window_s)  # Gamma admission trusts
         self.num_decisions = 0
         self.num_degraded_decisions = 0
 
@@ -94,13 +96,14 @@ class TokenFlowPolicy(Policy):
         growth = self.growth_tokens(view)
         started = self._survey_started(view, growth)
         capacity, demand = self._capacity_and_demand(view, started)
+        trusted = self._capacity_floor.observe(view.now_s, capacity)
         degraded = demand > capacity
         admitted: list[Request] = []
         self._spare_rate_tps = 0.0
         if degraded:
             self.num_degraded_decisions += 1
         else:
-            spare = self.config.capacity_headroom * capacity - demand
+            spare = self.config.capacity_headroom * trusted - demand
             admitted = self._admit(view, started, spare)
             self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
         newcomers = survey(self.config, view, admitted, growth).candidates

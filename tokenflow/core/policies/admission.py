@@ -7,6 +7,8 @@ decisions.  Admission is in strict arrival order (no later request passes an ear
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +25,30 @@ DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
 class Admitted:
     requests: list[Request]  # in arrival order
     prefill_budget_s: float  # prefill time later newcomers may still take this interval
+
+
+class CapacityFloor:
+    """The lower median of Gamma over the decisions of the last `window_s`, which admission
+    trusts.
+
+    Gamma is an estimate, and one high estimate is enough to admit a whole burst: in the
+    simulator one decision of h200-a saw 7615 tok/s between figures of 5300-5900 and admitted
+    the last 69 requests at once, and those readers then stalled 38 s each.  Admitting too far
+    costs stalls until the burst drains; admitting too little costs one window of waiting.  So
+    a single estimate either way is ignored: a rise is trusted once it holds for most of the
+    window, a fall once it holds for half of it."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._recent: deque[tuple[float, float]] = deque()  # (decision time, Gamma)
+
+    def observe(self, now_s: float, capacity_tps: float) -> float:
+        """Record this decision's Gamma; the least one in the window."""
+        recent = self._recent
+        while recent and recent[0][0] < now_s - self._window_s:
+            recent.popleft()
+        recent.append((now_s, capacity_tps))
+        return statistics.median_low([c for _, c in recent])
 
 
 def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks: float) -> int:

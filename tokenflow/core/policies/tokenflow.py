@@ -38,6 +38,7 @@ from operator import itemgetter
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
+    CapacityFloor,
     admit,
     carried_prefill_budget_s,
     prefill_batch_time_s,
@@ -91,6 +92,7 @@ class TokenFlowPolicy(Policy):
         self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
         self._rate_cap_tps = math.inf  # one stream's share of capacity at the feasible batch
         self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
+        self._capacity_floor = CapacityFloor(config.capacity_window_s)  # Gamma admission trusts
         self._paused_prices = PausedPrices()  # what is fixed while a member waits
         self.num_decisions = 0
         self.num_degraded_decisions = 0
@@ -136,13 +138,14 @@ class TokenFlowPolicy(Policy):
         growth = self.growth_tokens(view)
         started, costs = self._started(view, growth)
         capacity, demand = self._capacity_and_demand(view, started)
+        trusted = self._capacity_floor.observe(view.now_s, capacity)
         degraded = demand > capacity
         admitted: list[Request] = []
         self._spare_rate_tps = 0.0
         if degraded:
             self.num_degraded_decisions += 1
         else:
-            spare = self.config.capacity_headroom * capacity - demand
+            spare = self.config.capacity_headroom * trusted - demand
             admitted = self._admit(view, started, spare)
             self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
         newcomers = survey(self.config, view, admitted, growth, costs).candidates
