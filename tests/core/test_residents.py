@@ -23,7 +23,13 @@ from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import counted as counted_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
-from tokenflow.core.policies.paused import PausedPrices, paused_candidates
+from tokenflow.core.policies.paused import (
+    PausedPrices,
+    paused_candidates,
+    price_paused,
+    queued_io_blocks,
+    resume_starts,
+)
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -99,12 +105,25 @@ def _drive(
 
 
 def _check_paused_prices(policy: TokenFlowPolicy, view) -> None:
-    """The paused members' candidates and costs from the prices kept across decisions equal
-    those priced afresh."""
+    """The paused members' candidates (ranked by utility and by arrival), costs and resume
+    modes from the prices kept across decisions equal those priced afresh."""
     growth = policy.growth_tokens(view)
-    kept = paused_candidates(policy.config, view, growth, policy._paused_prices)
-    fresh = paused_candidates(policy.config, view, growth, PausedPrices())
-    assert kept == fresh
+    for by_arrival in (False, True):
+        kept = paused_candidates(policy.config, view, growth, policy._paused_prices, by_arrival)
+        fresh = paused_candidates(policy.config, view, growth, PausedPrices(), by_arrival)
+        assert kept == fresh
+    # Ranked by arrival, the kept candidates are the utility ones without the utility.
+    by_utility = paused_candidates(policy.config, view, growth, PausedPrices())[1]
+    assert kept[1] == [c._replace(utility=0.0) for c in by_utility]
+    _check_resume_modes(policy, view, growth)
+
+
+def _check_resume_modes(policy: TokenFlowPolicy, view, growth: int) -> None:
+    """Resume modes from the kept prices equal those from the request and the KV manager."""
+    priced = price_paused(policy.config, view, growth, policy._paused_prices)
+    members = list(view.preempted) + list(view.waiting)
+    queued = queued_io_blocks(view)
+    assert resume_starts(view, members, queued, priced) == resume_starts(view, members, queued)
 
 
 def _check_queue_sums(scheduler: Scheduler) -> None:
@@ -226,5 +245,7 @@ def test_paused_prices_follow_a_dropped_host_copy():
     member = next(r for r in view.preempted if scheduler.kv.synced_tokens(r.request_id))
     scheduler.kv.drop(member.request_id)  # what `_apply_starts` does before a failed allocate
     member.num_computed_tokens = 0
-    kept = paused_candidates(policy.config, view, growth, policy._paused_prices)
-    assert kept == paused_candidates(policy.config, view, growth, PausedPrices())
+    for by_arrival in (False, True):
+        kept = paused_candidates(policy.config, view, growth, policy._paused_prices, by_arrival)
+        assert kept == paused_candidates(policy.config, view, growth, PausedPrices(), by_arrival)
+    _check_resume_modes(policy, view, growth)

@@ -13,8 +13,8 @@ from itertools import chain, repeat
 from operator import attrgetter
 
 from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.paused import PausedMembers
 from tokenflow.core.policies.residents import Residents
-from tokenflow.core.policies.survey import Candidate
 
 _NUM_TOKENS = attrgetter("num_tokens")
 _END = attrgetter("end_tokens")
@@ -74,11 +74,12 @@ class PausePool:
 
 @dataclass(frozen=True)
 class StartedMembers:
-    """The started members as the fast decision sees them: the paused ones as candidates, the
-    running ones as `Residents` (the slow decision's `Survey` answers the same questions)."""
+    """The started members as the fast decision sees them: the paused ones priced (their
+    candidates once the decision knows how it ranks), the running ones as `Residents` (the
+    slow decision's `Survey` answers the same questions)."""
 
     residents: Residents
-    paused: list[Candidate]  # a candidate per paused member, in the view's order
+    paused: PausedMembers  # the paused members, in the view's order
 
     @property
     def num_members(self) -> int:

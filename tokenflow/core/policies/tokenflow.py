@@ -56,7 +56,7 @@ from tokenflow.core.policies.base import (
 from tokenflow.core.policies.counted import balance_counted
 from tokenflow.core.policies.paused import (
     PausedPrices,
-    paused_candidates,
+    price_paused,
     queued_io_blocks,
     resume_starts,
 )
@@ -148,7 +148,8 @@ class TokenFlowPolicy(Policy):
         newcomers = survey(self.config, view, admitted, growth, costs).candidates
         resumed, paused = self._balance(view, started, newcomers, degraded)
         preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
-        self._targets = resume_starts(view, resumed, queued_io_blocks(view))
+        priced = started.paused if isinstance(started, StartedMembers) else None
+        self._targets = resume_starts(view, resumed, queued_io_blocks(view), priced)
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
@@ -160,8 +161,10 @@ class TokenFlowPolicy(Policy):
         if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
             costs = decision_costs(self.config, view)
             return survey_started(self.config, view, growth, costs), costs
-        costs, paused = paused_candidates(self.config, view, growth, self._paused_prices)
-        return StartedMembers(Residents(self.config, view, costs, growth), paused), costs
+        paused = price_paused(self.config, view, growth, self._paused_prices)
+        return StartedMembers(
+            Residents(self.config, view, paused.costs, growth), paused
+        ), paused.costs
 
     def _balance(
         self,
@@ -174,16 +177,16 @@ class TokenFlowPolicy(Policy):
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
-            residents = started.residents
+            residents, paused_members = started.residents, started.paused.candidates(by_arrival)
             counted = balance_counted(
-                started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
+                paused_members, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
             )
             if counted is not None:
                 left_out = set(counted[1])
                 paused = list(filter(left_out.__contains__, view.running)) if left_out else []
                 return [c.request for c in counted[0]], paused
             # More pinned than slots: the greedy over every candidate (it raises).
-            listed = residents.candidates() + started.paused
+            listed = residents.candidates() + paused_members
             num_pinned, pinned_blocks = residents.num_pinned, residents.pinned_footprint_blocks()
         else:
             listed = started.candidates
