@@ -134,8 +134,7 @@ class TokenFlowPolicy(Policy):
         self.num_decisions += 1
         self._calm_until_s = -math.inf  # starts follow: look again at the next boundary
         growth = self.growth_tokens(view)
-        started, costs = self._started(view, growth)
-        capacity, demand = self._capacity_and_demand(view, started)
+        started, costs, capacity, demand = self._started(view, growth)
         degraded = demand > capacity
         admitted: list[Request] = []
         self._spare_rate_tps = 0.0
@@ -148,23 +147,26 @@ class TokenFlowPolicy(Policy):
         newcomers = survey(self.config, view, admitted, growth, costs).candidates
         resumed, paused = self._balance(view, started, newcomers, degraded)
         preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
-        priced = started.paused if isinstance(started, StartedMembers) else None
-        self._targets = resume_starts(view, resumed, queued_io_blocks(view), priced)
+        self._targets = resume_starts(view, resumed, queued_io_blocks(view))
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
-    def _started(self, view: SchedulingView, growth: int) -> tuple[Started, Costs]:
-        """The started members, and the decision's costs: running ones counted by buffer
-        (`Residents`) where the view keeps the unsettled residents and the host can take any
-        tail, else surveyed."""
+    def _started(self, view: SchedulingView, growth: int) -> tuple[Started, Costs, float, float]:
+        """The started members, the decision's costs, and (Gamma, the members' demand): the
+        running members counted by buffer (`Residents`) and the paused ones priced for the
+        rank the demand sets, where the view keeps the unsettled residents and the host can
+        take any tail; else surveyed."""
         kv = view.kv
         if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
             costs = decision_costs(self.config, view)
-            return survey_started(self.config, view, growth, costs), costs
-        paused = price_paused(self.config, view, growth, self._paused_prices)
-        return StartedMembers(
-            Residents(self.config, view, paused.costs, growth), paused
-        ), paused.costs
+            started = survey_started(self.config, view, growth, costs)
+            return started, costs, *self._capacity_and_demand(view, started)
+        members = StartedMembers(view)  # (count, footprint and demand from the view)
+        capacity, demand = self._capacity_and_demand(view, members)
+        by_arrival = demand > capacity
+        costs, paused = price_paused(self.config, view, growth, self._paused_prices, by_arrival)
+        members.fill(Residents(self.config, view, costs, growth), paused)
+        return members, costs, capacity, demand
 
     def _balance(
         self,
@@ -177,7 +179,7 @@ class TokenFlowPolicy(Policy):
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
-            residents, paused_members = started.residents, started.paused.candidates(by_arrival)
+            residents, paused_members = started.residents, started.paused
             counted = balance_counted(
                 paused_members, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
             )
