@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView, Start
@@ -17,14 +16,11 @@ from tokenflow.core.policies.pricing import Costs, costs_of
 from tokenflow.core.policies.survey import Candidate
 from tokenflow.core.request import Request
 
-
-class _Fixed(NamedTuple):
-    """What is fixed while a member is paused (see `PausedPrices`)."""
-
-    key: tuple[int, int, int]  # (tokens, computed tokens, synced tokens)
-    resume_s: float  # as `pricing.resume_time_s`
-    footprint_blocks: int  # device blocks over the next interval
-    by_flags: list[Candidate | None]  # ranked by arrival, (urgent + 2 * overdue) -> candidate
+# What is fixed while a member is paused (see `PausedPrices`): (its key (tokens, computed
+# tokens, synced tokens), its resume time as `pricing.resume_time_s`, its device blocks over
+# the next interval, its candidates ranked by arrival by urgent + 2 * overdue, built when first
+# asked for).  A plain tuple: the loops index it, and indexing an exact tuple is the fast path.
+_Fixed = tuple[tuple[int, int, int], float, int, list[Candidate | None]]
 
 
 class PausedPrices:
@@ -153,9 +149,8 @@ def _price_by_arrival(
 
 def _arrival_candidate(r: Request, entry: _Fixed, flags: int) -> Candidate:
     urgent, overdue = flags in (1, 3), flags >= 2
-    return Candidate(
-        r, 0.0, entry.footprint_blocks, False, False, False, urgent, overdue, 0, 0, entry.resume_s
-    )
+    _, resume, footprint, _ = entry
+    return Candidate(r, 0.0, footprint, False, False, False, urgent, overdue, 0, 0, resume)
 
 
 def _fixed_prices(
@@ -175,7 +170,7 @@ def _fixed_prices(
     remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
     extra = growth if growth < remaining else remaining
     footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
-    return _Fixed(key, resume, footprint, [None] * 4)
+    return key, resume, footprint, [None] * 4
 
 
 def queued_io_blocks(view: SchedulingView) -> int:
