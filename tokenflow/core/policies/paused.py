@@ -1,6 +1,6 @@
 """The paused members at a decision: their candidates, and how the chosen ones come back.
 
-Both loops run over every paused member, or every resumed one, at each decision, so they are
+The loops run over every paused member, or every resumed one, at each decision, so they are
 written out (the same arithmetic as `survey._candidates` and `TokenFlowPolicy.
 choose_resume_mode`, in the same order of operations: the same floats).
 """
@@ -75,7 +75,7 @@ def price_paused(
     return costs_of(config, view, resume_of), candidates
 
 
-Fresh = Callable[[Request, tuple[int, int, int]], _Fixed]
+_Fresh = Callable[[Request, tuple[int, int, int]], _Fixed]
 
 
 def _price_by_utility(
@@ -83,7 +83,7 @@ def _price_by_utility(
     view: SchedulingView,
     entries: dict[str, _Fixed],
     resume_of: dict[str, float],
-    fresh: Fresh,
+    fresh: _Fresh,
 ) -> list[Candidate]:
     """Candidates with utilities (`survey._candidates`' arithmetic, same order: same floats);
     each member's resume time into `resume_of`, its entry checked (and renewed) in `entries`."""
@@ -121,7 +121,7 @@ def _price_by_arrival(
     view: SchedulingView,
     entries: dict[str, _Fixed],
     resume_of: dict[str, float],
-    fresh: Fresh,
+    fresh: _Fresh,
 ) -> list[Candidate]:
     """Candidates ranked by arrival, kept with the prices, one per urgent / overdue pair (a
     paused member's dry time is fixed, so only the flags move with the clock)."""
