@@ -23,7 +23,7 @@ from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import counted as counted_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
-from tokenflow.core.policies.paused import PausedPrices, paused_candidates
+from tokenflow.core.policies.paused import PausedPrices, price_paused
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -99,12 +99,16 @@ def _drive(
 
 
 def _check_paused_prices(policy: TokenFlowPolicy, view) -> None:
-    """The paused members' candidates and costs from the prices kept across decisions equal
-    those priced afresh."""
+    """The paused members' candidates (ranked by utility and by arrival), costs and resume
+    modes from the prices kept across decisions equal those priced afresh."""
     growth = policy.growth_tokens(view)
-    kept = paused_candidates(policy.config, view, growth, policy._paused_prices)
-    fresh = paused_candidates(policy.config, view, growth, PausedPrices())
-    assert kept == fresh
+    for by_arrival in (False, True):
+        kept = price_paused(policy.config, view, growth, policy._paused_prices, by_arrival)
+        fresh = price_paused(policy.config, view, growth, PausedPrices(), by_arrival)
+        assert kept == fresh
+    # Ranked by arrival, the kept candidates are the utility ones without the utility.
+    by_utility = price_paused(policy.config, view, growth, PausedPrices())[1]
+    assert kept[1] == [c._replace(utility=0.0) for c in by_utility]
 
 
 def _check_queue_sums(scheduler: Scheduler) -> None:
@@ -167,7 +171,7 @@ def test_demand_from_counted_rates_is_the_sum_in_member_order(rates):
         scheduler.update(plan, executor.execute(plan), clock.t)
     view = scheduler.view(clock.t)
     assert view.preempted and view.running
-    started, _ = policy._started(view, 1)
+    started = policy._started(view, 1)[0]
     members = view.running + view.preempted
     for cap in (0.3, 1.0, 2.0, 2.2, 4.9, 5.0, 7.3, 1e9):
         expected = sum(min(r.rate_tps, cap) for r in members)
@@ -222,9 +226,10 @@ def test_paused_prices_follow_a_dropped_host_copy():
         clock.t += 0.005 if plan.is_empty else 0.0
     view = scheduler.view(clock.t)
     growth = policy.growth_tokens(view)
-    paused_candidates(policy.config, view, growth, policy._paused_prices)
+    price_paused(policy.config, view, growth, policy._paused_prices)
     member = next(r for r in view.preempted if scheduler.kv.synced_tokens(r.request_id))
     scheduler.kv.drop(member.request_id)  # what `_apply_starts` does before a failed allocate
     member.num_computed_tokens = 0
-    kept = paused_candidates(policy.config, view, growth, policy._paused_prices)
-    assert kept == paused_candidates(policy.config, view, growth, PausedPrices())
+    for by_arrival in (False, True):
+        kept = price_paused(policy.config, view, growth, policy._paused_prices, by_arrival)
+        assert kept == price_paused(policy.config, view, growth, PausedPrices(), by_arrival)

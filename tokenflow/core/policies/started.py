@@ -8,7 +8,6 @@ paused ones as candidates; the slow path's `Survey` answers the same questions.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter
 
@@ -72,25 +71,32 @@ class PausePool:
         return total
 
 
-@dataclass(frozen=True)
 class StartedMembers:
-    """The started members as the fast decision sees them: the paused ones as candidates, the
-    running ones as `Residents` (the slow decision's `Survey` answers the same questions)."""
+    """The started members as the fast decision sees them: the running ones as `Residents`,
+    the paused ones priced (`paused.price_paused`); the count, footprint and demand come
+    from the view (the slow decision's `Survey` answers the same questions), so they are
+    known before the members are priced (`fill`), which depends on them."""
 
-    residents: Residents
-    paused: list[Candidate]  # a candidate per paused member, in the view's order
+    def __init__(self, view: SchedulingView) -> None:
+        self.view = view
+        self.residents: Residents | None = None
+        self.paused: list[Candidate] = []  # a candidate per paused member, in the view's order
+
+    def fill(self, residents: Residents, paused: list[Candidate]) -> None:
+        """The running members counted by buffer and the paused ones priced."""
+        self.residents, self.paused = residents, paused
 
     @property
     def num_members(self) -> int:
-        return len(self.residents.view.running) + len(self.paused)
+        return len(self.view.running) + len(self.view.preempted)
 
     @property
     def sum_lifetime_blocks(self) -> int:
-        return self.residents.view.started_lifetime_blocks
+        return self.view.started_lifetime_blocks
 
     def demand_tps(self, rate_cap_tps: float) -> float:
         """The members' reading rates, each capped at `rate_cap_tps`, summed in member order."""
-        view = self.residents.view
+        view = self.view
         num_members, counts = self.num_members, view.started_rates
         if counts and sum(counts.values()) == num_members:
             # Each term is the cap, or each an integral rate whose partial sums are exact:

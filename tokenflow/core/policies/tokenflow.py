@@ -57,7 +57,7 @@ from tokenflow.core.policies.base import (
 from tokenflow.core.policies.counted import balance_counted
 from tokenflow.core.policies.paused import (
     PausedPrices,
-    paused_candidates,
+    price_paused,
     queued_io_blocks,
     resume_starts,
 )
@@ -136,8 +136,7 @@ class TokenFlowPolicy(Policy):
         self.num_decisions += 1
         self._calm_until_s = -math.inf  # starts follow: look again at the next boundary
         growth = self.growth_tokens(view)
-        started, costs = self._started(view, growth)
-        capacity, demand = self._capacity_and_demand(view, started)
+        started, costs, capacity, demand = self._started(view, growth)
         trusted = self._capacity_floor.observe(view.now_s, capacity)
         degraded = demand > capacity
         admitted: list[Request] = []
@@ -155,16 +154,22 @@ class TokenFlowPolicy(Policy):
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
-    def _started(self, view: SchedulingView, growth: int) -> tuple[Started, Costs]:
-        """The started members, and the decision's costs: running ones counted by buffer
-        (`Residents`) where the view keeps the unsettled residents and the host can take any
-        tail, else surveyed."""
+    def _started(self, view: SchedulingView, growth: int) -> tuple[Started, Costs, float, float]:
+        """The started members, the decision's costs, and (Gamma, the members' demand): the
+        running members counted by buffer (`Residents`) and the paused ones priced for the
+        rank the demand sets, where the view keeps the unsettled residents and the host can
+        take any tail; else surveyed."""
         kv = view.kv
         if view.unsettled is None or kv.num_free_host_blocks < kv.config.num_device_blocks:
             costs = decision_costs(self.config, view)
-            return survey_started(self.config, view, growth, costs), costs
-        costs, paused = paused_candidates(self.config, view, growth, self._paused_prices)
-        return StartedMembers(Residents(self.config, view, costs, growth), paused), costs
+            started = survey_started(self.config, view, growth, costs)
+            return started, costs, *self._capacity_and_demand(view, started)
+        members = StartedMembers(view)  # (count, footprint and demand from the view)
+        capacity, demand = self._capacity_and_demand(view, members)
+        by_arrival = demand > capacity
+        costs, paused = price_paused(self.config, view, growth, self._paused_prices, by_arrival)
+        members.fill(Residents(self.config, view, costs, growth), paused)
+        return members, costs, capacity, demand
 
     def _balance(
         self,
@@ -177,16 +182,16 @@ class TokenFlowPolicy(Policy):
         blocks, max_seqs = view.kv.config.num_device_blocks, view.config.max_num_seqs
         budget_s = self.config.schedule_interval_s
         if isinstance(started, StartedMembers):
-            residents = started.residents
+            residents, paused_members = started.residents, started.paused
             counted = balance_counted(
-                started.paused, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
+                paused_members, newcomers, residents, blocks, max_seqs, by_arrival, budget_s
             )
             if counted is not None:
                 left_out = set(counted[1])
                 paused = list(filter(left_out.__contains__, view.running)) if left_out else []
                 return [c.request for c in counted[0]], paused
             # More pinned than slots: the greedy over every candidate (it raises).
-            listed = residents.candidates() + started.paused
+            listed = residents.candidates() + paused_members
             num_pinned, pinned_blocks = residents.num_pinned, residents.pinned_footprint_blocks()
         else:
             listed = started.candidates
