@@ -89,7 +89,7 @@ class OurRunner:
         stamps = [time.perf_counter()]
         last = self._execute(
             [
-                ScheduledChunk(f"r{i}", tuple(p), 0, self._table(i), True, self.params, 0)
+                ScheduledChunk(f"r{i}", tuple(p), 0, self._table(i), 0, True, self.params, 0)
                 for i, p in enumerate(prompts)
             ]
         )
@@ -102,6 +102,7 @@ class OurRunner:
                         (last[i],),
                         len(p) + step - 1,
                         self._table(i),
+                        0,  # (the whole table again: the executor replaces its copy)
                         True,
                         self.params,
                         step,

@@ -34,7 +34,7 @@ def _plan(batch: int, context: int, num_tokens: int) -> StepPlan:
     tables = order.view(batch, blocks_per_seq).tolist()
     params = SamplingParams(max_tokens=4096, temperature=0.0)
     chunks = tuple(
-        ScheduledChunk(f"r{i}", (7,) * num_tokens, context, tuple(tables[i]), True, params, 1)
+        ScheduledChunk(f"r{i}", (7,) * num_tokens, context, tuple(tables[i]), 0, True, params, 1)
         for i in range(batch)
     )
     return StepPlan(1, chunks, (), (), ())
