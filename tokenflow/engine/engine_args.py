@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES
@@ -132,47 +132,42 @@ class EngineArgs:
             dest="default_rate_tps",
             help="tokens/s for requests that state no stream_rate",
         )
-        tf = parser.add_argument_group("tokenflow policy")
-        defaults = SERVE_TOKENFLOW
-        tf.add_argument("--schedule-interval", type=float, default=defaults.schedule_interval_s)
-        tf.add_argument("--mu", type=float, default=defaults.buffer_conservativeness)
-        tf.add_argument(
-            "--critical-slack",
-            type=float,
-            default=defaults.critical_slack_s,
-            help="seconds of buffer that mean stress, and a pause's margin (docs/overload.md)",
-        )
-        tf.add_argument(
-            "--new-token-ratio",
-            type=float,
-            default=defaults.init_new_token_ratio,
-            help="admission reserves this share of each resident's remaining output at first",
-        )
-        tf.add_argument(
-            "--capacity-headroom",
-            type=float,
-            default=defaults.capacity_headroom,
-            help="admit while reading rates stay <= this share of capacity (docs/overload.md)",
-        )
-        tf.add_argument(
-            "--max-stall-s",
-            type=float,
-            default=defaults.max_stall_s,
-            help="a stream stalled this long goes on the device first",
-        )
-        tf.add_argument("--no-write-through", action="store_true")
+        _add_policy_arguments(parser.add_argument_group("tokenflow policy"))
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineArgs:
         """Build from parsed CLI options (ValueError on bad values)."""
-        tokenflow = TokenFlowConfig(
-            schedule_interval_s=args.schedule_interval,
-            buffer_conservativeness=args.mu,
-            critical_slack_s=args.critical_slack,
-            init_new_token_ratio=args.new_token_ratio,
-            capacity_headroom=args.capacity_headroom,
-            max_stall_s=args.max_stall_s,
-            write_through=not args.no_write_through,
-        )
+        options = {field: getattr(args, dest) for dest, (field, _) in _POLICY_OPTIONS.items()}
+        tokenflow = replace(SERVE_TOKENFLOW, **options, write_through=not args.no_write_through)
         names = {f.name for f in fields(cls)} - {"tokenflow"}
         return cls(**{n: getattr(args, n) for n in names}, tokenflow=tokenflow)
+
+
+# `serve`'s policy options: destination -> (TokenFlowConfig field, help); defaults from
+# SERVE_TOKENFLOW, which also supplies every field not listed here.
+_POLICY_OPTIONS = {
+    "schedule_interval": ("schedule_interval_s", None),
+    "mu": ("buffer_conservativeness", None),
+    "critical_slack": (
+        "critical_slack_s",
+        "seconds of buffer that mean stress, and a pause's margin (docs/overload.md)",
+    ),
+    "new_token_ratio": (
+        "init_new_token_ratio",
+        "admission reserves this share of each resident's remaining output at first",
+    ),
+    "capacity_headroom": (
+        "capacity_headroom",
+        "admit while reading rates stay <= this share of capacity (docs/overload.md)",
+    ),
+    "max_stall_s": ("max_stall_s", "a stream stalled this long goes on the device first"),
+}
+
+
+def _add_policy_arguments(group: argparse._ArgumentGroup) -> None:
+    """The TokenFlow policy's options, defaulting to serve's profile of it."""
+    for dest, (field_name, help_text) in _POLICY_OPTIONS.items():
+        default = getattr(SERVE_TOKENFLOW, field_name)
+        flag = f"--{dest.replace('_', '-')}"
+        group.add_argument(flag, type=float, default=default, help=help_text)
+    group.add_argument("--no-write-through", action="store_true")

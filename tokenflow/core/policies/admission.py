@@ -43,7 +43,7 @@ class CapacityFloor:
         self._recent: deque[tuple[float, float]] = deque()  # (decision time, Gamma)
 
     def observe(self, now_s: float, capacity_tps: float) -> float:
-        """Record this decision's Gamma; the least one in the window."""
+        """Record this decision's Gamma; the lower median of the window's."""
         recent = self._recent
         while recent and recent[0][0] < now_s - self._window_s:
             recent.popleft()
