@@ -72,40 +72,49 @@ def admit(
     started: Survey | StartedMembers,
     limit: int,
     spare_rate_tps: float,
-    demand_of: DemandOf,
+    rate_cap_tps: float,
     prefill_budget_s: float,
 ) -> Admitted:
     """Waiting requests that join, in arrival order, while the working set is below `limit`,
-    their demand fits in `spare_rate_tps`, their prefills, started together, fit in
-    `prefill_budget_s` (about one interval, so Gamma is measured as the batch fills; the first
-    always starts), and each finds free device memory or memory that safe pauses free (each
+    their demand (reading rate, at most `rate_cap_tps` each) fits in `spare_rate_tps`, their
+    prefills, started together, fit in `prefill_budget_s` (about one interval, so Gamma is
+    measured as the batch fills; the first always starts), and each finds free device memory or memory that safe pauses free (each
     pause also needs host room for its unsynced tail)."""
     if not view.waiting:
         return Admitted([], prefill_budget_s)
     size = started.num_members
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
     pauses = started.pauses(view)  # most reading buffered first (they lose least)
+    # `prefill_batch_time_s`, `view.start_blocks` and `view.reserve_blocks` written out (the
+    # same int and float operations): this loop runs over every newcomer at every decision.
+    batch_s, max_step = view.estimator.prefill_batch_time_s, view.config.max_prefill_tokens
+    bs, ratio = view.kv.block_size, view.new_token_ratio
     extra_rate = 0.0
     prefill_tokens = 0
     admitted: list[Request] = []
     for request in view.waiting:
-        rate = demand_of(request)
+        rate = request.rate_tps
+        if rate_cap_tps < rate:  # min(rate, cap)
+            rate = rate_cap_tps
         if size >= limit or (size and extra_rate + rate > spare_rate_tps):
             break  # (an empty working set always takes the head, whatever its rate)
-        tokens = prefill_tokens + request.num_tokens
-        if admitted and prefill_batch_time_s(view, tokens) > prefill_budget_s:
+        num_tokens = request.num_tokens
+        tokens = prefill_tokens + num_tokens
+        if admitted and batch_s(tokens, max_step) > prefill_budget_s:
             break  # paced: what one interval can prefill
-        need = view.start_blocks(request)
+        # Never computed (the common case): no host copy, so the start recomputes it all.
+        need = view.start_blocks(request) if request.num_computed_tokens else -(-num_tokens // bs)
         if need > free:
             free += pauses.take(need - free)
         if need > free:
             break
-        free -= need + view.reserve_blocks(request)
+        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+        free -= need + -(-int(remaining * ratio) // bs)
         prefill_tokens = tokens
         admitted.append(request)
         size += 1
         extra_rate += rate
-    return Admitted(admitted, prefill_budget_s - prefill_batch_time_s(view, prefill_tokens))
+    return Admitted(admitted, prefill_budget_s - batch_s(prefill_tokens, max_step))
 
 
 def carried_prefill_budget_s(interval_s: float, unused_s: float) -> float:

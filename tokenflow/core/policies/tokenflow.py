@@ -33,8 +33,8 @@ by buffer size).
 from __future__ import annotations
 
 import math
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
@@ -68,6 +68,7 @@ from tokenflow.core.policies.survey import (
     Candidate,
     Survey,
     lifetime_blocks,
+    newcomer_candidates,
     survey,
     survey_started,
 )
@@ -75,6 +76,7 @@ from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _NOT_STARTED = (RequestState.WAITING, RequestState.PREEMPTED)
 _LAST = itemgetter(-1)
+_RATE = attrgetter("rate_tps")
 Started = Survey | StartedMembers
 
 
@@ -146,8 +148,9 @@ class TokenFlowPolicy(Policy):
         else:
             spare = self.config.capacity_headroom * trusted - demand
             admitted = self._admit(view, started, spare)
-            self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
-        newcomers = survey(self.config, view, admitted, growth, costs).candidates
+            rates = map(min, map(_RATE, admitted), repeat(self._rate_cap_tps))  # (_demand_tps)
+            self._spare_rate_tps = max(spare - sum(rates), 0.0)
+        newcomers = newcomer_candidates(self.config, view, admitted, growth, costs)
         resumed, paused = self._balance(view, started, newcomers, degraded)
         preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
         self._targets = resume_starts(view, resumed, queued_io_blocks(view))
@@ -289,7 +292,7 @@ class TokenFlowPolicy(Policy):
     ) -> list[Request]:
         limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
         budget_s = carried_prefill_budget_s(self.config.schedule_interval_s, self._prefill_budget_s)
-        admitted = admit(view, started, limit, spare_rate_tps, self._demand_tps, budget_s)
+        admitted = admit(view, started, limit, spare_rate_tps, self._rate_cap_tps, budget_s)
         if view.waiting:  # (with none waiting, the last decision's prefill budget stands)
             self._prefill_budget_s = admitted.prefill_budget_s
         return admitted.requests
