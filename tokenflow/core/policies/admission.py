@@ -7,7 +7,7 @@ decisions.  Admission is in strict arrival order (no later request passes an ear
 from __future__ import annotations
 
 import math
-import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,14 +41,17 @@ class CapacityFloor:
     def __init__(self, window_s: float) -> None:
         self._window_s = window_s
         self._recent: deque[tuple[float, float]] = deque()  # (decision time, Gamma)
+        self._sorted: list[float] = []  # the window's Gamma values, ascending
 
     def observe(self, now_s: float, capacity_tps: float) -> float:
-        """Record this decision's Gamma; the lower median of the window's."""
-        recent = self._recent
+        """Record this decision's Gamma; the lower median of the window's (as
+        `statistics.median_low`: the middle value of an odd count, else the lower middle)."""
+        recent, ordered = self._recent, self._sorted
         while recent and recent[0][0] < now_s - self._window_s:
-            recent.popleft()
+            del ordered[bisect_left(ordered, recent.popleft()[1])]  # (an equal value: same list)
         recent.append((now_s, capacity_tps))
-        return statistics.median_low([c for _, c in recent])
+        insort(ordered, capacity_tps)
+        return ordered[(len(ordered) - 1) // 2]
 
 
 def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks: float) -> int:
@@ -78,8 +81,8 @@ def admit(
     """Waiting requests that join, in arrival order, while the working set is below `limit`,
     their demand (reading rate, at most `rate_cap_tps` each) fits in `spare_rate_tps`, their
     prefills, started together, fit in `prefill_budget_s` (about one interval, so Gamma is
-    measured as the batch fills; the first always starts), and each finds free device memory or memory that safe pauses free (each
-    pause also needs host room for its unsynced tail)."""
+    measured as the batch fills; the first always starts), and each finds free device memory
+    or memory that safe pauses free (each pause also needs host room for its unsynced tail)."""
     if not view.waiting:
         return Admitted([], prefill_budget_s)
     size = started.num_members
