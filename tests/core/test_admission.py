@@ -11,6 +11,7 @@ import pytest
 from tests.core.helpers import make_request
 from tests.core.test_tokenflow_policy import small_view
 from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies.admission import Admitted, CapacityFloor, admit, prefill_batch_time_s
 from tokenflow.core.policies.base import SchedulingView
@@ -41,11 +42,11 @@ def test_capacity_floor_reads_the_lower_median_of_its_window():
 def slow_admit(view, started, limit, spare_rate_tps, rate_cap_tps, prefill_budget_s):
     """`admission.admit` through the view's helpers, one call per question."""
     if not view.waiting:
-        return Admitted([], prefill_budget_s)
+        return Admitted([], prefill_budget_s, [])
     size = started.num_members
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
     pauses = started.pauses(view)
-    extra_rate, prefill_tokens, admitted = 0.0, 0, []
+    extra_rate, prefill_tokens, admitted, rates = 0.0, 0, [], []
     for request in view.waiting:
         rate = min(request.rate_tps, rate_cap_tps)
         if size >= limit or (size and extra_rate + rate > spare_rate_tps):
@@ -61,9 +62,11 @@ def slow_admit(view, started, limit, spare_rate_tps, rate_cap_tps, prefill_budge
         free -= need + view.reserve_blocks(request)
         prefill_tokens = tokens
         admitted.append(request)
+        rates.append(rate)
         size += 1
         extra_rate += rate
-    return Admitted(admitted, prefill_budget_s - prefill_batch_time_s(view, prefill_tokens))
+    unused_s = prefill_budget_s - prefill_batch_time_s(view, prefill_tokens)
+    return Admitted(admitted, unused_s, rates)
 
 
 def random_request(rng: random.Random, name: str, kv: KVTierManager) -> Request:
@@ -87,9 +90,16 @@ def random_view(rng: random.Random, base: SchedulingView) -> SchedulingView:
     kv = KVTierManager(KVConfig(rng.randint(20, 200), 400, BLOCK_SIZE))
     waiting = [random_request(rng, f"w{i}", kv) for i in range(rng.randint(0, 30))]
     kv.allocate("owner", rng.randint(0, kv.num_free_device_blocks) * BLOCK_SIZE)
+    estimator = StepTimeEstimator(0.02, rng.uniform(1e-5, 1e-3))
+    for _ in range(rng.randint(0, 8)):  # a fitted prefill: a fixed part per step too
+        tokens = rng.randint(1, 300)
+        estimator.observe(4, tokens, 0.02 + rng.uniform(0.001, 0.01) + tokens * 2e-4)
+    max_prefill_tokens = rng.choice((8, 32, 100, 4096))
     return replace(
         base,
         kv=kv,
+        estimator=estimator,
+        config=replace(base.config, max_prefill_tokens=max_prefill_tokens),
         waiting=waiting,
         new_token_ratio=rng.choice((0.0, 0.05, 0.3, 0.7)),
         remaining_output_tokens=rng.randint(0, 300),

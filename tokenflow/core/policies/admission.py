@@ -25,6 +25,7 @@ DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
 class Admitted:
     requests: list[Request]  # in arrival order
     prefill_budget_s: float  # prefill time later newcomers may still take this interval
+    demands_tps: list[float]  # each request's demand (its rate, capped), in the same order
 
 
 class CapacityFloor:
@@ -84,17 +85,19 @@ def admit(
     measured as the batch fills; the first always starts), and each finds free device memory
     or memory that safe pauses free (each pause also needs host room for its unsynced tail)."""
     if not view.waiting:
-        return Admitted([], prefill_budget_s)
+        return Admitted([], prefill_budget_s, [])
     size = started.num_members
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
     pauses = started.pauses(view)  # most reading buffered first (they lose least)
     # `prefill_batch_time_s`, `view.start_blocks` and `view.reserve_blocks` written out (the
     # same int and float operations): this loop runs over every newcomer at every decision.
-    batch_s, max_step = view.estimator.prefill_batch_time_s, view.config.max_prefill_tokens
-    bs, ratio = view.kv.block_size, view.new_token_ratio
+    est, bs, ratio = view.estimator, view.kv.block_size, view.new_token_ratio
+    step_s, token_s = est.prefill_step_s, est.prefill_token_s
+    max_step = max(view.config.max_prefill_tokens, 1)
     extra_rate = 0.0
     prefill_tokens = 0
     admitted: list[Request] = []
+    rates: list[float] = []
     for request in view.waiting:
         rate = request.rate_tps
         if rate_cap_tps < rate:  # min(rate, cap)
@@ -102,8 +105,8 @@ def admit(
         if size >= limit or (size and extra_rate + rate > spare_rate_tps):
             break  # (an empty working set always takes the head, whatever its rate)
         num_tokens = request.num_tokens
-        tokens = prefill_tokens + num_tokens
-        if admitted and batch_s(tokens, max_step) > prefill_budget_s:
+        tokens = prefill_tokens + num_tokens  # > 0: a prompt is never empty
+        if admitted and -(-tokens // max_step) * step_s + tokens * token_s > prefill_budget_s:
             break  # paced: what one interval can prefill
         # Never computed (the common case): no host copy, so the start recomputes it all.
         need = view.start_blocks(request) if request.num_computed_tokens else -(-num_tokens // bs)
@@ -115,9 +118,11 @@ def admit(
         free -= need + -(-int(remaining * ratio) // bs)
         prefill_tokens = tokens
         admitted.append(request)
+        rates.append(rate)
         size += 1
         extra_rate += rate
-    return Admitted(admitted, prefill_budget_s - batch_s(prefill_tokens, max_step))
+    unused_s = prefill_budget_s - prefill_batch_time_s(view, prefill_tokens)
+    return Admitted(admitted, unused_s, rates)
 
 
 def carried_prefill_budget_s(interval_s: float, unused_s: float) -> float:

@@ -33,11 +33,12 @@ by buffer size).
 from __future__ import annotations
 
 import math
-from itertools import chain, repeat
-from operator import attrgetter, itemgetter
+from itertools import chain
+from operator import itemgetter
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
+    Admitted,
     CapacityFloor,
     admit,
     carried_prefill_budget_s,
@@ -76,7 +77,6 @@ from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _NOT_STARTED = (RequestState.WAITING, RequestState.PREEMPTED)
 _LAST = itemgetter(-1)
-_RATE = attrgetter("rate_tps")
 Started = Survey | StartedMembers
 
 
@@ -147,12 +147,13 @@ class TokenFlowPolicy(Policy):
             self.num_degraded_decisions += 1
         else:
             spare = self.config.capacity_headroom * trusted - demand
-            admitted = self._admit(view, started, spare)
-            rates = map(min, map(_RATE, admitted), repeat(self._rate_cap_tps))  # (_demand_tps)
-            self._spare_rate_tps = max(spare - sum(rates), 0.0)
+            admission = self._admission(view, started, spare)
+            admitted = admission.requests  # (their demands: `_demand_tps` of each)
+            self._spare_rate_tps = max(spare - sum(admission.demands_tps), 0.0)
         newcomers = newcomer_candidates(self.config, view, admitted, growth, costs)
         resumed, paused = self._balance(view, started, newcomers, degraded)
-        preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
+        offload, new = PreemptMode.OFFLOAD, tuple.__new__  # (Preemption._make, C-level)
+        preemptions = tuple([new(Preemption, (r.request_id, offload)) for r in paused])
         self._targets = resume_starts(view, resumed, queued_io_blocks(view))
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
@@ -290,12 +291,15 @@ class TokenFlowPolicy(Policy):
     def _admit(
         self, view: SchedulingView, started: Started, spare_rate_tps: float
     ) -> list[Request]:
+        return self._admission(view, started, spare_rate_tps).requests
+
+    def _admission(self, view: SchedulingView, started: Started, spare_rate_tps: float) -> Admitted:
         limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
         budget_s = carried_prefill_budget_s(self.config.schedule_interval_s, self._prefill_budget_s)
         admitted = admit(view, started, limit, spare_rate_tps, self._rate_cap_tps, budget_s)
         if view.waiting:  # (with none waiting, the last decision's prefill budget stands)
             self._prefill_budget_s = admitted.prefill_budget_s
-        return admitted.requests
+        return admitted
 
     def admit(self, view: SchedulingView) -> list[Request]:
         """Waiting requests that join the working set (see `admission.admit`), with the spare
