@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
@@ -17,16 +16,16 @@ from tokenflow.core.kv_manager import KVTierManager
 from tokenflow.core.request import PreemptMode, Request
 
 
-# Preemption and Start are named tuples: immutable, read by name, and cheap to build (a
-# decision makes one per stream it moves; hot loops build them with `tuple.__new__`).
-class Preemption(NamedTuple):
-    """Take a resident request off the device: offload its KV, or drop it for recompute."""
-
+# Preemption and Start are treated as immutable; not frozen because frozen dataclasses are
+# slow to build and a decision makes one per stream it moves.
+@dataclass(slots=True)
+class Preemption:
     request_id: str
     mode: PreemptMode
 
 
-class Start(NamedTuple):
+@dataclass(slots=True)
+class Start:
     """Bring a request onto the device: by loading its host KV, or by (re)computing it."""
 
     request_id: str

@@ -187,15 +187,14 @@ def resume_starts(view: SchedulingView, requests: list[Request], queued_blocks: 
     synced_of, bs = kv.synced_tokens_of, kv.block_size
     block_bytes, bytes_per_s = kv.config.block_bytes, view.config.link_bytes_per_s
     prefill_s = view.estimator.prefill_time_s
-    new = tuple.__new__  # (Start._make, C-level)
     starts: list[Start] = []
     for r in requests:
         rid, computed = r.request_id, r.num_computed_tokens
         if not (computed > 0 and synced_of(rid, 0) >= computed):  # kv.has_host_copy
-            starts.append(new(Start, (rid, False)))
+            starts.append(Start(rid, False))
             continue
         io_s = (queued_blocks + -(-computed // bs)) * block_bytes / bytes_per_s
         slack = r.dry_s - now if r.output_token_ids else 0.0  # r.slack_s(now)
         in_time = io_s < slack
-        starts.append(new(Start, (rid, io_s <= prefill_s(r.num_tokens) or in_time)))  # by_load
+        starts.append(Start(rid, io_s <= prefill_s(r.num_tokens) or in_time))  # (by_load)
     return starts

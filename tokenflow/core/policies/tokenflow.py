@@ -152,8 +152,8 @@ class TokenFlowPolicy(Policy):
             self._spare_rate_tps = max(spare - sum(admission.demands_tps), 0.0)
         newcomers = newcomer_candidates(self.config, view, admitted, growth, costs)
         resumed, paused = self._balance(view, started, newcomers, degraded)
-        offload, new = PreemptMode.OFFLOAD, tuple.__new__  # (Preemption._make, C-level)
-        preemptions = tuple([new(Preemption, (r.request_id, offload)) for r in paused])
+        offload = PreemptMode.OFFLOAD
+        preemptions = tuple([Preemption(r.request_id, offload) for r in paused])
         self._targets = resume_starts(view, resumed, queued_io_blocks(view))
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
