@@ -94,14 +94,11 @@ def admit(
     est, bs, ratio = view.estimator, view.kv.block_size, view.new_token_ratio
     step_s, token_s = est.prefill_step_s, est.prefill_token_s
     max_step = max(view.config.max_prefill_tokens, 1)
-    extra_rate = 0.0
-    prefill_tokens = 0
+    extra_rate, prefill_tokens = 0.0, 0
     admitted: list[Request] = []
-    rates: list[float] = []
+    rates: list[float] = []  # their demands
     for request in view.waiting:
-        rate = request.rate_tps
-        if rate_cap_tps < rate:  # min(rate, cap)
-            rate = rate_cap_tps
+        rate = request.rate_tps if request.rate_tps <= rate_cap_tps else rate_cap_tps  # (min)
         if size >= limit or (size and extra_rate + rate > spare_rate_tps):
             break  # (an empty working set always takes the head, whatever its rate)
         num_tokens = request.num_tokens
@@ -112,8 +109,8 @@ def admit(
         need = view.start_blocks(request) if request.num_computed_tokens else -(-num_tokens // bs)
         if need > free:
             free += pauses.take(need - free)
-        if need > free:
-            break
+            if need > free:
+                break
         remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
         free -= need + -(-int(remaining * ratio) // bs)
         prefill_tokens = tokens
