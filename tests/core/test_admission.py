@@ -13,15 +13,16 @@ from tests.core.test_tokenflow_policy import small_view
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
-from tokenflow.core.policies.admission import Admitted, CapacityFloor, admit, prefill_batch_time_s
+from tokenflow.core.policies.admission import (
+    Admitted,
+    CapacityFloor,
+    admit,
+    newcomer_candidates,
+    prefill_batch_time_s,
+)
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.pricing import decision_costs
-from tokenflow.core.policies.survey import (
-    Candidate,
-    Survey,
-    _candidates,
-    newcomer_candidates,
-)
+from tokenflow.core.policies.survey import Candidate, Survey, survey
 from tokenflow.core.request import Request, RequestState
 
 BLOCK_SIZE = 4
@@ -158,5 +159,5 @@ def test_newcomer_candidates_equal_the_surveys(growth):
         for request in members[::3]:
             request.state = rng.choice((RequestState.WAITING, RequestState.PREEMPTED))
         costs = decision_costs(config, view)
-        expected = _candidates(config, view, members, growth, costs)
+        expected = survey(config, view, members, growth, costs).candidates
         assert newcomer_candidates(config, view, members, growth, costs) == expected

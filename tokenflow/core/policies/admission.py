@@ -2,6 +2,7 @@
 
 Pure functions of a view and a survey; the policy keeps the budgets they return between
 decisions.  Admission is in strict arrival order (no later request passes an earlier one).
+The admitted requests join the balance as candidates (`newcomer_candidates`).
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.pricing import Costs
 from tokenflow.core.policies.started import StartedMembers
-from tokenflow.core.policies.survey import Survey
-from tokenflow.core.request import Request
+from tokenflow.core.policies.survey import Candidate, Survey, survey
+from tokenflow.core.request import Request, RequestState
 
 DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
 
@@ -155,3 +157,37 @@ def waiting_within_budget(
 def prefill_batch_time_s(view: SchedulingView, num_tokens: int) -> float:
     """Predicted time to prefill `num_tokens` prompt tokens started together."""
     return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
+
+
+def newcomer_candidates(
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    members: Iterable[Request],
+    growth: int,
+    costs: Costs,
+) -> list[Candidate]:
+    """`survey(...).candidates` of requests just admitted, written for speed: a request never
+    started (waiting, no output) has no buffer, no slack and no KV, so all its fields but the
+    footprint are the same for each (computed once, with the survey's operations: the same
+    floats); any other member is surveyed."""
+    bs, waiting = view.kv.block_size, RequestState.WAITING
+    dt = config.schedule_interval_s
+    inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
+    stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
+    buffered = 0.0
+    value = 1.0 - buffered * inv_horizon
+    score = (value if value > 0.0 else 0.0) * dt + stall_dt * math.exp(-buffered * inv_dt)
+    score -= switch
+    new = tuple.__new__  # (Candidate._make, C-level)
+    out: list[Candidate] = []
+    for r in members:
+        if r.state is not waiting or r.output_token_ids:
+            out += survey(config, view, [r], growth, costs).candidates
+            continue
+        remaining = r.sampling_params.max_tokens
+        extra = growth if growth < remaining else remaining
+        footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
+        out.append(
+            new(Candidate, (r, score, footprint, False, False, False, False, False, 0, 0, 0.0))
+        )
+    return out

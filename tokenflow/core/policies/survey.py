@@ -281,37 +281,3 @@ def _candidates(
             )
         )
     return candidates
-
-
-def newcomer_candidates(
-    config: TokenFlowConfig,
-    view: SchedulingView,
-    members: Iterable[Request],
-    growth: int,
-    costs: Costs,
-) -> list[Candidate]:
-    """`_candidates` of requests just admitted: a request never started (waiting, no output)
-    has no buffer, no slack and no KV, so all its fields but the footprint are the same for
-    each (computed once, with `_candidates`' operations: the same floats); any other member
-    goes through `_candidates`."""
-    bs, waiting = view.kv.block_size, RequestState.WAITING
-    dt = config.schedule_interval_s
-    inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
-    stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
-    buffered = 0.0
-    value = 1.0 - buffered * inv_horizon
-    score = (value if value > 0.0 else 0.0) * dt + stall_dt * math.exp(-buffered * inv_dt)
-    score -= switch
-    new = tuple.__new__  # (Candidate._make, C-level)
-    out: list[Candidate] = []
-    for r in members:
-        if r.state is not waiting or r.output_token_ids:
-            out += _candidates(config, view, [r], growth, costs)
-            continue
-        remaining = r.sampling_params.max_tokens
-        extra = growth if growth < remaining else remaining
-        footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
-        out.append(
-            new(Candidate, (r, score, footprint, False, False, False, False, False, 0, 0, 0.0))
-        )
-    return out

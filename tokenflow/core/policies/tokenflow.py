@@ -42,6 +42,7 @@ from tokenflow.core.policies.admission import (
     CapacityFloor,
     admit,
     carried_prefill_budget_s,
+    newcomer_candidates,
     prefill_batch_time_s,
     waiting_within_budget,
     working_set_limit,
@@ -69,7 +70,6 @@ from tokenflow.core.policies.survey import (
     Candidate,
     Survey,
     lifetime_blocks,
-    newcomer_candidates,
     survey,
     survey_started,
 )
