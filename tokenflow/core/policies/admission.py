@@ -2,21 +2,23 @@
 
 Pure functions of a view and a survey; the policy keeps the budgets they return between
 decisions.  Admission is in strict arrival order (no later request passes an earlier one).
+The admitted requests join the balance as candidates (`newcomer_candidates`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
+from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.pricing import Costs
 from tokenflow.core.policies.started import StartedMembers
-from tokenflow.core.policies.survey import Survey
-from tokenflow.core.request import Request
+from tokenflow.core.policies.survey import Candidate, Survey, survey
+from tokenflow.core.request import Request, RequestState
 
 DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
 
@@ -25,6 +27,7 @@ DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
 class Admitted:
     requests: list[Request]  # in arrival order
     prefill_budget_s: float  # prefill time later newcomers may still take this interval
+    demands_tps: list[float]  # each request's demand (its rate, capped), in the same order
 
 
 class CapacityFloor:
@@ -41,14 +44,17 @@ class CapacityFloor:
     def __init__(self, window_s: float) -> None:
         self._window_s = window_s
         self._recent: deque[tuple[float, float]] = deque()  # (decision time, Gamma)
+        self._sorted: list[float] = []  # the window's Gamma values, ascending
 
     def observe(self, now_s: float, capacity_tps: float) -> float:
-        """Record this decision's Gamma; the lower median of the window's."""
-        recent = self._recent
+        """Record this decision's Gamma; the lower median of the window's (as
+        `statistics.median_low`: the middle value of an odd count, else the lower middle)."""
+        recent, ordered = self._recent, self._sorted
         while recent and recent[0][0] < now_s - self._window_s:
-            recent.popleft()
+            del ordered[bisect_left(ordered, recent.popleft()[1])]  # (an equal value: same list)
         recent.append((now_s, capacity_tps))
-        return statistics.median_low([c for _, c in recent])
+        insort(ordered, capacity_tps)
+        return ordered[(len(ordered) - 1) // 2]
 
 
 def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks: float) -> int:
@@ -72,40 +78,50 @@ def admit(
     started: Survey | StartedMembers,
     limit: int,
     spare_rate_tps: float,
-    demand_of: DemandOf,
+    rate_cap_tps: float,
     prefill_budget_s: float,
 ) -> Admitted:
     """Waiting requests that join, in arrival order, while the working set is below `limit`,
-    their demand fits in `spare_rate_tps`, their prefills, started together, fit in
-    `prefill_budget_s` (about one interval, so Gamma is measured as the batch fills; the first
-    always starts), and each finds free device memory or memory that safe pauses free (each
-    pause also needs host room for its unsynced tail)."""
+    their demand (reading rate, at most `rate_cap_tps` each) fits in `spare_rate_tps`, their
+    prefills, started together, fit in `prefill_budget_s` (about one interval, so Gamma is
+    measured as the batch fills; the first always starts), and each finds free device memory
+    or memory that safe pauses free (each pause also needs host room for its unsynced tail)."""
     if not view.waiting:
-        return Admitted([], prefill_budget_s)
+        return Admitted([], prefill_budget_s, [])
     size = started.num_members
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
     pauses = started.pauses(view)  # most reading buffered first (they lose least)
-    extra_rate = 0.0
-    prefill_tokens = 0
+    # `prefill_batch_time_s`, `view.start_blocks` and `view.reserve_blocks` written out (the
+    # same int and float operations): this loop runs over every newcomer at every decision.
+    est, bs, ratio = view.estimator, view.kv.block_size, view.new_token_ratio
+    step_s, token_s = est.prefill_step_s, est.prefill_token_s
+    max_step = max(view.config.max_prefill_tokens, 1)
+    extra_rate, prefill_tokens = 0.0, 0
     admitted: list[Request] = []
+    rates: list[float] = []  # their demands
     for request in view.waiting:
-        rate = demand_of(request)
+        rate = request.rate_tps if request.rate_tps <= rate_cap_tps else rate_cap_tps  # (min)
         if size >= limit or (size and extra_rate + rate > spare_rate_tps):
             break  # (an empty working set always takes the head, whatever its rate)
-        tokens = prefill_tokens + request.num_tokens
-        if admitted and prefill_batch_time_s(view, tokens) > prefill_budget_s:
+        num_tokens = request.num_tokens
+        tokens = prefill_tokens + num_tokens  # > 0: a prompt is never empty
+        if admitted and -(-tokens // max_step) * step_s + tokens * token_s > prefill_budget_s:
             break  # paced: what one interval can prefill
-        need = view.start_blocks(request)
+        # Never computed (the common case): no host copy, so the start recomputes it all.
+        need = view.start_blocks(request) if request.num_computed_tokens else -(-num_tokens // bs)
         if need > free:
             free += pauses.take(need - free)
-        if need > free:
-            break
-        free -= need + view.reserve_blocks(request)
+            if need > free:
+                break
+        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+        free -= need + -(-int(remaining * ratio) // bs)
         prefill_tokens = tokens
         admitted.append(request)
+        rates.append(rate)
         size += 1
         extra_rate += rate
-    return Admitted(admitted, prefill_budget_s - prefill_batch_time_s(view, prefill_tokens))
+    unused_s = prefill_budget_s - prefill_batch_time_s(view, prefill_tokens)
+    return Admitted(admitted, unused_s, rates)
 
 
 def carried_prefill_budget_s(interval_s: float, unused_s: float) -> float:
@@ -141,3 +157,37 @@ def waiting_within_budget(
 def prefill_batch_time_s(view: SchedulingView, num_tokens: int) -> float:
     """Predicted time to prefill `num_tokens` prompt tokens started together."""
     return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
+
+
+def newcomer_candidates(
+    config: TokenFlowConfig,
+    view: SchedulingView,
+    members: Iterable[Request],
+    growth: int,
+    costs: Costs,
+) -> list[Candidate]:
+    """`survey(...).candidates` of requests just admitted, written for speed: a request never
+    started (waiting, no output) has no buffer, no slack and no KV, so all its fields but the
+    footprint are the same for each (computed once, with the survey's operations: the same
+    floats); any other member is surveyed."""
+    bs, waiting = view.kv.block_size, RequestState.WAITING
+    dt = config.schedule_interval_s
+    inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
+    stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
+    buffered = 0.0
+    value = 1.0 - buffered * inv_horizon
+    score = (value if value > 0.0 else 0.0) * dt + stall_dt * math.exp(-buffered * inv_dt)
+    score -= switch
+    new = tuple.__new__  # (Candidate._make, C-level)
+    out: list[Candidate] = []
+    for r in members:
+        if r.state is not waiting or r.output_token_ids:
+            out += survey(config, view, [r], growth, costs).candidates
+            continue
+        remaining = r.sampling_params.max_tokens
+        extra = growth if growth < remaining else remaining
+        footprint = -(-(r.num_tokens + (extra if extra > 1 else 1)) // bs)
+        out.append(
+            new(Candidate, (r, score, footprint, False, False, False, False, False, 0, 0, 0.0))
+        )
+    return out

@@ -38,9 +38,11 @@ from operator import itemgetter
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
+    Admitted,
     CapacityFloor,
     admit,
     carried_prefill_budget_s,
+    newcomer_candidates,
     prefill_batch_time_s,
     waiting_within_budget,
     working_set_limit,
@@ -145,11 +147,13 @@ class TokenFlowPolicy(Policy):
             self.num_degraded_decisions += 1
         else:
             spare = self.config.capacity_headroom * trusted - demand
-            admitted = self._admit(view, started, spare)
-            self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
-        newcomers = survey(self.config, view, admitted, growth, costs).candidates
+            admission = self._admission(view, started, spare)
+            admitted = admission.requests  # (their demands: `_demand_tps` of each)
+            self._spare_rate_tps = max(spare - sum(admission.demands_tps), 0.0)
+        newcomers = newcomer_candidates(self.config, view, admitted, growth, costs)
         resumed, paused = self._balance(view, started, newcomers, degraded)
-        preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in paused)
+        offload = PreemptMode.OFFLOAD
+        preemptions = tuple([Preemption(r.request_id, offload) for r in paused])
         self._targets = resume_starts(view, resumed, queued_io_blocks(view))
         self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
@@ -287,12 +291,15 @@ class TokenFlowPolicy(Policy):
     def _admit(
         self, view: SchedulingView, started: Started, spare_rate_tps: float
     ) -> list[Request]:
+        return self._admission(view, started, spare_rate_tps).requests
+
+    def _admission(self, view: SchedulingView, started: Started, spare_rate_tps: float) -> Admitted:
         limit = working_set_limit(self.config, view, self._lifetime_blocks(view, started))
         budget_s = carried_prefill_budget_s(self.config.schedule_interval_s, self._prefill_budget_s)
-        admitted = admit(view, started, limit, spare_rate_tps, self._demand_tps, budget_s)
+        admitted = admit(view, started, limit, spare_rate_tps, self._rate_cap_tps, budget_s)
         if view.waiting:  # (with none waiting, the last decision's prefill budget stands)
             self._prefill_budget_s = admitted.prefill_budget_s
-        return admitted.requests
+        return admitted
 
     def admit(self, view: SchedulingView) -> list[Request]:
         """Waiting requests that join the working set (see `admission.admit`), with the spare
