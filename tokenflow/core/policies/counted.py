@@ -10,7 +10,7 @@ bisection), and, where memory binds, prefix sums of the residents' footprints in
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import accumulate, compress
 from operator import attrgetter, mul
 
@@ -22,6 +22,10 @@ from tokenflow.core.request import Request
 Result = tuple[list[Candidate], list[Request]]
 _RESUME = attrgetter("resume_s")
 _FOOTPRINT = attrgetter("footprint_blocks")
+_UTILITY = attrgetter("utility")
+_RATE = attrgetter("request.rate_tps")
+_STARTED = attrgetter("request.output_token_ids")
+_OVERDUE = attrgetter("is_overdue")
 
 
 class _Others:
@@ -33,24 +37,19 @@ class _Others:
         self, order: list[Candidate], budget_s: float, num_before: Callable, num_pausable: int
     ) -> None:
         self.order = order
-        flags: list[bool] = []
-        resume_before = [0.0]
-        resume_s, take, spent = 0.0, flags.append, resume_before.append
-        for cost in map(_RESUME, order):  # (0.0 for newcomers)
-            if cost > 0.0:
-                if resume_s > 0.0 and resume_s + cost > budget_s:
-                    take(False)
-                    spent(resume_s)
-                    continue
-                resume_s += cost
-            take(True)
-            spent(resume_s)
-        self.flags, self.resume_before = flags, resume_before
-        footprints = map(mul, map(_FOOTPRINT, order), flags)  # 0 where not taken
-        self.blocks_before = list(accumulate(footprints, initial=0))
-        self.picks_before = list(accumulate(flags, initial=0))
+        self.flags, self.resume_before = _resume_flags(map(_RESUME, order), budget_s)
+        self.picks_before = list(accumulate(self.flags, initial=0))
+        self._blocks_before: list[int] | None = None
         self._num_before, self._num_pausable = num_before, num_pausable
         self._counts: dict[int, int] = {}
+
+    @property
+    def blocks_before(self) -> list[int]:
+        """Device blocks the picks before each other take (computed once, where asked)."""
+        if self._blocks_before is None:
+            footprints = map(mul, map(_FOOTPRINT, self.order), self.flags)  # 0 where not taken
+            self._blocks_before = list(accumulate(footprints, initial=0))
+        return self._blocks_before
 
     def residents_before(self, k: int) -> int:
         """Pausable residents ranked before other `k` (all of them past the last other)."""
@@ -72,6 +71,26 @@ class _Others:
             else:
                 lo = mid + 1
         return lo
+
+
+def _resume_flags(costs: Iterable[float], budget_s: float) -> tuple[list[bool], list[float]]:
+    """(Whether the greedy takes each other when reached, the resume time spent before each
+    and after the last) for resume times `costs` in order: a resume is taken while it fits
+    `budget_s` with those taken before (the first always)."""
+    resume_s = 0.0
+    flags: list[bool] = []
+    resume_before = [resume_s]
+    take, spent = flags.append, resume_before.append
+    for cost in costs:
+        if cost > 0.0:
+            if resume_s > 0.0 and resume_s + cost > budget_s:
+                take(False)
+                spent(resume_s)
+                continue
+            resume_s += cost
+        take(True)
+        spent(resume_s)
+    return flags, resume_before
 
 
 def balance_counted(
@@ -97,7 +116,7 @@ def balance_counted(
     if num_pinned > max_seqs:
         return None  # (`balance` raises; let it)
     num_before = residents.num_before_by_arrival if by_arrival else residents.num_before
-    order = priority_order(paused + newcomers, by_arrival, _in_arrival_order(paused, newcomers))
+    order = _others_order(paused, newcomers, by_arrival)
     others = _Others(order, resume_budget_s, num_before, residents.num_pausable)
     limit = max_seqs - num_pinned
     # The first other not reached: the slots were filled before it.
@@ -107,8 +126,7 @@ def balance_counted(
     picked = list(compress(order[:lo], others.flags))
     kept = max(min(residents.num_pausable, limit - len(picked)), 0)
     left_out = residents.last(residents.num_pausable - kept, by_arrival)
-    change = sum(c.footprint_blocks for c in picked)
-    change -= residents.footprint_sums(left_out)[-1]
+    change = sum(map(_FOOTPRINT, picked)) - residents.footprint_total(left_out)
     if residents.footprint_bound_blocks() + change <= capacity_blocks:
         return picked, left_out
     return memory_walk(
@@ -120,6 +138,25 @@ def balance_counted(
         resume_budget_s,
         (picked, left_out),
     )
+
+
+def _others_order(
+    paused: list[Candidate], newcomers: list[Candidate], by_arrival: bool
+) -> list[Candidate]:
+    """`priority_order` of the others (each list in arrival order).  Ranked by utility, where
+    every paused member has a token and no newcomer has one, in fewer sorts: on equal
+    utility the started go first, by the faster reader, then arrival, and the newcomers by
+    arrival, so the paused members by the faster reader, then the newcomers, sorted by
+    utility (stable sorts keep the ties' order), then by the overdue flag where any is set.
+    The others are off the device, so none is pinned (`num_before` assumes it too)."""
+    if by_arrival or not all(map(_STARTED, paused)) or any(map(_STARTED, newcomers)):
+        return priority_order(paused + newcomers, by_arrival, _in_arrival_order(paused, newcomers))
+    order = sorted(paused, key=_RATE, reverse=True)
+    order += newcomers
+    order.sort(key=_UTILITY, reverse=True)
+    if any(map(_OVERDUE, order)):
+        order.sort(key=_OVERDUE, reverse=True)
+    return order  # (off the device, none is pinned)
 
 
 def _in_arrival_order(paused: list[Candidate], newcomers: list[Candidate]) -> bool:

@@ -70,7 +70,6 @@ class Residents:
         self.num_pinned = len(order) - self.num_pausable
         self._by_arrival: list[Request] | None = None
         self._pausable: list[Request] | None = None
-        self._failing_ranked: list[Request] | None = None
         self._utilities: dict[Request, float] = {}
 
     # -- who is pausable ----------------------------------------------------------------------
@@ -154,25 +153,13 @@ class Residents:
         """Pausable members the balancer ranks before `other` (paused or newcomer) by utility."""
         if other.is_overdue:
             return 0
-        return self._num_ranked_before(self.suspects, other) - (
-            self._num_ranked_before(self._failing_by_utility(), other)
-        )
-
-    def _num_ranked_before(self, members: list[Request], other: Candidate) -> int:
-        """Of `members` (utility rising along them), those ranked before `other`."""
-        u, key = other.utility, self.utility
+        members, u, key = self.pausable(), other.utility, self.utility  # (utility rising)
         hi = bisect_right(members, u, key=key)
         count = len(members) - hi
         while hi > 0 and key(members[hi - 1]) == u:  # the run of equal utility before hi
             hi -= 1
             count += self._tie_before(members[hi], other)
         return count
-
-    def _failing_by_utility(self) -> list[Request]:
-        """The failing suspects in suspects' order: utility rising along them (computed once)."""
-        if self._failing_ranked is None:
-            self._failing_ranked = list(filter(self.failing.__contains__, self.suspects))
-        return self._failing_ranked
 
     def arrival_order(self) -> list[Request]:
         """The pausable members by arrival (computed once)."""
@@ -284,6 +271,17 @@ class Residents:
             total += ((t if t < end else end) + up) // bs
             sums.append(total)
         return sums
+
+    def footprint_total(self, members: list[Request]) -> int:
+        """`footprint_blocks` summed over `members` (`footprint_sums`' last, without the list)."""
+        growth, bs = self.growth, self.view.kv.block_size
+        if growth < 1:
+            return sum(map(self.footprint_blocks, members))
+        up, total = bs - 1, 0
+        for r in members:
+            t, end = r.num_tokens + growth, r.end_tokens
+            total += ((t if t < end else end) + up) // bs
+        return total
 
     def footprint_bound_blocks(self) -> int:
         """At least the device blocks of every resident through the next interval: the sum of
