@@ -233,3 +233,35 @@ def test_paused_prices_follow_a_dropped_host_copy():
     for by_arrival in (False, True):
         kept = price_paused(policy.config, view, growth, policy._paused_prices, by_arrival)
         assert kept == price_paused(policy.config, view, growth, PausedPrices(), by_arrival)
+
+
+@pytest.mark.parametrize("config", [TOKENFLOW, FLAT], ids=["default", "flat-utility"])
+def test_has_before_is_the_count_compared(config):
+    """`Residents.has_before` (one utility read) answers as `num_before` counted, for every
+    count, for paused members, newcomers and others tying with each pausable member."""
+    rng = random.Random(11)
+    policy = TokenFlowPolicy(config)
+    kv = KVConfig(600, 4000, block_size=4, block_bytes=1000)
+    scheduler = Scheduler(replace(CONFIG, link_bytes_per_s=4e6), kv, policy)
+    clock = ManualClock()
+    executor = TimedExecutor(clock)
+    for request in _requests(60, rng, window_s=0.5, rates=(1.0, 2.0, 5.0)):
+        scheduler.add_request(request)
+    for _ in range(100):
+        plan = scheduler.schedule(clock.t)
+        scheduler.update(plan, executor.execute(plan), clock.t)
+    view = scheduler.view(clock.t)
+    started = policy._started(view, policy.growth_tokens(view))[0]
+    residents = started.residents
+    assert residents.num_pausable > 5 and started.paused
+    newcomer = Request("new", (3, 4), SamplingParams(max_tokens=9), 2.0, clock.t)
+    template = started.paused[0]
+    others = started.paused + [c._replace(is_overdue=True) for c in started.paused[:3]]
+    for member in residents.pausable():
+        u = residents.utility(member)
+        others += [c._replace(utility=u) for c in started.paused[:3]]
+        others.append(template._replace(request=newcomer, utility=u))
+    for other in others:
+        num_before = residents.num_before(other)
+        for count in range(-1, residents.num_pausable + 2):
+            assert residents.has_before(other, count) == (num_before >= count)

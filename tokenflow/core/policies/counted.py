@@ -120,9 +120,14 @@ def balance_counted(
     others = _Others(order, resume_budget_s, num_before, residents.num_pausable)
     limit = max_seqs - num_pinned
     # The first other not reached: the slots were filled before it.
-    lo = others.first(
-        len(order), lambda k: others.residents_before(k) + others.picks_before[k] >= limit
-    )
+    picks_before = others.picks_before
+    if by_arrival:
+        lo = others.first(
+            len(order), lambda k: others.residents_before(k) + picks_before[k] >= limit
+        )
+    else:  # (one resident's utility per probe, not a count)
+        has_before = residents.has_before
+        lo = others.first(len(order), lambda k: has_before(order[k], limit - picks_before[k]))
     picked = list(compress(order[:lo], others.flags))
     kept = max(min(residents.num_pausable, limit - len(picked)), 0)
     left_out = residents.last(residents.num_pausable - kept, by_arrival)

@@ -46,6 +46,25 @@ def _NEG_LAST_CONSUME(r: Request) -> float:  # noqa: N802 (a key, named as the g
     return -r.last_consume_s
 
 
+class _Utilities(dict):
+    """Running members' utilities at `now`, each computed when first asked for (a dict: a
+    kept one is read at C speed, as bisection keys)."""
+
+    def __init__(self, now: float, dt: float, config: TokenFlowConfig) -> None:
+        super().__init__()
+        self._now, self._dt, self._inv_dt = now, dt, 1.0 / dt
+        self._inv_horizon, self._stall_dt = 1.0 / config.value_horizon_s, config.stall_penalty * dt
+
+    def __missing__(self, r: Request) -> float:
+        buffered = r.last_consume_s - self._now
+        value = 1.0 - buffered * self._inv_horizon
+        u = (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
+            -buffered * self._inv_dt
+        )
+        self[r] = u
+        return u
+
+
 class Residents:
     """The running members, pausable ones found by bisection (see the module docstring)."""
 
@@ -70,7 +89,7 @@ class Residents:
         self.num_pinned = len(order) - self.num_pausable
         self._by_arrival: list[Request] | None = None
         self._pausable: list[Request] | None = None
-        self._utilities: dict[Request, float] = {}
+        self._utilities = _Utilities(now, dt, config)
 
     # -- who is pausable ----------------------------------------------------------------------
     def _threshold_s(self, num_blocks: int) -> float:
@@ -131,15 +150,7 @@ class Residents:
     def utility(self, r: Request) -> float:
         """A running suspect's utility (as `survey._pausable_candidates` computes it; once
         per decision: bisections probe the same streams)."""
-        u = self._utilities.get(r)
-        if u is None:
-            buffered = r.last_consume_s - self.now
-            value = 1.0 - buffered * self._inv_horizon
-            u = (value if value > 0.0 else 0.0) * self._dt + self._stall_dt * math.exp(
-                -buffered * self._inv_dt
-            )
-            self._utilities[r] = u
-        return u
+        return self._utilities[r]
 
     @staticmethod
     def _tie_before(r: Request, other: Candidate) -> bool:
@@ -153,13 +164,26 @@ class Residents:
         """Pausable members the balancer ranks before `other` (paused or newcomer) by utility."""
         if other.is_overdue:
             return 0
-        members, u, key = self.pausable(), other.utility, self.utility  # (utility rising)
+        members, u, key = self.pausable(), other.utility, self._utilities.__getitem__
         hi = bisect_right(members, u, key=key)
         count = len(members) - hi
         while hi > 0 and key(members[hi - 1]) == u:  # the run of equal utility before hi
             hi -= 1
             count += self._tie_before(members[hi], other)
         return count
+
+    def has_before(self, other: Candidate, count: int) -> bool:
+        """`num_before(other) >= count`, from the utility of the member ranked `count`-th
+        (the members before `other` lead the rank order), counted only on a tie."""
+        if count <= 0:
+            return True
+        if count > self.num_pausable or other.is_overdue:
+            return False
+        pausable = self.pausable()  # (utility rising)
+        u, mine = other.utility, self._utilities[pausable[len(pausable) - count]]
+        if mine != u:
+            return mine > u
+        return self.num_before(other) >= count
 
     def arrival_order(self) -> list[Request]:
         """The pausable members by arrival (computed once)."""
