@@ -24,6 +24,7 @@ from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import counted as counted_module
 from tokenflow.core.policies import tokenflow as tokenflow_module
 from tokenflow.core.policies.paused import PausedPrices, price_paused
+from tokenflow.core.policies.started import StartedMembers
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -235,10 +236,8 @@ def test_paused_prices_follow_a_dropped_host_copy():
         assert kept == price_paused(policy.config, view, growth, PausedPrices(), by_arrival)
 
 
-@pytest.mark.parametrize("config", [TOKENFLOW, FLAT], ids=["default", "flat-utility"])
-def test_has_before_is_the_count_compared(config):
-    """`Residents.has_before` (one utility read) answers as `num_before` counted, for every
-    count, for paused members, newcomers and others tying with each pausable member."""
+def _rotating(config: TokenFlowConfig) -> tuple[TokenFlowPolicy, StartedMembers, float]:
+    """A policy and its started members (some pausable, some paused) mid-run, and the time."""
     rng = random.Random(11)
     policy = TokenFlowPolicy(config)
     kv = KVConfig(600, 4000, block_size=4, block_bytes=1000)
@@ -252,9 +251,17 @@ def test_has_before_is_the_count_compared(config):
         scheduler.update(plan, executor.execute(plan), clock.t)
     view = scheduler.view(clock.t)
     started = policy._started(view, policy.growth_tokens(view))[0]
+    assert started.residents.num_pausable > 5 and started.paused
+    return policy, started, clock.t
+
+
+@pytest.mark.parametrize("config", [TOKENFLOW, FLAT], ids=["default", "flat-utility"])
+def test_has_before_is_the_count_compared(config):
+    """`Residents.has_before` (one utility read) answers as `num_before` counted, for every
+    count, for paused members, newcomers and others tying with each pausable member."""
+    _, started, now = _rotating(config)
     residents = started.residents
-    assert residents.num_pausable > 5 and started.paused
-    newcomer = Request("new", (3, 4), SamplingParams(max_tokens=9), 2.0, clock.t)
+    newcomer = Request("new", (3, 4), SamplingParams(max_tokens=9), 2.0, now)
     template = started.paused[0]
     others = started.paused + [c._replace(is_overdue=True) for c in started.paused[:3]]
     for member in residents.pausable():
@@ -265,3 +272,19 @@ def test_has_before_is_the_count_compared(config):
         num_before = residents.num_before(other)
         for count in range(-1, residents.num_pausable + 2):
             assert residents.has_before(other, count) == (num_before >= count)
+
+
+def test_footprint_floor_and_total_bound_the_members_blocks():
+    """The floor is at most the total, which sums each member's `footprint_blocks`."""
+    rng = random.Random(3)
+    for growth in (0, 1, 2, 5, 40):
+        policy, started, _ = _rotating(TOKENFLOW)
+        residents = started.residents
+        residents.growth = growth
+        members = residents.pausable()
+        for _ in range(20):
+            some = rng.sample(members, rng.randint(0, len(members)))
+            total = sum(map(residents.footprint_blocks, some))
+            assert residents.footprint_total(some) == total
+            assert residents.footprint_sums(some)[-1] == total
+            assert residents.footprint_floor(some) <= total

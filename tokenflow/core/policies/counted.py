@@ -108,7 +108,8 @@ def balance_counted(
 
     The first other the greedy does not reach (the slots are full) is found by bisection on
     the others; the residents left out are the last ones.  Memory is checked against the
-    residents' footprints bounded from above, less those left out, plus the others picked: if
+    residents' footprints bounded from above, less those left out (bounded from below
+    first, then exact), plus the others picked: if
     that fits, no step of the greedy was short of memory (picks only add); else
     `memory_walk` finds where memory binds.
     """
@@ -131,8 +132,10 @@ def balance_counted(
     picked = list(compress(order[:lo], others.flags))
     kept = max(min(residents.num_pausable, limit - len(picked)), 0)
     left_out = residents.last(residents.num_pausable - kept, by_arrival)
-    change = sum(map(_FOOTPRINT, picked)) - residents.footprint_total(left_out)
-    if residents.footprint_bound_blocks() + change <= capacity_blocks:
+    bound = residents.footprint_bound_blocks() + sum(map(_FOOTPRINT, picked))
+    if bound - residents.footprint_floor(left_out) <= capacity_blocks or (
+        bound - residents.footprint_total(left_out) <= capacity_blocks
+    ):
         return picked, left_out
     return memory_walk(
         by_arrival,

@@ -307,6 +307,12 @@ class Residents:
             total += ((t if t < end else end) + up) // bs
         return total
 
+    def footprint_floor(self, members: list[Request]) -> int:
+        """At most `footprint_total(members)`: each member holds a token more than it has
+        (growth at least 1), so its blocks are at least ceil((tokens + 1) / block size)."""
+        bs = self.view.kv.block_size
+        return (sum(map(_NUM_TOKENS, members)) + len(members) + bs - 1) // bs
+
     def footprint_bound_blocks(self) -> int:
         """At least the device blocks of every resident through the next interval: the sum of
         ceil((tokens + max(growth, 1)) / block size), bounded by one division."""
