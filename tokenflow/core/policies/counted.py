@@ -107,10 +107,10 @@ def balance_counted(
     pausable residents left out), or None where the shortcut cannot vouch for the result.
 
     The first other the greedy does not reach (the slots are full) is found by bisection on
-    the others; the residents left out are the last ones.  Memory is checked against the
-    residents' footprints bounded from above, less those left out (bounded from below
-    first, then exact), plus the others picked: if
-    that fits, no step of the greedy was short of memory (picks only add); else
+    the others (one resident's utility per probe: `Residents.has_before`); the residents left
+    out are the last ones.  Memory is checked against the residents' footprints bounded from
+    above, less those left out (bounded from below first, then exact), plus the others
+    picked: if that fits, no step of the greedy was short of memory (picks only add); else
     `memory_walk` finds where memory binds.
     """
     num_pinned = residents.num_pinned

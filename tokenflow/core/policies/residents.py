@@ -308,8 +308,8 @@ class Residents:
         return total
 
     def footprint_floor(self, members: list[Request]) -> int:
-        """At most `footprint_total(members)`: each member holds a token more than it has
-        (growth at least 1), so its blocks are at least ceil((tokens + 1) / block size)."""
+        """At most `footprint_total(members)`: a footprint holds at least one token more than
+        the member has, so it is at least ceil((tokens + 1) / block size) blocks."""
         bs = self.view.kv.block_size
         return (sum(map(_NUM_TOKENS, members)) + len(members) + bs - 1) // bs
 
