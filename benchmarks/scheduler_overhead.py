@@ -13,6 +13,11 @@ vary; memory is often short later in a run):
 
     python -m benchmarks.scheduler_overhead --in-run --sizes 400,1000 --steps 2500
 
+With --without-sums it times TokenFlow's decision on the same view with the sums the
+scheduler's queues keep, with those the vLLM bridge gives, and with none (a survey):
+
+    python -m benchmarks.scheduler_overhead --without-sums --sizes 100,400,1000
+
 With --per-step it instead measures what the simulator charges: the scheduler's CPU time of
 whole steps (`schedule()` + `update()`, decisions included at their natural frequency, the
 executor excluded) while each policy serves the burst, and fits fixed + per-active-request
@@ -170,6 +175,30 @@ def against_reference(sizes: list[int], repeats: int) -> int:
     return 0
 
 
+def without_sums(sizes: list[int], repeats: int) -> int:
+    """TokenFlow's decision on the view as the scheduler builds it, as the vLLM bridge builds
+    it (the residents not decoding and by arrival, but not the rate counts or the token sum),
+    and with none of the sums the queues keep (the policy then surveys every member, as the
+    bridge's decisions did before), alternated in one process on the same state."""
+    print(f"{'active':>6s} {'state':>12s} {'queues ms':>10s} {'bridge ms':>10s} {'none ms':>8s}")
+    for size in sizes:
+        view = busy_view(size)
+        bridge = replace(view, started_rates=None, resident_tokens=None)
+        bare = replace(bridge, unsettled=None, running_by_arrival=None)
+        views = {"queues": view, "bridge": bridge, "none": bare}
+        policies = {name: TokenFlowPolicy(TokenFlowConfig()) for name in views}
+        samples: dict[str, list[float]] = {name: [] for name in views}
+        for _ in range(repeats):
+            for name, decided in views.items():
+                start = time.perf_counter()
+                policies[name].decide(decided)
+                samples[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(samples[name]) * 1e3 for name in views}
+        state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
+        print(f"{size:6d} {state:>12s} {ms['queues']:10.3f} {ms['bridge']:10.3f} {ms['none']:8.3f}")
+    return 0
+
+
 def in_run(sizes: list[int], steps: int) -> int:
     """TokenFlow's full decisions as they come while it serves the burst for `steps` steps
     after the warm-up: how many, and their mean, median and 90th percentile time (the frozen
@@ -249,6 +278,11 @@ def main() -> int:
         action="store_true",
         help="time TokenFlow's decisions as they come over --steps steps of serving",
     )
+    parser.add_argument(
+        "--without-sums",
+        action="store_true",
+        help="TokenFlow's decision with the queues' sums, the vLLM bridge's, and none",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
@@ -257,6 +291,8 @@ def main() -> int:
         return against_reference(sizes, args.repeats)
     if args.in_run:
         return in_run(sizes, args.steps)
+    if args.without_sums:
+        return without_sums(sizes, args.repeats)
     rows = side_by_side(sizes, args.repeats, args.steps)
     if args.json:
         print(json.dumps(rows, indent=2))

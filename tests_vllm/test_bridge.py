@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -217,3 +218,80 @@ def test_pause_is_priced_at_the_measured_recompute():
     assert bridge.kv.config.block_bytes > 10 * cheap
     per_block_s = bridge.estimator.prefill_time_s(64) / 4  # 64-token prefills: 4 blocks of 16
     assert seconds_per_block == pytest.approx(per_block_s / 2, rel=0.01)
+
+
+def _views_of_a_random_run(seed: int, offload: bool, num_steps: int = 120):
+    """Bridge views of a random run: 14 streams read at 1-8 tok/s from a slow engine, some
+    prefilling in chunks, decoding, paused (offloaded or not), resumed and finished, in a pool
+    of 48 blocks."""
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_seqs=8)
+    shape = PoolShape(48, 16, 2.0, 0.01, offload_block_bytes=4096 if offload else None)
+    bridge = PolicyBridge(make_policy("tokenflow", config, TokenFlowConfig()), config, shape)
+    fakes = [
+        FakeRequest(f"r{i}", [1] * rng.randint(8, 60), max_tokens=rng.randint(20, 90))
+        for i in range(14)
+    ]
+    running: list[FakeRequest] = []
+    waiting: list[FakeRequest] = []
+    for step in range(num_steps):
+        now = step * 0.1
+        if fakes and rng.random() < 0.3:
+            fake = fakes.pop(0)
+            bridge.track(fake, rate_tps=rng.choice((1.0, 2.0, 8.0)), now_s=now)
+            waiting.append(fake)
+        for fake in list(running):
+            total = len(fake.prompt_token_ids) + len(fake.output_token_ids)
+            if fake.num_computed_tokens < total - 1:  # prefilling, in chunks of up to 32
+                fake.num_computed_tokens = min(total - 1, fake.num_computed_tokens + 32)
+            if fake.num_computed_tokens >= total - 1:
+                fake.output_token_ids.append(1)
+                fake.num_computed_tokens = total
+            if len(fake.output_token_ids) >= fake.max_tokens:
+                running.remove(fake)
+                bridge.forget(fake.request_id)
+            elif rng.random() < 0.05:  # vLLM pauses it (the policy's move or its own)
+                running.remove(fake)
+                computed = fake.num_computed_tokens if offload and rng.random() < 0.7 else 0
+                bridge.preempted(fake.request_id, computed)
+                fake.num_preemptions += 1
+                fake.num_computed_tokens = computed
+                waiting.append(fake)
+        while waiting and len(running) < 6 and rng.random() < 0.5:
+            running.append(waiting.pop(rng.randrange(len(waiting))))
+        # A slow engine (about 20-30 tok/s at 6 streams): demand crosses capacity at times.
+        bridge.observe_step(len(running), 0, 0.05 + 0.03 * len(running))
+        blocks = {f.request_id: -(-max(f.num_computed_tokens, 1) // 16) for f in running}
+        free = 48 - sum(blocks.values())
+        if free >= 0:
+            yield bridge.view(running, waiting, PoolState(free, blocks), now_s=now)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_bridge_views_take_the_counted_path_and_decide_as_a_survey(seed, offload):
+    # The view names the residents not decoding and lists them by arrival, so the policy
+    # decides on its counted path; a policy given the same views without them surveys every
+    # member: the same moves at every step.
+    counted = make_policy("tokenflow", SchedulerConfig(max_num_seqs=8), TokenFlowConfig())
+    surveyed = make_policy("tokenflow", SchedulerConfig(max_num_seqs=8), TokenFlowConfig())
+    num_decisions = num_moves = 0
+    for view in _views_of_a_random_run(seed, offload):
+        assert view.unsettled is not None and view.running_by_arrival is not None
+        moves = counted.decide(view)
+        assert moves == surveyed.decide(replace(view, unsettled=None, running_by_arrival=None))
+        num_decisions += 1
+        num_moves += len(moves.preemptions) + len(moves.starts)
+    assert num_decisions > 50 and num_moves > 0
+
+
+def test_the_residents_not_decoding_are_found_only_when_asked():
+    bridge = make_bridge()
+    decoding = FakeRequest("a", num_computed_tokens=21, output_token_ids=[5, 6])
+    prefilling = FakeRequest("b", num_computed_tokens=8)
+    for request in (decoding, prefilling):
+        bridge.track(request, rate_tps=2.0, now_s=0.0)
+    view = bridge.view([decoding, prefilling], [], PoolState(6, {"a": 2, "b": 2}), now_s=1.0)
+    assert view.unsettled._found is None  # nothing paid until a decision reads it
+    assert list(view.unsettled) == [bridge.requests["b"]] and len(view.unsettled) == 1
+    assert bridge.requests["b"] in view.unsettled and bridge.requests["a"] not in view.unsettled

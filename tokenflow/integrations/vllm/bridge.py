@@ -24,7 +24,7 @@ Requests are read through the small `VllmRequestLike` protocol, so tests can use
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -163,9 +163,10 @@ class PolicyBridge:
             self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         preempted = sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs)
+        running = sorted(mirrored_running, key=_fcfs)  # (by arrival)
         return SchedulingView(
             now_s=now_s,
-            running=sorted(mirrored_running, key=_fcfs),
+            running=running,
             preempted=preempted,
             waiting=sorted((r for r in off_device if r.state is not _PREEMPTED), key=_fcfs),
             kv=self.kv,
@@ -175,14 +176,14 @@ class PolicyBridge:
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
             preempted_by_dry=sorted(preempted, key=lambda r: (r.dry_s, _fcfs(r))),
-            loading=[r for r in mirrored_running if r.state is RequestState.LOADING],
+            loading=[r for r in running if r.state is RequestState.LOADING],
             write_candidates=(),  # vLLM keeps no host copy of running streams
             remaining_output_tokens=sum(
-                r.sampling_params.max_tokens - r.num_output_tokens for r in mirrored_running
+                r.sampling_params.max_tokens - r.num_output_tokens for r in running
             ),
-            started_lifetime_blocks=lifetime_blocks(
-                mirrored_running + preempted, self.kv.block_size
-            ),
+            started_lifetime_blocks=lifetime_blocks(running + preempted, self.kv.block_size),
+            unsettled=_NotDecoding(running),  # with it the policy decides on its counted path
+            running_by_arrival=running,
         )
 
     def plan(self, view: SchedulingView) -> Moves:
@@ -294,3 +295,38 @@ class PolicyBridge:
 
 def _fcfs(request: Request) -> tuple[float, int]:
     return request.sort_key
+
+
+class _NotDecoding(Collection[Request]):
+    """The residents that are not decoding (`SchedulingView.unsettled`), found when a decision
+    first asks.  The core's queues keep that set on events; the bridge rebuilds its view every
+    step but the policy decides about once an interval, so the pass is paid only then.  With
+    it the decision takes the counted path (`policies.residents`) instead of a survey of
+    every member: `benchmarks/scheduler_overhead.py --without-sums`."""
+
+    def __init__(self, running: list[Request]) -> None:
+        self._running = running
+        self._found: list[Request] | None = None
+
+    def _list(self) -> list[Request]:
+        if self._found is None:
+            self._found = [r for r in self._running if not _is_decoding(r)]
+        return self._found
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._list())
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._list()
+
+
+def _is_decoding(request: Request) -> bool:
+    """Running with a token and its KV computed up to the last one (its next step decodes)."""
+    return (
+        request.state is RequestState.RUNNING
+        and bool(request.output_token_ids)
+        and request.num_computed_tokens >= request.num_tokens - 1
+    )
