@@ -13,7 +13,9 @@ from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import (
     BlockCopy,
+    ChunkCounts,
     RequestOutput,
+    SampledToken,
     ScheduledChunk,
     StepPlan,
     StepResult,
@@ -55,6 +57,11 @@ class Scheduler:
         self._step_started_s = 0.0
         self._sent_blocks: dict[str, int] = {}  # leading table entries the executor knows
         self._output_limits: dict[str, int] = {}  # max_tokens, or less where max_model_len ends it
+        # The last plan and its chunks' requests in chunk order (the decodes come first), kept
+        # for `update`: it walks them beside the chunks instead of looking each one up.
+        self._planned: StepPlan | None = None
+        self._decoding: list[Request] = []
+        self._prefilling: list[Request] = []
 
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,7 +150,7 @@ class Scheduler:
         for preemption in moves.preemptions:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
         self._apply_starts(moves.starts)
-        chunks = self._build_chunks(view)
+        chunks, counts = self._build_chunks(view)
         loads = self._plan_loads(len(chunks))
         writes = self._plan_write_through(view, len(chunks))
         plan = StepPlan(
@@ -152,7 +159,9 @@ class Scheduler:
             device_to_host=tuple(self._evict_copies) + tuple(writes),
             host_to_device=tuple(loads),
             released_request_ids=tuple(self._released),
+            counts=counts,
         )
+        self._planned = plan
         self._step_index += 1
         self._evict_copies.clear()
         self._released.clear()
@@ -198,18 +207,28 @@ class Scheduler:
             self.queues.enter_device(request, state)
 
     # -- chunks ---------------------------------------------------------------------------------
-    def _build_chunks(self, view: SchedulingView) -> list[ScheduledChunk]:
-        """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget)."""
-        decodes, prefills = self._split_residents()
-        running = RequestState.RUNNING
+    def _build_chunks(self, view: SchedulingView) -> tuple[list[ScheduledChunk], ChunkCounts]:
+        """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget):
+        the chunks, decodes first, and their counts.  Leaves the chunks' requests, in the same
+        order, in `_decoding` and `_prefilling`."""
+        decoding, prefills = self._split_residents()
+        self._decoding, self._prefilling = [], []
         chunk_tokens = self.policy.prefill_chunk_tokens
+        if chunk_tokens is None and prefills:
+            chunks = self._prefill_chunks(prefills, self.config.max_prefill_tokens, whole=True)
+            return chunks, ChunkCounts.of(chunks)
+        decodes, context = self._decode_chunks(decoding, view)
         if chunk_tokens is None:
-            if prefills:
-                return self._prefill_chunks(prefills, self.config.max_prefill_tokens, whole=True)
-            return self._decode_chunks(decodes, view)
-        chunks = self._decode_chunks(decodes, view)
-        prefills = [r for r in prefills if r.state is running]  # retraction may take some
-        return chunks + self._prefill_chunks(prefills, chunk_tokens - len(chunks), whole=False)
+            return decodes, ChunkCounts(0, len(decodes), context)
+        prefills = [r for r in prefills if r.state is RequestState.RUNNING]  # (retractions)
+        chunks = self._prefill_chunks(prefills, chunk_tokens - len(decodes), whole=False)
+        odd = ChunkCounts.of(chunks)  # (a one-token chunk of a recompute counts as a decode)
+        counts = ChunkCounts(
+            odd.num_prefill_tokens,
+            len(decodes) + odd.num_decode_tokens,
+            context + odd.num_decode_context_tokens,
+        )
+        return decodes + chunks, counts
 
     def _split_residents(self) -> tuple[list[Request], list[Request]]:
         """(Decoding residents, prefilling ones), each in running order.  Only the unsettled
@@ -246,19 +265,29 @@ class Scheduler:
             if not self.kv.allocate(request.request_id, request.num_computed_tokens + count):
                 break
             chunks.append(self._chunk(request, count))
+            self._prefilling.append(request)
             budget -= count
         return chunks
 
-    def _decode_chunks(self, decodes: list[Request], view: SchedulingView) -> list[ScheduledChunk]:
-        """One token per stream; when a block cannot be had, retract a victim and retry."""
+    def _decode_chunks(
+        self, decodes: list[Request], view: SchedulingView
+    ) -> tuple[list[ScheduledChunk], int]:
+        """One token per stream; when a block cannot be had, retract a victim and retry.
+        Returns the chunks (their requests left in `_decoding`) and their context tokens."""
         chunks: list[ScheduledChunk] = []
+        planned = self._decoding
         tables, block_size = self.kv.device_tables, self.kv.block_size
-        sent_blocks, make = self._sent_blocks, ScheduledChunk
+        sent_blocks, make, add = self._sent_blocks, ScheduledChunk, planned.append
+        starts = 0  # the chunks' start positions, summed
         for request in decodes:
             rid = request.request_id
             table = tables.get(rid)
             if table is None or request.num_tokens > len(table) * block_size:
-                if not self._grow_or_retract(request, chunks, view):
+                num_chunks = len(chunks)
+                grown = self._grow_or_retract(request, chunks, view)
+                if len(chunks) != num_chunks:  # victims' chunks were taken out: sum again
+                    starts = sum(c.start_position for c in chunks)
+                if not grown:
                     continue
                 table = tables[rid]
             sent = sent_blocks.get(rid, 0)
@@ -266,12 +295,12 @@ class Scheduler:
             if len(table) != sent:
                 new_blocks = tuple(table[sent:])
                 sent_blocks[rid] = len(table)
-            outputs = request.output_token_ids
+            outputs, start = request.output_token_ids, request.num_computed_tokens
             chunks.append(
                 make(
                     rid,
                     (outputs[-1],),
-                    request.num_computed_tokens,
+                    start,
                     new_blocks,
                     sent,
                     True,
@@ -279,13 +308,15 @@ class Scheduler:
                     len(outputs),
                 )
             )
-        return chunks
+            add(request)
+            starts += start
+        return chunks, starts + len(chunks)
 
     def _grow_or_retract(
         self, request: Request, chunks: list[ScheduledChunk], view: SchedulingView
     ) -> bool:
-        """Give a decoding stream its next block, retracting victims (their chunks too) until
-        one is free; False if the stream itself had to go."""
+        """Give a decoding stream its next block, retracting victims (their chunks and their
+        places in `_decoding` too) until one is free; False if the stream itself had to go."""
         rid = request.request_id
         while request.state is RequestState.RUNNING and not self.kv.allocate(
             rid, request.num_tokens
@@ -298,9 +329,11 @@ class Scheduler:
                 if candidates
                 else Preemption(rid, PreemptMode.RECOMPUTE)
             )
-            self._preempt(self.requests[preemption.request_id], preemption.mode)
-            victim = preemption.request_id
-            chunks[:] = [c for c in chunks if c.request_id != victim]
+            victim = self.requests[preemption.request_id]
+            self._preempt(victim, preemption.mode)
+            if victim in self._decoding:  # (by identity: requests compare so)
+                index = self._decoding.index(victim)
+                del self._decoding[index], chunks[index]
             self.new_token_ratio = self._init_ratio
         return request.state is RequestState.RUNNING
 
@@ -369,7 +402,18 @@ class Scheduler:
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestOutput]:
-        """Apply a finished step at time `now_s`: new tokens, finished requests, loaded KV."""
+        """Apply the last planned step, finished at time `now_s`: new tokens, finished
+        requests, loaded KV.  `result.sampled` is in chunk order (tokenflow.core.plan)."""
+        if plan is not self._planned:
+            raise ValueError(f"step {plan.step_index} is not the last plan, or applied already")
+        self._planned = None
+        decoding, prefilling, sampled = self._decoding, self._prefilling, result.sampled
+        num_decodes = len(decoding)
+        prefills = plan.chunks[num_decodes:]
+        if len(sampled) != num_decodes + sum(c.samples_token for c in prefills):
+            raise ValueError(
+                f"step {plan.step_index}: {len(sampled)} tokens sampled, not one per sampling chunk"
+            )
         self.kv.end_step()
         duration_s = now_s - self._step_started_s
         self.estimator.observe(
@@ -382,26 +426,67 @@ class Scheduler:
             if request.state is RequestState.LOADING:
                 self.queues.load_finished(request)
         self._loads_completing.clear()
-        sampled = {s.request_id: s.token_id for s in result.sampled}
-        outputs, num_sampled = self._apply_chunks(plan.chunks, sampled, now_s)
+        outputs = self._apply_decodes(decoding, sampled, now_s)
+        if prefills:
+            outputs += self._apply_prefills(prefills, prefilling, sampled[num_decodes:], now_s)
         # (a finished request left with its own remaining count: subtracting after is exact)
-        self.queues.remaining_output_tokens -= num_sampled
-        self.queues.resident_tokens += num_sampled
+        self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
+        self.queues.resident_tokens += len(outputs)
         self._decay_new_token_ratio()
         return outputs
 
-    def _apply_chunks(
-        self, chunks: tuple[ScheduledChunk, ...], sampled: dict[str, int], now_s: float
-    ) -> tuple[list[RequestOutput], int]:
-        """Each chunk's computed tokens and sampled token: (the outputs, tokens sampled)."""
+    def _apply_decodes(
+        self, decoding: list[Request], sampled: tuple[SampledToken, ...], now_s: float
+    ) -> list[RequestOutput]:
+        """The decode chunks' tokens (`sampled` begins with them, in the same order).
+
+        A running stream's `num_computed_tokens` is still its chunk's start position: nothing
+        but finishing touches a resident between `schedule` and `update`."""
         outputs: list[RequestOutput] = []
-        requests, running = self.requests, RequestState.RUNNING
-        block_size, queues = self.kv.block_size, self.queues
-        limits, num_sampled = self._output_limits, 0
-        for chunk in chunks:
-            rid = chunk.request_id
-            request = requests.get(rid)
-            if request is None or request.state is not running:
+        running, block_size, queues = RequestState.RUNNING, self.kv.block_size, self.queues
+        limits, make = self._output_limits, RequestOutput
+        for request, sample in zip(decoding, sampled, strict=False):  # (then the prefills')
+            rid = request.request_id
+            if sample.request_id is not rid and sample.request_id != rid:
+                raise ValueError(f"token of {sample.request_id!r} where {rid!r}'s was due")
+            if request.state is not running:
+                continue  # finished or aborted while the step ran
+            token_id = sample.token_id
+            computed = request.num_computed_tokens = request.num_computed_tokens + 1
+            # request.append_token(token_id, now_s), written out: it runs per stream per step
+            output_ids = request.output_token_ids
+            dry_s = request.dry_s
+            last_s = dry_s if dry_s > now_s else now_s  # (a decoding stream has output)
+            request.last_consume_s = last_s
+            output_ids.append(token_id)
+            request.token_times_s.append(now_s)
+            request.num_tokens += 1
+            request.dry_s = last_s + 1.0 / request.rate_tps
+            if not computed % block_size:  # the step filled a block: the rare branch
+                queues.block_filled(request)
+                queues.token_appended(request)
+            num_output = len(output_ids)
+            reason = None
+            if token_id in request.stop_token_set or num_output >= limits[rid]:
+                reason = self._stop_reason(request, token_id)
+                if reason is not None:
+                    self._finish(request, reason)
+            outputs.append(make(rid, (token_id,), num_output, reason))
+        return outputs
+
+    def _apply_prefills(
+        self,
+        chunks: tuple[ScheduledChunk, ...],
+        prefilling: list[Request],
+        sampled: tuple[SampledToken, ...],
+        now_s: float,
+    ) -> list[RequestOutput]:
+        """The other chunks' computed tokens and sampled tokens (`sampled`: theirs, in order)."""
+        outputs: list[RequestOutput] = []
+        block_size, queues, samples = self.kv.block_size, self.queues, iter(sampled)
+        for chunk, request in zip(chunks, prefilling, strict=True):
+            sample = next(samples) if chunk.samples_token else None
+            if request.state is not RequestState.RUNNING:
                 continue  # finished or aborted while the step ran
             num_new = len(chunk.token_ids)
             computed = chunk.start_position + num_new
@@ -409,30 +494,30 @@ class Scheduler:
             if filled:
                 queues.block_filled(request)
             request.num_computed_tokens = computed
-            if not chunk.samples_token:
+            if sample is None:
                 continue
-            token_id = sampled[rid]
-            # request.append_token(token_id, now_s), written out: it runs per stream per step
-            output_ids = request.output_token_ids
-            dry_s = request.dry_s
-            last_s = dry_s if output_ids and dry_s > now_s else now_s
-            request.last_consume_s = last_s
-            output_ids.append(token_id)
-            request.token_times_s.append(now_s)
-            request.num_tokens += 1
-            request.dry_s = last_s + 1.0 / request.rate_tps
-            # (a decode fills a block exactly when its new token starts one: the rare branch)
+            if sample.request_id != request.request_id:
+                raise ValueError(
+                    f"token of {sample.request_id!r} where {request.request_id!r}'s was due"
+                )
+            request.append_token(sample.token_id, now_s)
             if filled or num_new > 1:
                 queues.token_appended(request)
-            num_sampled += 1
-            num_output = len(output_ids)
-            reason = None
-            if token_id in request.stop_token_set or num_output >= limits[rid]:
-                reason = self._stop_reason(request, token_id)
-                if reason is not None:
-                    self._finish(request, reason)
-            outputs.append(RequestOutput(rid, (token_id,), num_output, reason))
-        return outputs, num_sampled
+            outputs.append(self._output(request, sample.token_id))
+        return outputs
+
+    def _output(self, request: Request, token_id: int) -> RequestOutput:
+        """The output of a request that just sampled `token_id`, finishing it if it stops."""
+        num_output = len(request.output_token_ids)
+        reason = None
+        if (
+            token_id in request.stop_token_set
+            or num_output >= self._output_limits[request.request_id]
+        ):
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+        return RequestOutput(request.request_id, (token_id,), num_output, reason)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         num_output = len(request.output_token_ids)
