@@ -410,10 +410,7 @@ class Scheduler:
         decoding, prefilling, sampled = self._decoding, self._prefilling, result.sampled
         num_decodes = len(decoding)
         prefills = plan.chunks[num_decodes:]
-        if len(sampled) != num_decodes + sum(c.samples_token for c in prefills):
-            raise ValueError(
-                f"step {plan.step_index}: {len(sampled)} tokens sampled, not one per sampling chunk"
-            )
+        self._check_sampled(plan, sampled, num_decodes + sum(c.samples_token for c in prefills))
         self.kv.end_step()
         duration_s = now_s - self._step_started_s
         self.estimator.observe(
@@ -435,6 +432,22 @@ class Scheduler:
         self._decay_new_token_ratio()
         return outputs
 
+    def _check_sampled(
+        self, plan: StepPlan, sampled: tuple[SampledToken, ...], num_samples: int
+    ) -> None:
+        """ValueError unless `sampled` has `num_samples` tokens and the decodes' first and last
+        are where the plan's order puts them (the executors' tests check the order in full)."""
+        if len(sampled) != num_samples:
+            raise ValueError(
+                f"step {plan.step_index}: {len(sampled)} tokens sampled for {num_samples} chunks"
+            )
+        for index in (0, len(self._decoding) - 1) if self._decoding else ():
+            due, got = self._decoding[index].request_id, sampled[index].request_id
+            if got != due:
+                raise ValueError(
+                    f"step {plan.step_index}: token {index} is {got!r}'s, not {due!r}'s"
+                )
+
     def _apply_decodes(
         self, decoding: list[Request], sampled: tuple[SampledToken, ...], now_s: float
     ) -> list[RequestOutput]:
@@ -444,11 +457,8 @@ class Scheduler:
         but finishing touches a resident between `schedule` and `update`."""
         outputs: list[RequestOutput] = []
         running, block_size, queues = RequestState.RUNNING, self.kv.block_size, self.queues
-        limits, make = self._output_limits, RequestOutput
+        max_len, make, add = self.config.max_model_len, RequestOutput, outputs.append
         for request, sample in zip(decoding, sampled, strict=False):  # (then the prefills')
-            rid = request.request_id
-            if sample.request_id is not rid and sample.request_id != rid:
-                raise ValueError(f"token of {sample.request_id!r} where {rid!r}'s was due")
             if request.state is not running:
                 continue  # finished or aborted while the step ran
             token_id = sample.token_id
@@ -460,18 +470,19 @@ class Scheduler:
             request.last_consume_s = last_s
             output_ids.append(token_id)
             request.token_times_s.append(now_s)
-            request.num_tokens += 1
+            num_tokens = request.num_tokens = request.num_tokens + 1
             request.dry_s = last_s + 1.0 / request.rate_tps
             if not computed % block_size:  # the step filled a block: the rare branch
                 queues.block_filled(request)
                 queues.token_appended(request)
-            num_output = len(output_ids)
-            reason = None
-            if token_id in request.stop_token_set or num_output >= limits[rid]:
-                reason = self._stop_reason(request, token_id)
-                if reason is not None:
-                    self._finish(request, reason)
-            outputs.append(make(rid, (token_id,), num_output, reason))
+            if (
+                token_id in request.stop_token_set
+                or num_tokens >= request.end_tokens
+                or num_tokens >= max_len
+            ):
+                add(self._output(request, token_id))
+            else:
+                add(make(request.request_id, (token_id,), len(output_ids), None))
         return outputs
 
     def _apply_prefills(
