@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import repeat
 
 from tokenflow.core.plan import BlockCopy, CopyKind
 
@@ -248,7 +249,16 @@ class KVTierManager:
         device, host = self._device_tables[request_id], self._host_tables[request_id]
         self._loaded_blocks[request_id] = end
         self._num_blocks_to_load -= max(min(end, self._load_blocks[request_id]) - start, 0)
-        return [BlockCopy(request_id, CopyKind.LOAD, host[i], device[i]) for i in range(start, end)]
+        num = max(end - start, 0)  # (built by map: a load plans ~20 blocks a call)
+        return list(
+            map(
+                BlockCopy,
+                repeat(request_id, num),
+                repeat(CopyKind.LOAD, num),
+                host[start:end],
+                device[start:end],
+            )
+        )
 
     def is_loaded(self, request_id: str, num_tokens: int) -> bool:
         """True once every block of a loading request has been planned for copying."""

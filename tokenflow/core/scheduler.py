@@ -6,8 +6,6 @@ out-of-memory retraction) -> copies (loads, then write-through).  `update()` app
 
 from __future__ import annotations
 
-from itertools import filterfalse
-
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
@@ -232,24 +230,22 @@ class Scheduler:
 
     def _split_residents(self) -> tuple[list[Request], list[Request]]:
         """(Decoding residents, prefilling ones), each in running order.  Only the unsettled
-        residents are looked at: every other one is decoding (`RequestQueues.unsettled`)."""
-        running = RequestState.RUNNING
-        not_decoding = {
+        residents are looked at: every other one is decoding (`RequestQueues.unsettled`), and
+        so is every unsettled one but the loads and the running ones still prefilling."""
+        running, state = self.running, RequestState.RUNNING
+        prefilling = [
             r
             for r in self.queues.unsettled.values()
-            if not (
-                r.state is running
-                and r.output_token_ids
-                and r.num_computed_tokens >= r.num_tokens - 1
-            )
-        }
-        if not not_decoding:
-            return list(self.running), []
-        decodes = list(filterfalse(not_decoding.__contains__, self.running))
-        if all(r.state is not running for r in not_decoding):
-            return decodes, []  # (only loads: no prefill to order)
-        odd = filter(not_decoding.__contains__, self.running)
-        return decodes, [r for r in odd if r.state is running]
+            if r.state is state
+            and not (r.output_token_ids and r.num_computed_tokens >= r.num_tokens - 1)
+        ]
+        if not prefilling:
+            if not self.queues.loading:
+                return list(running), []
+            return [r for r in running if r.state is state], []  # (residents load or run)
+        odd = set(prefilling)
+        decodes = [r for r in running if r.state is state and r not in odd]
+        return decodes, list(filter(odd.__contains__, running))
 
     def _prefill_chunks(
         self, prefills: list[Request], budget: int, whole: bool
