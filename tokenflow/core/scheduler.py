@@ -271,28 +271,32 @@ class Scheduler:
         """One token per stream; when a block cannot be had, retract a victim and retry.
         Returns the chunks (their requests left in `_decoding`) and their context tokens."""
         chunks: list[ScheduledChunk] = []
-        planned = self._decoding
-        tables, block_size = self.kv.device_tables, self.kv.block_size
-        sent_blocks, make, add = self._sent_blocks, ScheduledChunk, planned.append
+        tables, block_size, no_table = self.kv.device_tables, self.kv.block_size, ()
+        sent_blocks, make, add = self._sent_blocks, ScheduledChunk, chunks.append
         starts = 0  # the chunks' start positions, summed
+        retracted = False
         for request in decodes:
             rid = request.request_id
-            table = tables.get(rid)
-            if table is None or request.num_tokens > len(table) * block_size:
+            table = tables.get(rid, no_table)
+            num_blocks = len(table)
+            if request.num_tokens > num_blocks * block_size:
                 num_chunks = len(chunks)
                 grown = self._grow_or_retract(request, chunks, view)
                 if len(chunks) != num_chunks:  # victims' chunks were taken out: sum again
                     starts = sum(c.start_position for c in chunks)
                 if not grown:
+                    retracted = True
                     continue
+                retracted |= len(chunks) != num_chunks
                 table = tables[rid]
+                num_blocks = len(table)
             sent = sent_blocks.get(rid, 0)
             new_blocks: tuple[int, ...] = ()
-            if len(table) != sent:
+            if num_blocks != sent:
                 new_blocks = tuple(table[sent:])
-                sent_blocks[rid] = len(table)
+                sent_blocks[rid] = num_blocks
             outputs, start = request.output_token_ids, request.num_computed_tokens
-            chunks.append(
+            add(
                 make(
                     rid,
                     (outputs[-1],),
@@ -304,15 +308,17 @@ class Scheduler:
                     len(outputs),
                 )
             )
-            add(request)
             starts += start
+        # Every stream that had to go (itself or as a victim) is off the device now.
+        running = RequestState.RUNNING
+        self._decoding = [r for r in decodes if r.state is running] if retracted else decodes
         return chunks, starts + len(chunks)
 
     def _grow_or_retract(
         self, request: Request, chunks: list[ScheduledChunk], view: SchedulingView
     ) -> bool:
-        """Give a decoding stream its next block, retracting victims (their chunks and their
-        places in `_decoding` too) until one is free; False if the stream itself had to go."""
+        """Give a decoding stream its next block, retracting victims (their chunks too) until
+        one is free; False if the stream itself had to go."""
         rid = request.request_id
         while request.state is RequestState.RUNNING and not self.kv.allocate(
             rid, request.num_tokens
@@ -325,11 +331,9 @@ class Scheduler:
                 if candidates
                 else Preemption(rid, PreemptMode.RECOMPUTE)
             )
-            victim = self.requests[preemption.request_id]
-            self._preempt(victim, preemption.mode)
-            if victim in self._decoding:  # (by identity: requests compare so)
-                index = self._decoding.index(victim)
-                del self._decoding[index], chunks[index]
+            self._preempt(self.requests[preemption.request_id], preemption.mode)
+            victim = preemption.request_id
+            chunks[:] = [c for c in chunks if c.request_id != victim]
             self.new_token_ratio = self._init_ratio
         return request.state is RequestState.RUNNING
 
