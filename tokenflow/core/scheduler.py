@@ -6,6 +6,7 @@ out-of-memory retraction) -> copies (loads, then write-through).  `update()` app
 
 from __future__ import annotations
 
+from tokenflow.core.appender import TokenAppender, check_sampled
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
@@ -13,7 +14,6 @@ from tokenflow.core.plan import (
     BlockCopy,
     ChunkCounts,
     RequestOutput,
-    SampledToken,
     ScheduledChunk,
     StepPlan,
     StepResult,
@@ -60,6 +60,13 @@ class Scheduler:
         self._planned: StepPlan | None = None
         self._decoding: list[Request] = []
         self._prefilling: list[Request] = []
+        self.appender = TokenAppender(
+            self.queues,
+            kv_config.block_size,
+            config.max_model_len,
+            self._output_limits,
+            self._finish,
+        )
 
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -410,7 +417,7 @@ class Scheduler:
         decoding, prefilling, sampled = self._decoding, self._prefilling, result.sampled
         num_decodes = len(decoding)
         prefills = plan.chunks[num_decodes:]
-        self._check_sampled(plan, sampled, num_decodes + sum(c.samples_token for c in prefills))
+        check_sampled(plan, decoding, sampled, num_decodes + sum(c.samples_token for c in prefills))
         self.kv.end_step()
         duration_s = now_s - self._step_started_s
         self.estimator.observe(
@@ -423,120 +430,16 @@ class Scheduler:
             if request.state is RequestState.LOADING:
                 self.queues.load_finished(request)
         self._loads_completing.clear()
-        outputs = self._apply_decodes(decoding, sampled, now_s)
+        outputs = self.appender.append_decodes(decoding, sampled, now_s)
         if prefills:
-            outputs += self._apply_prefills(prefills, prefilling, sampled[num_decodes:], now_s)
+            outputs += self.appender.append_prefills(
+                prefills, prefilling, sampled[num_decodes:], now_s
+            )
         # (a finished request left with its own remaining count: subtracting after is exact)
         self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
         self.queues.resident_tokens += len(outputs)
         self._decay_new_token_ratio()
         return outputs
-
-    def _check_sampled(
-        self, plan: StepPlan, sampled: tuple[SampledToken, ...], num_samples: int
-    ) -> None:
-        """ValueError unless `sampled` has `num_samples` tokens and the decodes' first and last
-        are where the plan's order puts them (the executors' tests check the order in full)."""
-        if len(sampled) != num_samples:
-            raise ValueError(
-                f"step {plan.step_index}: {len(sampled)} tokens sampled for {num_samples} chunks"
-            )
-        for index in (0, len(self._decoding) - 1) if self._decoding else ():
-            due, got = self._decoding[index].request_id, sampled[index].request_id
-            if got != due:
-                raise ValueError(
-                    f"step {plan.step_index}: token {index} is {got!r}'s, not {due!r}'s"
-                )
-
-    def _apply_decodes(
-        self, decoding: list[Request], sampled: tuple[SampledToken, ...], now_s: float
-    ) -> list[RequestOutput]:
-        """The decode chunks' tokens (`sampled` begins with them, in the same order).
-
-        A running stream's `num_computed_tokens` is still its chunk's start position: nothing
-        but finishing touches a resident between `schedule` and `update`."""
-        outputs: list[RequestOutput] = []
-        running, block_size, queues = RequestState.RUNNING, self.kv.block_size, self.queues
-        max_len, make, add = self.config.max_model_len, RequestOutput, outputs.append
-        for request, sample in zip(decoding, sampled, strict=False):  # (then the prefills')
-            if request.state is not running:
-                continue  # finished or aborted while the step ran
-            token_id = sample.token_id
-            computed = request.num_computed_tokens = request.num_computed_tokens + 1
-            # request.append_token(token_id, now_s), written out: it runs per stream per step
-            output_ids = request.output_token_ids
-            dry_s = request.dry_s
-            last_s = dry_s if dry_s > now_s else now_s  # (a decoding stream has output)
-            request.last_consume_s = last_s
-            output_ids.append(token_id)
-            request.token_times_s.append(now_s)
-            num_tokens = request.num_tokens = request.num_tokens + 1
-            request.dry_s = last_s + 1.0 / request.rate_tps
-            if not computed % block_size:  # the step filled a block: the rare branch
-                queues.block_filled(request)
-                queues.token_appended(request)
-            if (
-                token_id in request.stop_token_set
-                or num_tokens >= request.end_tokens
-                or num_tokens >= max_len
-            ):
-                add(self._output(request, token_id))
-            else:
-                add(make(request.request_id, (token_id,), len(output_ids), None))
-        return outputs
-
-    def _apply_prefills(
-        self,
-        chunks: tuple[ScheduledChunk, ...],
-        prefilling: list[Request],
-        sampled: tuple[SampledToken, ...],
-        now_s: float,
-    ) -> list[RequestOutput]:
-        """The other chunks' computed tokens and sampled tokens (`sampled`: theirs, in order)."""
-        outputs: list[RequestOutput] = []
-        block_size, queues, samples = self.kv.block_size, self.queues, iter(sampled)
-        for chunk, request in zip(chunks, prefilling, strict=True):
-            sample = next(samples) if chunk.samples_token else None
-            if request.state is not RequestState.RUNNING:
-                continue  # finished or aborted while the step ran
-            num_new = len(chunk.token_ids)
-            computed = chunk.start_position + num_new
-            filled = computed // block_size != request.num_computed_tokens // block_size
-            if filled:
-                queues.block_filled(request)
-            request.num_computed_tokens = computed
-            if sample is None:
-                continue
-            if sample.request_id != request.request_id:
-                raise ValueError(
-                    f"token of {sample.request_id!r} where {request.request_id!r}'s was due"
-                )
-            request.append_token(sample.token_id, now_s)
-            if filled or num_new > 1:
-                queues.token_appended(request)
-            outputs.append(self._output(request, sample.token_id))
-        return outputs
-
-    def _output(self, request: Request, token_id: int) -> RequestOutput:
-        """The output of a request that just sampled `token_id`, finishing it if it stops."""
-        num_output = len(request.output_token_ids)
-        reason = None
-        if (
-            token_id in request.stop_token_set
-            or num_output >= self._output_limits[request.request_id]
-        ):
-            reason = self._stop_reason(request, token_id)
-            if reason is not None:
-                self._finish(request, reason)
-        return RequestOutput(request.request_id, (token_id,), num_output, reason)
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        num_output = len(request.output_token_ids)
-        if num_output >= request.sampling_params.min_tokens and token_id in request.stop_token_set:
-            return FinishReason.STOP
-        if num_output >= self._output_limits[request.request_id]:
-            return FinishReason.LENGTH
-        return None
 
     def _decay_new_token_ratio(self) -> None:
         cfg = self.config
