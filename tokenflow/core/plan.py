@@ -8,8 +8,9 @@ Semantics of one step, which every executor (real or simulated) must honour:
 3. For each chunk the executor computes and stores the KV of `token_ids` at positions
    `start_position ...` into the chunk's device blocks, and, when `samples_token` is true, samples
    one next token from the logits of the chunk's last position.
-4. `StepResult.sampled` holds one token per sampling chunk, in the plan's chunk order (the
-   scheduler pairs them by position; it checks the count and each token's request id).
+4. `StepResult.sampled` holds one token per sampling chunk, in the plan's chunk order: the
+   scheduler pairs tokens with chunks by position (it checks the count and, of the decodes,
+   the first and last token's request id; the executors' tests check the whole order).
 
 Block tables cross the seam as deltas (as in vLLM v1): a chunk carries only the device blocks
 its request's table gained since the plan that last included it, and where they go; a table
@@ -20,6 +21,7 @@ keeps them with `BlockTables`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 
 from tokenflow.core.request import FinishReason, SamplingParams
@@ -83,7 +85,7 @@ class ChunkCounts:
     num_decode_context_tokens: int  # decodes' attention reads, summed
 
     @classmethod
-    def of(cls, chunks: tuple[ScheduledChunk, ...]) -> ChunkCounts:
+    def of(cls, chunks: Sequence[ScheduledChunk]) -> ChunkCounts:
         """The counts of `chunks`, summed in one pass."""
         prefill = decode = context = 0
         for chunk in chunks:

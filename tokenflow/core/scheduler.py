@@ -1,7 +1,8 @@
 """The scheduler: turns a policy's decisions into a `StepPlan`, and a `StepResult` into outputs.
 
 `schedule(now)` runs five named phases: policy moves -> preemptions -> starts -> chunks (with
-out-of-memory retraction) -> copies (loads, then write-through).  `update()` applies the step.
+out-of-memory retraction) -> copies (loads, then write-through).  `update()` applies the step:
+the executor's tokens meet the requests kept in chunk order (`TokenAppender`, appender.py).
 """
 
 from __future__ import annotations
