@@ -170,31 +170,34 @@ class KVTierManager:
         if not self.config.offload:
             return copies
         bs, synced, free_host = self.block_size, self._synced_tokens, self._free_host
-        add, kind = copies.append, CopyKind.WRITE_THROUGH
+        device_tables, host_tables = self._device_tables, self._host_tables
+        add, kind, make = copies.append, CopyKind.WRITE_THROUGH, BlockCopy
         left = budget_blocks  # copies still allowed
         for request_id, num_tokens in candidates:
             if left <= 0:
                 break
             first = synced.get(request_id, 0) // bs
             last = num_tokens // bs  # exclusive: number of full blocks
-            device = self._device_tables.get(request_id)
+            device = device_tables.get(request_id)
             if device is None or first >= last:
                 continue
-            host = self._host_tables.setdefault(request_id, [])
-            end = min(last, first + left)
+            host = host_tables.get(request_id)
+            if host is None:
+                host = host_tables[request_id] = []
+            end = last if last < first + left else first + left
             index = first
             while index < end:
                 if index >= len(host):
                     if not free_host:
                         break
                     host.append(free_host.pop())
-                add(BlockCopy(request_id, kind, device[index], host[index]))
+                add(make(request_id, kind, device[index], host[index]))
                 index += 1
             left -= index - first
             if index > first:
                 synced[request_id] = index * bs
             if not host:
-                del self._host_tables[request_id]
+                del host_tables[request_id]
         return copies
 
     # -- eviction, loading, release ---------------------------------------------------------------
