@@ -157,8 +157,9 @@ class Scheduler:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
         self._apply_starts(moves.starts)
         chunks, counts = self._build_chunks(view)
-        loads = self._plan_loads(len(chunks))
-        writes = self._plan_write_through(view, len(chunks))
+        budget = self._copy_budget_blocks(len(chunks))  # per link direction
+        loads = self._plan_loads(budget)
+        writes = self._plan_write_through(view, budget - len(self._evict_copies))
         plan = StepPlan(
             step_index=self._step_index,
             chunks=tuple(chunks),
@@ -371,10 +372,9 @@ class Scheduler:
         block_bytes = self.kv.config.block_bytes
         return max(1, int(self.config.link_bytes_per_s * step_s / block_bytes))
 
-    def _plan_loads(self, num_chunks: int) -> list[BlockCopy]:
+    def _plan_loads(self, budget: int) -> list[BlockCopy]:
         if not self.queues.loading:
             return []
-        budget = self._copy_budget_blocks(num_chunks)
         copies: list[BlockCopy] = []
         for request in self.queues.loading:
             if budget <= len(copies):
@@ -385,11 +385,10 @@ class Scheduler:
                 self._loads_completing.append(request)
         return copies
 
-    def _plan_write_through(self, view: SchedulingView, num_chunks: int) -> list[BlockCopy]:
+    def _plan_write_through(self, view: SchedulingView, budget: int) -> list[BlockCopy]:
         pending = self.queues.write_candidates
         if not pending:
             return []
-        budget = self._copy_budget_blocks(num_chunks) - len(self._evict_copies)
         order = self.policy.write_through_order(view) if budget > 0 else []
         if not order:
             return []
