@@ -61,7 +61,7 @@ class Scheduler:
         self._planned: StepPlan | None = None
         self._decoding: list[Request] = []
         self._prefilling: list[Request] = []
-        self.appender = TokenAppender(
+        self._appender = TokenAppender(
             self.queues,
             kv_config.block_size,
             config.max_model_len,
@@ -430,9 +430,9 @@ class Scheduler:
             if request.state is RequestState.LOADING:
                 self.queues.load_finished(request)
         self._loads_completing.clear()
-        outputs = self.appender.append_decodes(decoding, sampled, now_s)
+        outputs = self._appender.append_decodes(decoding, sampled, now_s)
         if prefills:
-            outputs += self.appender.append_prefills(
+            outputs += self._appender.append_prefills(
                 prefills, prefilling, sampled[num_decodes:], now_s
             )
         # (a finished request left with its own remaining count: subtracting after is exact)
