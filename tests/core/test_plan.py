@@ -1,7 +1,10 @@
 """The step plan's derived counts and the executor-side block tables rebuilt from deltas."""
 
+import pytest
+
 from tests.core.helpers import make_core, make_request, run_to_completion
-from tokenflow.core.plan import BlockTables, ScheduledChunk, StepPlan
+from tokenflow.core.config import SchedulerConfig
+from tokenflow.core.plan import BlockTables, ChunkCounts, ScheduledChunk, StepPlan
 from tokenflow.core.request import SamplingParams
 
 PARAMS = SamplingParams()
@@ -19,6 +22,47 @@ def test_counts_are_derived_from_the_chunks():
     plan = _plan(_chunk("a", 0, 7, (1, 2), 0), _chunk("b", 9, 1, (), 3, outputs=2))
     assert (plan.num_prefill_tokens, plan.num_decode_tokens) == (7, 1)
     assert plan.num_decode_context_tokens == 10
+
+
+def test_counts_given_by_the_builder_are_kept():
+    chunks = (_chunk("a", 0, 7, (1, 2), 0),)
+    plan = StepPlan(0, chunks, (), (), (), counts=ChunkCounts(7, 0, 0))
+    assert plan == StepPlan(0, chunks, (), (), ())
+    assert StepPlan(0, chunks, (), (), (), counts=ChunkCounts(6, 0, 0)).num_prefill_tokens == 6
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked", "tokenflow"])
+def test_the_schedulers_counts_equal_the_chunks_counts(policy: str):
+    """The scheduler sums the counts as it builds the chunks; they must be what a pass over the
+    chunks derives, through prefill-first and mixed steps, retractions and recomputes."""
+    optimistic = SchedulerConfig(
+        init_new_token_ratio=0.01, min_new_token_ratio=0.01, link_bytes_per_s=1e6, chunk_tokens=9
+    )
+    core, clock, _ = make_core(
+        policy, num_device_blocks=24, block_size=4, scheduler_config=optimistic
+    )
+    for i in range(8):
+        core.add_request(make_request(f"r{i}", num_prompt=5 + 3 * i, max_tokens=30, rate=5.0))
+    kinds = set()
+    steps = 0
+    while core.has_work:
+        plan, _ = core.step()
+        assert plan == StepPlan(
+            plan.step_index,
+            plan.chunks,
+            plan.device_to_host,
+            plan.host_to_device,
+            plan.released_request_ids,
+        ), f"step {steps}: given counts differ from the derived ones"
+        kinds.add((plan.num_decode_tokens > 0, plan.num_prefill_tokens > 0))
+        if plan.is_empty:
+            clock.t += 0.005
+        steps += 1
+        assert steps < 20_000
+    assert core.scheduler.num_preemptions_total > 0
+    assert {(True, False), (False, True)} <= kinds  # decode-only and prefill-only steps
+    if policy == "chunked":
+        assert (True, True) in kinds  # and mixed ones
 
 
 def test_tables_grow_by_deltas_and_restart_from_index_zero():

@@ -38,6 +38,24 @@ def test_only_sampling_chunks_return_tokens_in_plan_order(tiny_checkpoints):
     assert executor.execute(plan([])).sampled == ()
 
 
+def test_tokens_come_in_plan_order_when_rows_run_decodes_first(tiny_checkpoints):
+    """The forward puts single-token chunks first; the tokens still follow the plan's order
+    (step semantics 4: the scheduler pairs them with chunks by position)."""
+    executor = _executor(tiny_checkpoints)
+    result = executor.execute(
+        plan(
+            [
+                chunk("p1", PROMPT_B, 0, [0, 1]),
+                chunk("d1", [9], 0, [2]),
+                chunk("p2", PROMPT_A[:4], 0, [3], samples_token=False),
+                chunk("p3", PROMPT_A, 0, [4, 5]),
+                chunk("d2", [8], 0, [6]),
+            ]
+        )
+    )
+    assert [s.request_id for s in result.sampled] == ["p1", "d1", "p3", "d2"]
+
+
 def test_copies_run_on_the_worker_while_the_forward_runs(tiny_checkpoints, monkeypatch):
     executor = _executor(tiny_checkpoints)
     [expected] = greedy_generate(executor, [PROMPT_B], [[6, 7]], num_new=3)

@@ -111,6 +111,20 @@ def test_samples_exactly_the_chunks_that_ask() -> None:
     assert [s.request_id for s in result.sampled] == ["b", "c"]
 
 
+def test_tokens_come_in_the_plans_chunk_order() -> None:
+    """Step semantics 4: the scheduler pairs tokens with chunks by position."""
+    chunks = (
+        decode("d1", 40),
+        prefill("p1", 0, 64, samples=True),
+        decode("d2", 41),
+        prefill("p2", 0, 16, samples=False),
+        decode("d3", 42),
+        prefill("p3", 128, 32, samples=True),
+    )
+    result = make_executor().execute(make_plan(chunks))
+    assert [s.request_id for s in result.sampled] == ["d1", "p1", "d2", "d3", "p3"]
+
+
 def test_token_ids_are_deterministic_and_never_eos() -> None:
     chunks = tuple(decode(f"r{i}", 100 + i, num_output=i) for i in range(50))
     first = make_executor(seed=7).execute(make_plan(chunks)).sampled

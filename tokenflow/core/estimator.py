@@ -95,9 +95,11 @@ class StepTimeEstimator:
 
     def _record(self, steps: list[tuple[bool, tuple]]) -> None:
         """Add steps to their windows and refit the models they touch."""
+        num_prefill = 0
         for is_prefill, obs in steps:
             if is_prefill:
                 self._prefill_obs.append(obs)
+                num_prefill += 1
                 continue
             decode = self._decode_obs
             if len(decode) == decode.maxlen:
@@ -107,9 +109,9 @@ class StepTimeEstimator:
             self._num_decode_seen += 1
             if self._num_decode_seen % decode.maxlen == 0:  # bound the float drift of -/+
                 self._decode_sums = _DecodeSums.of(decode)
-        if any(is_prefill for is_prefill, _ in steps):
+        if num_prefill:
             self._refit_prefill()
-        if not all(is_prefill for is_prefill, _ in steps):
+        if num_prefill < len(steps):
             self._refit()
 
     def _refit_prefill(self) -> None:

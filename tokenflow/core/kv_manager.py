@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import repeat
 
 from tokenflow.core.plan import BlockCopy, CopyKind
 
@@ -169,31 +170,34 @@ class KVTierManager:
         if not self.config.offload:
             return copies
         bs, synced, free_host = self.block_size, self._synced_tokens, self._free_host
-        add, kind = copies.append, CopyKind.WRITE_THROUGH
+        device_tables, host_tables = self._device_tables, self._host_tables
+        add, kind, make = copies.append, CopyKind.WRITE_THROUGH, BlockCopy
         left = budget_blocks  # copies still allowed
         for request_id, num_tokens in candidates:
             if left <= 0:
                 break
             first = synced.get(request_id, 0) // bs
             last = num_tokens // bs  # exclusive: number of full blocks
-            device = self._device_tables.get(request_id)
+            device = device_tables.get(request_id)
             if device is None or first >= last:
                 continue
-            host = self._host_tables.setdefault(request_id, [])
-            end = min(last, first + left)
+            host = host_tables.get(request_id)
+            if host is None:
+                host = host_tables[request_id] = []
+            end = last if last < first + left else first + left
             index = first
             while index < end:
                 if index >= len(host):
                     if not free_host:
                         break
                     host.append(free_host.pop())
-                add(BlockCopy(request_id, kind, device[index], host[index]))
+                add(make(request_id, kind, device[index], host[index]))
                 index += 1
             left -= index - first
             if index > first:
                 synced[request_id] = index * bs
             if not host:
-                del self._host_tables[request_id]
+                del host_tables[request_id]
         return copies
 
     # -- eviction, loading, release ---------------------------------------------------------------
@@ -248,7 +252,16 @@ class KVTierManager:
         device, host = self._device_tables[request_id], self._host_tables[request_id]
         self._loaded_blocks[request_id] = end
         self._num_blocks_to_load -= max(min(end, self._load_blocks[request_id]) - start, 0)
-        return [BlockCopy(request_id, CopyKind.LOAD, host[i], device[i]) for i in range(start, end)]
+        num = max(end - start, 0)  # (built by map: a load plans ~20 blocks a call)
+        return list(
+            map(
+                BlockCopy,
+                repeat(request_id, num),
+                repeat(CopyKind.LOAD, num),
+                host[start:end],
+                device[start:end],
+            )
+        )
 
     def is_loaded(self, request_id: str, num_tokens: int) -> bool:
         """True once every block of a loading request has been planned for copying."""

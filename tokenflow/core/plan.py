@@ -8,6 +8,9 @@ Semantics of one step, which every executor (real or simulated) must honour:
 3. For each chunk the executor computes and stores the KV of `token_ids` at positions
    `start_position ...` into the chunk's device blocks, and, when `samples_token` is true, samples
    one next token from the logits of the chunk's last position.
+4. `StepResult.sampled` holds one token per sampling chunk, in the plan's chunk order: the
+   scheduler pairs tokens with chunks by position (it checks the count and, of the decodes,
+   the first and last token's request id; the executors' tests check the whole order).
 
 Block tables cross the seam as deltas (as in vLLM v1): a chunk carries only the device blocks
 its request's table gained since the plan that last included it, and where they go; a table
@@ -18,7 +21,8 @@ keeps them with `BlockTables`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import InitVar, dataclass, field
 
 from tokenflow.core.request import FinishReason, SamplingParams
 
@@ -71,6 +75,29 @@ class ScheduledChunk:
         return len(self.token_ids) == 1 and self.num_output_tokens > 0
 
 
+@dataclass(slots=True)
+class ChunkCounts:
+    """A plan's tokens by kind.  A chunk of one token of a request with output is a decode
+    (it reads start_position + 1 context tokens); every other chunk's tokens are prefill."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_decode_context_tokens: int  # decodes' attention reads, summed
+
+    @classmethod
+    def of(cls, chunks: Sequence[ScheduledChunk]) -> ChunkCounts:
+        """The counts of `chunks`, summed in one pass."""
+        prefill = decode = context = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if n == 1 and chunk.num_output_tokens > 0:
+                decode += 1
+                context += chunk.start_position + 1
+            else:
+                prefill += n
+        return cls(prefill, decode, context)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Everything an executor does in one step."""
@@ -80,23 +107,21 @@ class StepPlan:
     device_to_host: tuple[BlockCopy, ...]  # write-through and eviction copies
     host_to_device: tuple[BlockCopy, ...]  # loads
     released_request_ids: tuple[str, ...]  # requests gone since the last plan: drop their state
-    # Derived from chunks (one pass, at construction):
+    # The chunks' counts, when the builder summed them as it built the chunks (the scheduler
+    # does: a second pass over ~200 chunks cost ~16 us a step); derived here when None.  They
+    # must equal `ChunkCounts.of(chunks)` (tests compare them on the scheduler's plans).
+    counts: InitVar[ChunkCounts | None] = None
+    # Derived from chunks (or given as `counts`):
     num_prefill_tokens: int = field(init=False)
     num_decode_tokens: int = field(init=False)
     num_decode_context_tokens: int = field(init=False)  # decodes' attention reads, summed
 
-    def __post_init__(self) -> None:
-        prefill = decode = context = 0
-        for chunk in self.chunks:
-            n = len(chunk.token_ids)
-            if n == 1 and chunk.num_output_tokens > 0:
-                decode += 1
-                context += chunk.start_position + 1
-            else:
-                prefill += n
-        object.__setattr__(self, "num_prefill_tokens", prefill)
-        object.__setattr__(self, "num_decode_tokens", decode)
-        object.__setattr__(self, "num_decode_context_tokens", context)
+    def __post_init__(self, counts: ChunkCounts | None) -> None:
+        if counts is None:
+            counts = ChunkCounts.of(self.chunks)
+        object.__setattr__(self, "num_prefill_tokens", counts.num_prefill_tokens)
+        object.__setattr__(self, "num_decode_tokens", counts.num_decode_tokens)
+        object.__setattr__(self, "num_decode_context_tokens", counts.num_decode_context_tokens)
 
     @property
     def is_empty(self) -> bool:

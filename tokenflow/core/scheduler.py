@@ -1,18 +1,19 @@
 """The scheduler: turns a policy's decisions into a `StepPlan`, and a `StepResult` into outputs.
 
 `schedule(now)` runs five named phases: policy moves -> preemptions -> starts -> chunks (with
-out-of-memory retraction) -> copies (loads, then write-through).  `update()` applies the step.
+out-of-memory retraction) -> copies (loads, then write-through).  `update()` applies the step:
+the executor's tokens meet the requests kept in chunk order (`TokenAppender`, appender.py).
 """
 
 from __future__ import annotations
 
-from itertools import filterfalse
-
+from tokenflow.core.appender import TokenAppender, check_sampled
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import (
     BlockCopy,
+    ChunkCounts,
     RequestOutput,
     ScheduledChunk,
     StepPlan,
@@ -55,6 +56,18 @@ class Scheduler:
         self._step_started_s = 0.0
         self._sent_blocks: dict[str, int] = {}  # leading table entries the executor knows
         self._output_limits: dict[str, int] = {}  # max_tokens, or less where max_model_len ends it
+        # The last plan and its chunks' requests in chunk order (the decodes come first), kept
+        # for `update`: it walks them beside the chunks instead of looking each one up.
+        self._planned: StepPlan | None = None
+        self._decoding: list[Request] = []
+        self._prefilling: list[Request] = []
+        self._appender = TokenAppender(
+            self.queues,
+            kv_config.block_size,
+            config.max_model_len,
+            self._output_limits,
+            self._finish,
+        )
 
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,16 +156,19 @@ class Scheduler:
         for preemption in moves.preemptions:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
         self._apply_starts(moves.starts)
-        chunks = self._build_chunks(view)
-        loads = self._plan_loads(len(chunks))
-        writes = self._plan_write_through(view, len(chunks))
+        chunks, counts = self._build_chunks(view)
+        budget = self._copy_budget_blocks(len(chunks))  # per link direction
+        loads = self._plan_loads(budget)
+        writes = self._plan_write_through(view, budget - len(self._evict_copies))
         plan = StepPlan(
             step_index=self._step_index,
             chunks=tuple(chunks),
             device_to_host=tuple(self._evict_copies) + tuple(writes),
             host_to_device=tuple(loads),
             released_request_ids=tuple(self._released),
+            counts=counts,
         )
+        self._planned = plan
         self._step_index += 1
         self._evict_copies.clear()
         self._released.clear()
@@ -198,39 +214,47 @@ class Scheduler:
             self.queues.enter_device(request, state)
 
     # -- chunks ---------------------------------------------------------------------------------
-    def _build_chunks(self, view: SchedulingView) -> list[ScheduledChunk]:
-        """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget)."""
-        decodes, prefills = self._split_residents()
-        running = RequestState.RUNNING
+    def _build_chunks(self, view: SchedulingView) -> tuple[list[ScheduledChunk], ChunkCounts]:
+        """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget):
+        the chunks, decodes first, and their counts.  Leaves the chunks' requests, in the same
+        order, in `_decoding` and `_prefilling`."""
+        decoding, prefills = self._split_residents()
+        self._decoding, self._prefilling = [], []
         chunk_tokens = self.policy.prefill_chunk_tokens
+        if chunk_tokens is None and prefills:
+            chunks = self._prefill_chunks(prefills, self.config.max_prefill_tokens, whole=True)
+            return chunks, ChunkCounts.of(chunks)
+        decodes, context = self._decode_chunks(decoding, view)
         if chunk_tokens is None:
-            if prefills:
-                return self._prefill_chunks(prefills, self.config.max_prefill_tokens, whole=True)
-            return self._decode_chunks(decodes, view)
-        chunks = self._decode_chunks(decodes, view)
-        prefills = [r for r in prefills if r.state is running]  # retraction may take some
-        return chunks + self._prefill_chunks(prefills, chunk_tokens - len(chunks), whole=False)
+            return decodes, ChunkCounts(0, len(decodes), context)
+        prefills = [r for r in prefills if r.state is RequestState.RUNNING]  # (retractions)
+        chunks = self._prefill_chunks(prefills, chunk_tokens - len(decodes), whole=False)
+        odd = ChunkCounts.of(chunks)  # (a one-token chunk of a recompute counts as a decode)
+        counts = ChunkCounts(
+            odd.num_prefill_tokens,
+            len(decodes) + odd.num_decode_tokens,
+            context + odd.num_decode_context_tokens,
+        )
+        return decodes + chunks, counts
 
     def _split_residents(self) -> tuple[list[Request], list[Request]]:
         """(Decoding residents, prefilling ones), each in running order.  Only the unsettled
-        residents are looked at: every other one is decoding (`RequestQueues.unsettled`)."""
-        running = RequestState.RUNNING
-        not_decoding = {
+        residents are looked at: every other one is decoding (`RequestQueues.unsettled`), and
+        so is every unsettled one but the loads and the running ones still prefilling."""
+        running, state = self.running, RequestState.RUNNING
+        prefilling = [
             r
             for r in self.queues.unsettled.values()
-            if not (
-                r.state is running
-                and r.output_token_ids
-                and r.num_computed_tokens >= r.num_tokens - 1
-            )
-        }
-        if not not_decoding:
-            return list(self.running), []
-        decodes = list(filterfalse(not_decoding.__contains__, self.running))
-        if all(r.state is not running for r in not_decoding):
-            return decodes, []  # (only loads: no prefill to order)
-        odd = filter(not_decoding.__contains__, self.running)
-        return decodes, [r for r in odd if r.state is running]
+            if r.state is state
+            and not (r.output_token_ids and r.num_computed_tokens >= r.num_tokens - 1)
+        ]
+        if not prefilling:
+            if not self.queues.loading:
+                return list(running), []
+            return [r for r in running if r.state is state], []  # (residents load or run)
+        odd = set(prefilling)
+        decodes = [r for r in running if r.state is state and r not in odd]
+        return decodes, list(filter(odd.__contains__, running))
 
     def _prefill_chunks(
         self, prefills: list[Request], budget: int, whole: bool
@@ -246,32 +270,46 @@ class Scheduler:
             if not self.kv.allocate(request.request_id, request.num_computed_tokens + count):
                 break
             chunks.append(self._chunk(request, count))
+            self._prefilling.append(request)
             budget -= count
         return chunks
 
-    def _decode_chunks(self, decodes: list[Request], view: SchedulingView) -> list[ScheduledChunk]:
-        """One token per stream; when a block cannot be had, retract a victim and retry."""
+    def _decode_chunks(
+        self, decodes: list[Request], view: SchedulingView
+    ) -> tuple[list[ScheduledChunk], int]:
+        """One token per stream; when a block cannot be had, retract a victim and retry.
+        Returns the chunks (their requests left in `_decoding`) and their context tokens."""
         chunks: list[ScheduledChunk] = []
-        tables, block_size = self.kv.device_tables, self.kv.block_size
-        sent_blocks, make = self._sent_blocks, ScheduledChunk
+        tables, block_size, no_table = self.kv.device_tables, self.kv.block_size, ()
+        sent_blocks, make, add = self._sent_blocks, ScheduledChunk, chunks.append
+        starts = 0  # the chunks' start positions, summed
+        retracted = False
         for request in decodes:
             rid = request.request_id
-            table = tables.get(rid)
-            if table is None or request.num_tokens > len(table) * block_size:
-                if not self._grow_or_retract(request, chunks, view):
+            table = tables.get(rid, no_table)
+            num_blocks = len(table)
+            if request.num_tokens > num_blocks * block_size:
+                num_chunks = len(chunks)
+                grown = self._grow_or_retract(request, chunks, view)
+                if len(chunks) != num_chunks:  # victims' chunks were taken out: sum again
+                    starts = sum(c.start_position for c in chunks)
+                if not grown:
+                    retracted = True
                     continue
+                retracted |= len(chunks) != num_chunks
                 table = tables[rid]
+                num_blocks = len(table)
             sent = sent_blocks.get(rid, 0)
             new_blocks: tuple[int, ...] = ()
-            if len(table) != sent:
+            if num_blocks != sent:
                 new_blocks = tuple(table[sent:])
-                sent_blocks[rid] = len(table)
-            outputs = request.output_token_ids
-            chunks.append(
+                sent_blocks[rid] = num_blocks
+            outputs, start = request.output_token_ids, request.num_computed_tokens
+            add(
                 make(
                     rid,
                     (outputs[-1],),
-                    request.num_computed_tokens,
+                    start,
                     new_blocks,
                     sent,
                     True,
@@ -279,7 +317,11 @@ class Scheduler:
                     len(outputs),
                 )
             )
-        return chunks
+            starts += start
+        # Every stream that had to go (itself or as a victim) is off the device now.
+        running = RequestState.RUNNING
+        self._decoding = [r for r in decodes if r.state is running] if retracted else decodes
+        return chunks, starts + len(chunks)
 
     def _grow_or_retract(
         self, request: Request, chunks: list[ScheduledChunk], view: SchedulingView
@@ -330,10 +372,9 @@ class Scheduler:
         block_bytes = self.kv.config.block_bytes
         return max(1, int(self.config.link_bytes_per_s * step_s / block_bytes))
 
-    def _plan_loads(self, num_chunks: int) -> list[BlockCopy]:
+    def _plan_loads(self, budget: int) -> list[BlockCopy]:
         if not self.queues.loading:
             return []
-        budget = self._copy_budget_blocks(num_chunks)
         copies: list[BlockCopy] = []
         for request in self.queues.loading:
             if budget <= len(copies):
@@ -344,11 +385,10 @@ class Scheduler:
                 self._loads_completing.append(request)
         return copies
 
-    def _plan_write_through(self, view: SchedulingView, num_chunks: int) -> list[BlockCopy]:
+    def _plan_write_through(self, view: SchedulingView, budget: int) -> list[BlockCopy]:
         pending = self.queues.write_candidates
         if not pending:
             return []
-        budget = self._copy_budget_blocks(num_chunks) - len(self._evict_copies)
         order = self.policy.write_through_order(view) if budget > 0 else []
         if not order:
             return []
@@ -369,7 +409,15 @@ class Scheduler:
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestOutput]:
-        """Apply a finished step at time `now_s`: new tokens, finished requests, loaded KV."""
+        """Apply the last planned step, finished at time `now_s`: new tokens, finished
+        requests, loaded KV.  `result.sampled` is in chunk order (tokenflow.core.plan)."""
+        if plan is not self._planned:
+            raise ValueError(f"step {plan.step_index} is not the last plan, or applied already")
+        self._planned = None
+        decoding, prefilling, sampled = self._decoding, self._prefilling, result.sampled
+        num_decodes = len(decoding)
+        prefills = plan.chunks[num_decodes:]
+        check_sampled(plan, decoding, sampled, num_decodes + sum(c.samples_token for c in prefills))
         self.kv.end_step()
         duration_s = now_s - self._step_started_s
         self.estimator.observe(
@@ -382,65 +430,16 @@ class Scheduler:
             if request.state is RequestState.LOADING:
                 self.queues.load_finished(request)
         self._loads_completing.clear()
-        sampled = {s.request_id: s.token_id for s in result.sampled}
-        outputs, num_sampled = self._apply_chunks(plan.chunks, sampled, now_s)
+        outputs = self._appender.append_decodes(decoding, sampled, now_s)
+        if prefills:
+            outputs += self._appender.append_prefills(
+                prefills, prefilling, sampled[num_decodes:], now_s
+            )
         # (a finished request left with its own remaining count: subtracting after is exact)
-        self.queues.remaining_output_tokens -= num_sampled
-        self.queues.resident_tokens += num_sampled
+        self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
+        self.queues.resident_tokens += len(outputs)
         self._decay_new_token_ratio()
         return outputs
-
-    def _apply_chunks(
-        self, chunks: tuple[ScheduledChunk, ...], sampled: dict[str, int], now_s: float
-    ) -> tuple[list[RequestOutput], int]:
-        """Each chunk's computed tokens and sampled token: (the outputs, tokens sampled)."""
-        outputs: list[RequestOutput] = []
-        requests, running = self.requests, RequestState.RUNNING
-        block_size, queues = self.kv.block_size, self.queues
-        limits, num_sampled = self._output_limits, 0
-        for chunk in chunks:
-            rid = chunk.request_id
-            request = requests.get(rid)
-            if request is None or request.state is not running:
-                continue  # finished or aborted while the step ran
-            num_new = len(chunk.token_ids)
-            computed = chunk.start_position + num_new
-            filled = computed // block_size != request.num_computed_tokens // block_size
-            if filled:
-                queues.block_filled(request)
-            request.num_computed_tokens = computed
-            if not chunk.samples_token:
-                continue
-            token_id = sampled[rid]
-            # request.append_token(token_id, now_s), written out: it runs per stream per step
-            output_ids = request.output_token_ids
-            dry_s = request.dry_s
-            last_s = dry_s if output_ids and dry_s > now_s else now_s
-            request.last_consume_s = last_s
-            output_ids.append(token_id)
-            request.token_times_s.append(now_s)
-            request.num_tokens += 1
-            request.dry_s = last_s + 1.0 / request.rate_tps
-            # (a decode fills a block exactly when its new token starts one: the rare branch)
-            if filled or num_new > 1:
-                queues.token_appended(request)
-            num_sampled += 1
-            num_output = len(output_ids)
-            reason = None
-            if token_id in request.stop_token_set or num_output >= limits[rid]:
-                reason = self._stop_reason(request, token_id)
-                if reason is not None:
-                    self._finish(request, reason)
-            outputs.append(RequestOutput(rid, (token_id,), num_output, reason))
-        return outputs, num_sampled
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        num_output = len(request.output_token_ids)
-        if num_output >= request.sampling_params.min_tokens and token_id in request.stop_token_set:
-            return FinishReason.STOP
-        if num_output >= self._output_limits[request.request_id]:
-            return FinishReason.LENGTH
-        return None
 
     def _decay_new_token_ratio(self) -> None:
         cfg = self.config
