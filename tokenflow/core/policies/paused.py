@@ -61,17 +61,10 @@ def price_paused(
     pausable, with its utility less the switch cost (0.0 when ranked `by_arrival`, where no
     utility is read) and its resume time (as `pricing.resume_time_s`).  What is fixed while
     a member waits comes from `prices` where it holds it."""
-    kv = view.kv
-    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
-    prefill_s = view.estimator.prefill_time_s
-
-    def fresh(r: Request, key: tuple[int, int, int]) -> _Fixed:
-        return _fixed_prices(r, key, growth, kv.block_size, seconds_per_block, prefill_s)
-
     entries = (prices or PausedPrices()).entries(view, growth)
     resume_of: dict[str, float] = {}
     price = _price_by_arrival if by_arrival else _price_by_utility
-    candidates = price(config, view, entries, resume_of, fresh)
+    candidates = price(config, view, entries, resume_of, _fresh_prices(view, growth))
     return costs_of(config, view, resume_of), candidates
 
 
@@ -150,27 +143,30 @@ def _price_by_arrival(
 def _arrival_candidate(r: Request, entry: _Fixed, flags: int) -> Candidate:
     urgent, overdue = flags in (1, 3), flags >= 2
     _, resume, footprint, _ = entry
-    return Candidate(r, 0.0, footprint, False, False, False, urgent, overdue, 0, 0, resume)
+    cand = (r, 0.0, footprint, False, False, False, urgent, overdue, 0, 0, resume)
+    return tuple.__new__(Candidate, cand)  # (Candidate._make, C-level)
 
 
-def _fixed_prices(
-    r: Request,
-    key: tuple[int, int, int],
-    growth: int,
-    bs: int,
-    seconds_per_block: float,
-    prefill_s: Callable[[int], float],
-) -> _Fixed:
-    """The fixed prices of a paused member whose (tokens, computed, synced tokens) are `key`."""
-    num_tokens, computed, synced = key
-    resume = prefill_s(num_tokens)
-    if computed > 0 and synced >= computed:  # a host copy: load it?
-        load = -(-computed // bs) * seconds_per_block
-        resume = load if load < resume else resume
-    remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
-    extra = growth if growth < remaining else remaining
-    footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
-    return key, resume, footprint, [None] * 4
+def _fresh_prices(view: SchedulingView, growth: int) -> _Fresh:
+    """What prices a paused member afresh, from its (tokens, computed, synced tokens): its
+    resume time (`pricing.resume_time_s`, with the estimator's `prefill_time_s` written out:
+    the same floats) and footprint, in one call (a fresh policy prices every paused member)."""
+    kv, est = view.kv, view.estimator
+    bs, seconds_per_block = kv.block_size, kv.config.block_bytes / view.config.link_bytes_per_s
+    step_s, token_s = est.prefill_step_s, est.prefill_token_s
+
+    def fresh(r: Request, key: tuple[int, int, int]) -> _Fixed:
+        num_tokens, computed, synced = key
+        resume = step_s + num_tokens * token_s if num_tokens > 0 else 0.0  # (prefill_time_s)
+        if computed > 0 and synced >= computed:  # a host copy: load it?
+            load = -(-computed // bs) * seconds_per_block
+            resume = load if load < resume else resume
+        remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
+        extra = growth if growth < remaining else remaining
+        footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
+        return key, resume, footprint, [None] * 4
+
+    return fresh
 
 
 def queued_io_blocks(view: SchedulingView) -> int:
