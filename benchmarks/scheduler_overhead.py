@@ -29,6 +29,7 @@ seconds per step by least squares over the sizes (`tokenflow/sim/overhead.py` ho
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -99,6 +100,7 @@ def step_cpu_ms(name: str, num_active: int, warm_steps: int, steps: int) -> tupl
     core, executor = busy_core(name, num_active, warm_steps)
     scheduler, clock = core.scheduler, core.clock
     state = composition(scheduler)
+    gc.collect()  # the earlier runs' garbage, so that no collection of it lands in a timed step
     samples = []
     for _ in range(steps):
         start = time.perf_counter()
