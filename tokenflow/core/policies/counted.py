@@ -120,15 +120,7 @@ def balance_counted(
     order = _others_order(paused, newcomers, by_arrival)
     others = _Others(order, resume_budget_s, num_before, residents.num_pausable)
     limit = max_seqs - num_pinned
-    # The first other not reached: the slots were filled before it.
-    picks_before = others.picks_before
-    if by_arrival:
-        lo = others.first(
-            len(order), lambda k: others.residents_before(k) + picks_before[k] >= limit
-        )
-    else:  # (one resident's utility per probe, not a count)
-        has_before = residents.has_before
-        lo = others.first(len(order), lambda k: has_before(order[k], limit - picks_before[k]))
+    lo = _first_not_reached(others, residents, limit, by_arrival)
     picked = list(compress(order[:lo], others.flags))
     kept = max(min(residents.num_pausable, limit - len(picked)), 0)
     left_out = residents.last(residents.num_pausable - kept, by_arrival)
@@ -146,6 +138,17 @@ def balance_counted(
         resume_budget_s,
         (picked, left_out),
     )
+
+
+def _first_not_reached(others: _Others, residents: Residents, limit: int, by_arrival: bool) -> int:
+    """The first other the greedy does not reach: `limit` slots were filled before it."""
+    order, picks_before = others.order, others.picks_before
+    if by_arrival:
+        return others.first(
+            len(order), lambda k: others.residents_before(k) + picks_before[k] >= limit
+        )
+    has_before = residents.has_before  # (one resident's utility per probe, not a count)
+    return others.first(len(order), lambda k: has_before(order[k], limit - picks_before[k]))
 
 
 def _others_order(
