@@ -298,14 +298,7 @@ class Residents:
 
     def footprint_total(self, members: list[Request]) -> int:
         """`footprint_blocks` summed over `members` (`footprint_sums`' last, without the list)."""
-        growth, bs = self.growth, self.view.kv.block_size
-        if growth < 1:
-            return sum(map(self.footprint_blocks, members))
-        up, total = bs - 1, 0
-        for r in members:
-            t, end = r.num_tokens + growth, r.end_tokens
-            total += ((t if t < end else end) + up) // bs
-        return total
+        return footprint_blocks(members, self.growth, self.view.kv.block_size)
 
     def footprint_floor(self, members: list[Request]) -> int:
         """At most `footprint_total(members)`: a footprint holds at least one token more than
