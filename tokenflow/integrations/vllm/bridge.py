@@ -310,7 +310,8 @@ class _NotDecoding(Collection[Request]):
 
     def _list(self) -> list[Request]:
         if self._found is None:
-            self._found = [r for r in self._running if not _is_decoding(r)]
+            running = RequestState.RUNNING
+            self._found = [r for r in self._running if r.state is not running or r.is_prefilling]
         return self._found
 
     def __iter__(self) -> Iterator[Request]:
@@ -321,12 +322,3 @@ class _NotDecoding(Collection[Request]):
 
     def __contains__(self, request: object) -> bool:
         return request in self._list()
-
-
-def _is_decoding(request: Request) -> bool:
-    """Running with a token and its KV computed up to the last one (its next step decodes)."""
-    return (
-        request.state is RequestState.RUNNING
-        and bool(request.output_token_ids)
-        and request.num_computed_tokens >= request.num_tokens - 1
-    )
