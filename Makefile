@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve simulate test lint test-vllm
+.PHONY: install serve simulate test lint test-vllm install-llamacpp test-llamacpp
 
 $(BIN)/tokenflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,12 @@ test-vllm: install
 	$(BIN)/python -m tokenflow.integrations.vllm.model $(VLLM_MODEL_DIR)
 	PYTHONPATH=$(CURDIR) TOKENFLOW_VLLM_MODEL_DIR=$(VLLM_MODEL_DIR) \
 		$(VLLM_VENV)/bin/python -m pytest tests_vllm -p no:cacheprovider $(ARGS)
+
+# llama.cpp as the executor (`serve --executor llama-cpp`, tests_llamacpp/): the first install
+# builds llama.cpp from source (about 5 minutes on 2 cores); pip caches the wheel afterwards.
+install-llamacpp: install
+	@$(BIN)/python -c "import llama_cpp" >/dev/null 2>&1 || $(BIN)/pip install -q -e ".[dev,llamacpp]"
+
+test-llamacpp: install-llamacpp
+	$(BIN)/ruff check tests_llamacpp tokenflow/integrations/llamacpp
+	$(BIN)/python -m pytest tests_llamacpp -p no:cacheprovider $(ARGS)

@@ -21,6 +21,7 @@ from tokenflow.core.policies import POLICY_NAMES
 # 11-12 s.  In the GPU simulator the same values raised overload stalls, so the core's
 # defaults keep 2 s and 0.7 (docs/overload.md).
 SERVE_TOKENFLOW = TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
+EXECUTORS = ("torch", "llama-cpp")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
+    executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
     tokenflow: TokenFlowConfig = SERVE_TOKENFLOW
 
     def __post_init__(self) -> None:
@@ -73,6 +75,8 @@ class EngineArgs:
             raise ValueError("step_target_ms must be a finite number > 0")
         if not (math.isfinite(self.default_rate_tps) and self.default_rate_tps > 0):
             raise ValueError("default_rate_tps must be a finite number > 0")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.weights not in ("auto", "int4", "dense"):
             raise ValueError(f"weights must be auto, int4 or dense, got {self.weights!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -124,6 +128,13 @@ class EngineArgs:
             action="store_true",
             help="run decode-only steps through compiled graphs (a few percent faster here; "
             "about 30 s more at start with an empty compiler cache, 3 s with a warm one)",
+        )
+        group.add_argument(
+            "--executor",
+            default=EngineArgs.executor,
+            choices=EXECUTORS,
+            help="torch: our PyTorch model; llama-cpp: the GGUF through llama.cpp (needs the "
+            "llamacpp extra; fastest at 1-8 streams on CPU, docs/results.md)",
         )
         group.add_argument(
             "--default-rate",

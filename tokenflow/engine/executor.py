@@ -26,10 +26,10 @@ from tokenflow.engine.kv_cache import TieredKVCache
 from tokenflow.engine.model import LlamaModel
 from tokenflow.engine.model_config import ModelConfig
 from tokenflow.engine.paged_decode import MIN_KEYS, can_read_in_place
-from tokenflow.engine.sampler import Sampler, SamplingRow
+from tokenflow.engine.sampler import Sampler, SamplingRow, sample_isolated
 
 logger = logging.getLogger(__name__)
-_PLACEHOLDER_TOKEN_ID = 0  # stands in for a row whose sampling failed (the request is ended)
+
 
 
 class ModelExecutor:
@@ -117,7 +117,7 @@ class ModelExecutor:
             rows = [
                 SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in chunks
             ]
-            token_ids = self._sample_isolated(logits, rows)
+            token_ids = sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
         return tuple(
             SampledToken(c.request_id, token_id)
             for c, token_id in zip(chunks, token_ids, strict=True)
@@ -132,21 +132,6 @@ class ModelExecutor:
                 inputs.input_ids, inputs.positions, attn.slot_mapping, decode, layers
             )
         return self.model(inputs.input_ids, inputs.positions, attn, layers)
-
-    def _sample_isolated(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """Sample the batch; if that raises, row by row, so one bad row fails only its request."""
-        try:
-            return self.sampler.sample(logits, rows)
-        except Exception:  # noqa: BLE001 - retried per row below
-            logger.debug("batch sampling failed; retrying row by row", exc_info=True)
-        token_ids: list[int] = []
-        for index, row in enumerate(rows):
-            try:
-                token_ids.extend(self.sampler.sample(logits[index : index + 1], [row]))
-            except Exception as err:  # noqa: BLE001 - attributed to this request alone
-                self.last_failed_rows[row.request_id] = f"sampling failed: {err}"
-                token_ids.append(_PLACEHOLDER_TOKEN_ID)
-        return token_ids
 
 
 def _compiled_decoder(

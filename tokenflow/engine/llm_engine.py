@@ -30,7 +30,7 @@ from tokenflow.engine.client import EngineStats, GenerationDelta
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.executor import ModelExecutor
 from tokenflow.engine.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
-from tokenflow.engine.loader import load_model
+from tokenflow.engine.loader import load_model, read_gguf_header
 from tokenflow.engine.model_config import ModelLoadError
 from tokenflow.engine.output_processor import OutputProcessor
 
@@ -77,26 +77,11 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
-        dtype = _DTYPES[args.dtype] if args.dtype else None
-        model, config, tokenizer = load_model(args.model, self.device, dtype, args.weights)
-        if tokenizer is None:
-            raise ModelLoadError(f"model {args.model} has no tokenizer (tokenizer.json) beside it")
-        self.model_config = config
-        self.tokenizer = tokenizer
+        if args.executor == "llama-cpp":
+            block_bytes, num_device_blocks = self._build_llamacpp(args)
+        else:
+            block_bytes, num_device_blocks = self._build_torch(args)
         self.model_name = args.model or "SmolLM2-135M-Instruct"
-        dtype = next(model.parameters()).dtype
-        block_bytes = bytes_per_block(config, args.block_size, dtype)
-        num_device_blocks = self._num_device_blocks(block_bytes)
-        self.max_model_len = context_length(
-            args.max_model_len, config.max_position_embeddings, num_device_blocks * args.block_size
-        )
-        num_host_blocks = args.host_kv_tokens // args.block_size
-        kv_cache = TieredKVCache(
-            config, num_device_blocks, num_host_blocks, args.block_size, self.device, dtype
-        )
-        self.executor = ModelExecutor(
-            model, config, kv_cache, self.device, args.seed, args.compile_decode
-        )
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_prefill_tokens=args.max_prefill_tokens,
@@ -106,14 +91,58 @@ class LLMEngine:
             initial_decode_step_s=0.03 if self.device.type == "cpu" else 0.01,
             initial_prefill_token_s=1e-3 if self.device.type == "cpu" else 1e-5,
         )
+        num_host_blocks = args.host_kv_tokens // args.block_size
         kv_config = KVConfig(num_device_blocks, num_host_blocks, args.block_size, block_bytes)
         policy = make_policy(args.policy, scheduler_config, args.tokenflow)
         self.scheduler = Scheduler(scheduler_config, kv_config, policy)
         self.core = EngineCore(
             self.scheduler, self.executor, WallClock(), on_plan=self._remember_plan
         )
-        self.outputs = OutputProcessor(tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer)
         self._plan: StepPlan | None = None
+
+    def _build_torch(self, args: EngineArgs) -> tuple[int, int]:
+        """The PyTorch model and tiered KV cache; (bytes per block, device blocks)."""
+        dtype = _DTYPES[args.dtype] if args.dtype else None
+        model, config, tokenizer = load_model(args.model, self.device, dtype, args.weights)
+        if tokenizer is None:
+            raise ModelLoadError(f"model {args.model} has no tokenizer (tokenizer.json) beside it")
+        self.model_config, self.tokenizer = config, tokenizer
+        dtype = next(model.parameters()).dtype
+        block_bytes = bytes_per_block(config, args.block_size, dtype)
+        num_device_blocks = self._num_device_blocks(block_bytes)
+        self.max_model_len = context_length(
+            args.max_model_len, config.max_position_embeddings, num_device_blocks * args.block_size
+        )
+        kv_cache = TieredKVCache(
+            config,
+            num_device_blocks,
+            args.host_kv_tokens // args.block_size,
+            args.block_size,
+            self.device,
+            dtype,
+        )
+        self.executor = ModelExecutor(
+            model, config, kv_cache, self.device, args.seed, args.compile_decode
+        )
+        return block_bytes, num_device_blocks
+
+    def _build_llamacpp(self, args: EngineArgs) -> tuple[int, int]:
+        """llama.cpp on the GGUF file, its pool of KV cells sized like the device tier."""
+        if self.device.type != "cpu":
+            raise ValueError("the llama-cpp executor runs on CPU (--device cpu)")
+        from tokenflow.integrations.llamacpp import build_executor  # optional dependency
+
+        path, config, tokenizer = read_gguf_header(args.model)
+        self.model_config, self.tokenizer = config, tokenizer
+        block_bytes = bytes_per_block(config, args.block_size, torch.float16)  # llama.cpp's KV
+        num_device_blocks = self._num_device_blocks(block_bytes)
+        pool_tokens = num_device_blocks * args.block_size
+        self.max_model_len = context_length(
+            args.max_model_len, config.max_position_embeddings, pool_tokens
+        )
+        self.executor = build_executor(path, config, args, pool_tokens)
+        return block_bytes, num_device_blocks
 
     def _num_device_blocks(self, block_bytes: int) -> int:
         if self.args.device_kv_fraction is not None:
@@ -257,7 +286,7 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stop the executor's copy worker."""
+        """Stop the executor (its copy worker, or llama.cpp's context)."""
         self.executor.close()
 
 

@@ -14,12 +14,16 @@ stable hash of the request id.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tokenflow.core.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+PLACEHOLDER_TOKEN_ID = 0  # stands in for a row whose sampling failed (the request is ended)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,27 @@ class Sampler:
     def _derived_seed(self, request_id: str) -> int:
         digest = hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def sample_isolated(
+    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], failed_rows: dict[str, str]
+) -> list[int]:
+    """Sample the batch; if that raises, row by row, so one bad row fails only its request.
+
+    A row that still fails gets PLACEHOLDER_TOKEN_ID and its reason in `failed_rows`.
+    """
+    try:
+        return sampler.sample(logits, rows)
+    except Exception:  # noqa: BLE001 - retried per row below
+        logger.debug("batch sampling failed; retrying row by row", exc_info=True)
+    token_ids: list[int] = []
+    for index, row in enumerate(rows):
+        try:
+            token_ids.extend(sampler.sample(logits[index : index + 1], [row]))
+        except Exception as err:  # noqa: BLE001 - attributed to this request alone
+            failed_rows[row.request_id] = f"sampling failed: {err}"
+            token_ids.append(PLACEHOLDER_TOKEN_ID)
+    return token_ids
 
 
 def _top_k(scaled: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
