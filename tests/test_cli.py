@@ -32,3 +32,14 @@ def test_serve_makes_openmp_workers_sleep_unless_told_otherwise(monkeypatch):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.parametrize("flags", [["--executor", "llama-cpp"], ["--executor=llama-cpp"]])
+def test_serve_leaves_openmp_waits_alone_for_llamacpp(monkeypatch, flags):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["serve", *flags, "--help"])
+    assert "OMP_WAIT_POLICY" not in os.environ
+    with pytest.raises(SystemExit):
+        main(["serve", "--executor", "torch", "--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -55,14 +55,23 @@ def _serve_vllm(argv: list[str]) -> None:
     launch(rest, ours.vllm_python)  # never returns
 
 
+def _runs_llamacpp(argv: list[str]) -> bool:
+    """Whether a `serve` command line picks the llama-cpp executor."""
+    pairs = zip(argv, [*argv[1:], ""], strict=True)
+    picks = {("--executor", "llama-cpp")}
+    return any(a == "--executor=llama-cpp" or (a, b) in picks for a, b in pairs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tokenflow` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:
+    if argv[:1] == ["serve"] and not _runs_llamacpp(argv):
         # OpenMP workers that sleep instead of spinning between parallel regions: with two
         # threads on a shared 2-core CPU, spinning made decode steps up to 20x slower whenever
         # another process held a core (benchmarks/threads.py).  Read when torch loads, so set
-        # before any import of it; a value in the environment wins.
+        # before any import of it; a value in the environment wins.  Not for llama.cpp: its
+        # OpenMP build syncs every graph node at a barrier, and passive waits made its batch-1
+        # step 2.9x slower (7.5 -> 21.7 ms, docs/results.md).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
         _serve_vllm(argv[1:])
