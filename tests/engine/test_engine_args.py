@@ -34,3 +34,26 @@ def test_serve_runs_the_cpu_profile_of_the_policy_and_options_override_it():
     assert (tuned.critical_slack_s, tuned.init_new_token_ratio) == (2.0, 0.7)
     with pytest.raises(ValueError):
         parse("--new-token-ratio", "1.5")
+
+
+def test_executor_and_its_weight_formats():
+    assert parse().executor == "torch"
+    args = parse("--executor", "llama-cpp", "--weights", "q8_0")
+    assert (args.executor, args.weights) == ("llama-cpp", "q8_0")
+    for argv in (("--weights", "q8_0"), ("--executor", "llama-cpp", "--weights", "int4")):
+        with pytest.raises(ValueError, match="weights must be one of"):
+            parse(*argv)
+    with pytest.raises(ValueError, match="executor must be one of"):
+        EngineArgs(executor="onnx")
+
+
+def test_the_llamacpp_executor_says_what_is_missing_when_not_installed(monkeypatch):
+    import sys
+
+    from tokenflow.engine.llm_engine import LLMEngine
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "tokenflow.integrations.llamacpp.context", raising=False)
+    monkeypatch.delitem(sys.modules, "tokenflow.integrations.llamacpp.executor", raising=False)
+    with pytest.raises(RuntimeError, match=r"pip install 'tokenflow\[llamacpp\]'"):
+        LLMEngine(EngineArgs(executor="llama-cpp", device="cpu"))

@@ -31,7 +31,9 @@ class EngineArgs:
     model: str | None = None  # GGUF file or HF safetensors directory; None: embedded SmolLM2
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: best for the device
-    weights: str = "auto"  # "auto" (GGUF 4-bit packed on CPU), "int4", "dense" (dequantized)
+    # torch: "auto" (GGUF 4-bit packed on CPU), "int4", "dense" (dequantized); llama-cpp: "auto"
+    # (the GGUF as shipped) or "q8_0" (its Q4_1 tensors rewritten as Q8_0, faster in batches)
+    weights: str = "auto"
     policy: str = "tokenflow"
     block_size: int = 16
     device_kv_tokens: int = 8192  # device tier size, tokens (rounded down to whole blocks)
@@ -77,8 +79,12 @@ class EngineArgs:
             raise ValueError("default_rate_tps must be a finite number > 0")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
-        if self.weights not in ("auto", "int4", "dense"):
-            raise ValueError(f"weights must be auto, int4 or dense, got {self.weights!r}")
+        allowed = ("auto", "q8_0") if self.executor == "llama-cpp" else ("auto", "int4", "dense")
+        if self.weights not in allowed:
+            raise ValueError(
+                f"weights must be one of {allowed} with the {self.executor} executor, "
+                f"got {self.weights!r}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -92,9 +98,9 @@ class EngineArgs:
         group.add_argument(
             "--weights",
             default="auto",
-            choices=["auto", "int4", "dense"],
+            choices=["auto", "int4", "dense", "q8_0"],
             help="auto: a GGUF's 4-bit weights stay packed on CPU (bf16 activations); "
-            "dense: dequantize to --dtype",
+            "dense: dequantize to --dtype; q8_0 (llama-cpp executor): Q4_1 rewritten as Q8_0",
         )
         group.add_argument("--policy", default="tokenflow", choices=POLICY_NAMES)
         for name in (

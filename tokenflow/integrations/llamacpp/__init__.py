@@ -18,6 +18,7 @@ def build_executor(path: Path, config: ModelConfig, args: EngineArgs, pool_token
     try:
         from tokenflow.integrations.llamacpp.context import ContextSpec
         from tokenflow.integrations.llamacpp.executor import LlamaCppExecutor
+        from tokenflow.integrations.llamacpp.requant import as_q8_0
     except ImportError as err:
         raise RuntimeError(
             "the llama-cpp executor needs llama-cpp-python: pip install 'tokenflow[llamacpp]' "
@@ -29,4 +30,6 @@ def build_executor(path: Path, config: ModelConfig, args: EngineArgs, pool_token
         num_seqs=min(256, 4 * args.max_num_seqs),
         num_threads=args.num_threads or os.cpu_count() or 1,
     )
+    if args.weights == "q8_0":
+        path = as_q8_0(path)
     return LlamaCppExecutor(path, spec, config.eos_token_ids, args.seed)
