@@ -14,6 +14,7 @@ dense float32 model
 
     .venv/bin/python benchmarks/quant_accuracy.py --tokens 48
     .venv/bin/python benchmarks/quant_accuracy.py --schemes token-o64 --tokens 32
+    .venv/bin/python benchmarks/quant_accuracy.py --schemes --llamacpp q4_1 q8_0   # llama.cpp paths
 """
 
 from __future__ import annotations
@@ -54,6 +55,25 @@ GREEDY = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
 
 
 @dataclass(frozen=True)
+class LlamaCppPath:
+    """llama.cpp on the GGUF as shipped (Q4_1) or rewritten as Q8_0 (--executor llama-cpp)."""
+
+    executor: object  # a LlamaCppExecutor (llama-cpp-python is optional: imported on use)
+
+    @classmethod
+    def load(cls, weights: str, threads: int) -> LlamaCppPath:
+        from tokenflow.engine.loader import read_gguf_header
+        from tokenflow.integrations.llamacpp.context import ContextSpec
+        from tokenflow.integrations.llamacpp.executor import LlamaCppExecutor
+        from tokenflow.integrations.llamacpp.requant import as_q8_0
+
+        path, config, _ = read_gguf_header(None)
+        path = as_q8_0(path) if weights == "q8_0" else path
+        spec = ContextSpec(4096, 2048, 16, threads)
+        return cls(LlamaCppExecutor(path, spec, config.eos_token_ids))
+
+
+@dataclass(frozen=True)
 class PathAccuracy:
     """One path against the dense float32 model over all prompts."""
 
@@ -66,6 +86,8 @@ class PathAccuracy:
 
 def greedy(loaded, prompts: Sequence[Sequence[int]], num_new: int) -> list[list[int]]:
     """Greedy tokens of every prompt, decoded together as one batch."""
+    if isinstance(loaded, LlamaCppPath):
+        return greedy_on(loaded.executor, prompts, num_new, [()] * len(prompts))
     model, config = loaded.model, loaded.config
     blocks_per_seq = -(-(max(map(len, prompts)) + num_new + 1) // BLOCK_SIZE)
     kv = TieredKVCache(config, blocks_per_seq * len(prompts), 1, BLOCK_SIZE, "cpu", model.dtype)
@@ -73,6 +95,11 @@ def greedy(loaded, prompts: Sequence[Sequence[int]], num_new: int) -> list[list[
     tables = [
         tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))
     ]
+    return greedy_on(executor, prompts, num_new, tables)
+
+
+def greedy_on(executor, prompts, num_new: int, tables) -> list[list[int]]:
+    """Greedy tokens of every prompt through `executor` (released afterwards)."""
     outputs: list[list[int]] = [[] for _ in prompts]
     for step in range(num_new):
         chunks = []
@@ -89,11 +116,19 @@ def greedy(loaded, prompts: Sequence[Sequence[int]], num_new: int) -> list[list[
                 )
         for sampled in executor.execute(StepPlan(step, tuple(chunks), (), (), ())).sampled:
             outputs[int(sampled.request_id)].append(sampled.token_id)
+    released = tuple(str(i) for i in range(len(prompts)))
+    executor.execute(StepPlan(num_new, (), (), (), released))
     return outputs
 
 
 def next_logits(loaded, prompt: Sequence[int]) -> torch.Tensor:
     """float32 logits [vocab] of the token after `prompt`."""
+    if isinstance(loaded, LlamaCppPath):
+        context = loaded.executor.context
+        n = len(prompt)
+        logits = context.decode(list(prompt), list(range(n)), [0] * n, [False] * (n - 1) + [True])
+        context.truncate(0, 0)
+        return torch.from_numpy(logits[0])
     model, config = loaded.model, loaded.config
     num_blocks = -(-(len(prompt) + 1) // BLOCK_SIZE)
     kv = TieredKVCache(config, num_blocks, 1, BLOCK_SIZE, "cpu", model.dtype)
@@ -138,6 +173,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=SCHEMES)
     parser.add_argument("--no-baselines", action="store_true", help="skip dense-bf16 and int4")
+    parser.add_argument(
+        "--llamacpp",
+        nargs="*",
+        default=[],
+        choices=["q4_1", "q8_0"],
+        help="also llama.cpp on the GGUF as shipped (q4_1) or rewritten as Q8_0",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -155,12 +197,15 @@ def main() -> None:
     )
     baselines = [] if args.no_baselines else ["dense-bf16", "int4"]
     paths = [*baselines, *[f"int8-{scheme}" for scheme in args.schemes]]
+    paths += [f"llamacpp-{weights}" for weights in args.llamacpp]
     for path in paths:
         start = time.perf_counter()
         if path == "dense-bf16":
             loaded = load_model(None, "cpu", torch.bfloat16, weights="dense")
         elif path == "int4":
             loaded = load_model(None, "cpu", None, weights="int4")  # the default: bf16
+        elif path.startswith("llamacpp-"):
+            loaded = LlamaCppPath.load(path.removeprefix("llamacpp-"), args.threads)
         elif path.startswith("int8-head-"):  # the default model with an int8 LM head
             loaded = load_model(None, "cpu", None, weights="int4")
             convert(loaded.model, loaded.config, path.removeprefix("int8-"), calibration_ids)
