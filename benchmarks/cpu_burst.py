@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
         servers.append(("vllm", vllm_command(args, python, ensure_hf_model(args.model_dir)), env))
     for policy in ("fcfs", "tokenflow"):
-        servers.append((policy, ours_command(args, policy), dict(os.environ)))
+        ours_env = {**os.environ, **dict(item.split("=", 1) for item in args.ours_env)}
+        servers.append((policy, ours_command(args, policy), ours_env))
     runs = bench_servers(servers, requests, config, args)
     summaries = report_runs(runs, json_path=args.json)
     if "vllm" in summaries:
@@ -104,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-model-len", type=int, default=512)
     add("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its best on this CPU: bf16)")
     add("--ours-args", default="", help="extra `tokenflow serve` options for both policies")
+    add("--ours-env", nargs="*", default=[], metavar="KEY=VALUE",
+        help="environment for our servers only, e.g. OMP_WAIT_POLICY=ACTIVE")
     add("--skip-vllm", action="store_true", help="only our two policies")
     return parser.parse_args(argv)
 

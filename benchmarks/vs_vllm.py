@@ -326,9 +326,12 @@ def run_ours(args: argparse.Namespace) -> list[RoundResult]:
     """Measure `tokenflow serve` (its default dtype and weights unless --ours-dtype)."""
     log = args.log_dir / "tokenflow.log"
     cmd = ours_command(args, args.ours_dtype)
-    with running_server(
-        "tokenflow", cmd, args.ours_port, log, args.startup_timeout, dict(os.environ)
-    ) as (url, model_id):
+    env = dict(os.environ)
+    env.update(item.split("=", 1) for item in args.ours_env)
+    with running_server("tokenflow", cmd, args.ours_port, log, args.startup_timeout, env) as (
+        url,
+        model_id,
+    ):
         return measure("tokenflow", url, model_id, args)
 
 
@@ -350,7 +353,8 @@ def print_table(
         f"\nSmolLM2-135M-Instruct, vLLM {'/'.join(vllm)} (best counts), ours "
         f"{args.ours_dtype or 'default (4-bit weights, bf16 on CPU)'}, {args.max_tokens} tokens "
         f"per stream, raw decode (no pacing), one server at a time, best of {args.repeats}, "
-        f"vLLM OMP bind {args.vllm_omp_bind or 'auto'}, ours args {args.ours_args or '-'}"
+        f"vLLM OMP bind {args.vllm_omp_bind or 'auto'}, ours args {args.ours_args or '-'}, "
+        f"ours env {' '.join(args.ours_env) or '-'}"
     )
     per_dtype = "".join(f" {'vLLM ' + d[:4]:>11}" for d in vllm)
     print(
@@ -442,11 +446,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_load_options(parser.add_argument_group("measurement"))
     _add_setup_options(parser.add_argument_group("set-up"))
     parser.add_argument("--ours-args", default="", help="extra `tokenflow serve` options")
+    parser.add_argument(
+        "--ours-env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for our server only, e.g. OMP_WAIT_POLICY=ACTIVE",
+    )
     args = parser.parse_args(argv)
     if args.max_tokens < 2:
         parser.error("--max-tokens must be >= 2 (TPOT needs two tokens)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if any("=" not in item for item in args.ours_env):
+        parser.error("--ours-env takes KEY=VALUE items")
     return args
 
 
