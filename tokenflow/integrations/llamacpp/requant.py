@@ -3,11 +3,12 @@
 ggml multiplies Q4_1 weights by a batch one row at a time (no tiled GEMM on x86: neither its
 repacked layouts nor its tiled kernels cover Q4_1), so the shipped SmolLM2 decodes 8 and 32
 streams at about the speed of one.  Q8_0 has a tiled kernel.  Each Q4_1 block (32 weights
-d * q + m, q in 0..15) becomes a Q8_0 block (s * k, k in -127..127, s = max|w| / 127 in float16): the new
-rounding error is at most about 0.56 s (half a step, and the scale's float16 rounding; for a
-block whose weights straddle zero, under 1/15 of Q4_1's own step d), and the weights take twice the memory (145 against 75 MB here).
-Every other tensor is copied as it is.  The rewritten file goes to `cache_dir`, named after the
-source's name, size and mtime; the drift it adds is measured in docs/results.md.
+d * q + m, q in 0..15) becomes a Q8_0 block (s * k, k in -127..127, s = max|w| / 127, stored in
+float16): the new rounding error is at most about 0.56 s (half a step, plus the scale's float16
+rounding; for a block whose weights straddle zero, under 1/15 of Q4_1's own step d), and the
+weights take twice the memory (145 against 75 MB here).  Every other tensor is copied as it is.
+The rewritten file goes to `cache_dir`, named after the source's name, size and mtime; the
+drift it adds is measured in docs/results.md.
 """
 
 from __future__ import annotations
