@@ -110,10 +110,7 @@ class LLMEngine:
         self.model_config, self.tokenizer = config, tokenizer
         dtype = next(model.parameters()).dtype
         block_bytes = bytes_per_block(config, args.block_size, dtype)
-        num_device_blocks = self._num_device_blocks(block_bytes)
-        self.max_model_len = context_length(
-            args.max_model_len, config.max_position_embeddings, num_device_blocks * args.block_size
-        )
+        num_device_blocks = self._size_device_tier(block_bytes)
         kv_cache = TieredKVCache(
             config,
             num_device_blocks,
@@ -136,19 +133,24 @@ class LLMEngine:
         path, config, tokenizer = read_gguf_header(args.model)
         self.model_config, self.tokenizer = config, tokenizer
         block_bytes = bytes_per_block(config, args.block_size, torch.float16)  # llama.cpp's KV
-        num_device_blocks = self._num_device_blocks(block_bytes)
-        pool_tokens = num_device_blocks * args.block_size
-        self.max_model_len = context_length(
-            args.max_model_len, config.max_position_embeddings, pool_tokens
-        )
-        self.executor = build_executor(path, config, args, pool_tokens)
+        num_device_blocks = self._size_device_tier(block_bytes)
+        self.executor = build_executor(path, config, args, num_device_blocks * args.block_size)
         return block_bytes, num_device_blocks
 
-    def _num_device_blocks(self, block_bytes: int) -> int:
-        if self.args.device_kv_fraction is not None:
+    def _size_device_tier(self, block_bytes: int) -> int:
+        """The device tier's blocks; sets the served context length (what the tier holds)."""
+        args = self.args
+        if args.device_kv_fraction is not None:
             free = available_memory_bytes(self.device)
-            return max(1, int(free * self.args.device_kv_fraction) // block_bytes)
-        return max(1, self.args.device_kv_tokens // self.args.block_size)
+            num_blocks = max(1, int(free * args.device_kv_fraction) // block_bytes)
+        else:
+            num_blocks = max(1, args.device_kv_tokens // args.block_size)
+        self.max_model_len = context_length(
+            args.max_model_len,
+            self.model_config.max_position_embeddings,
+            num_blocks * args.block_size,
+        )
+        return num_blocks
 
     # -- requests ---------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
