@@ -26,7 +26,7 @@ def agrees_but_at_a_near_tie(ours: list[int], reference: list[int], margins: lis
 
 @pytest.fixture(scope="session")
 def gguf():
-    """(path, config, tokenizer) of the embedded SmolLM2 GGUF."""
+    """The embedded SmolLM2 GGUF's path, config and tokenizer (a GGUFHeader)."""
     return read_gguf_header(None)
 
 

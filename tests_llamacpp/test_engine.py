@@ -17,7 +17,7 @@ NUM_NEW = 24
 
 
 def test_preempted_streams_keep_their_tokens(gguf, oracle):
-    tokenizer = gguf[2]
+    tokenizer = gguf.tokenizer
     texts = [f"Tell me fact number {i} about the ocean." for i in range(8)]
     prompts = [tokenizer.encode(t) for t in texts]
     llm = LLM(

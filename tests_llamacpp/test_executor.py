@@ -26,7 +26,7 @@ def executor(gguf):
 
 @pytest.fixture(scope="module")
 def prompts(gguf):
-    return [gguf[2].encode(text) for text in TEXTS]
+    return [gguf.tokenizer.encode(text) for text in TEXTS]
 
 
 def test_batched_greedy_equals_each_prompt_alone(executor, prompts, oracle):

@@ -16,7 +16,7 @@ HALF_STEP_BOUND = 0.5 + 127 * 2.0**-11
 
 
 def test_q4_1_tensors_become_q8_0_within_about_half_a_step(gguf, tmp_path):
-    source = gguf[0]
+    source = gguf.path
     target = as_q8_0(source, tmp_path)
     before, after = GGUFReader(str(source)), GGUFReader(str(target))
     assert {n: f.contents() for n, f in before.fields.items() if not n.startswith("GGUF.")} == {

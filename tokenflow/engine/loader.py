@@ -226,8 +226,16 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, int4: bool)
     return LoadedModel(build_model(config, source.get, device, dtype, get_int4), config, tokenizer)
 
 
-def read_gguf_header(path: str | None = None) -> tuple[Path, ModelConfig, Tokenizer]:
-    """A GGUF file's (path, config, tokenizer) without its weights (the embedded SmolLM2 when
+class GGUFHeader(NamedTuple):
+    """What `read_gguf_header` returns; unpacks as (path, config, tokenizer)."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def read_gguf_header(path: str | None = None) -> GGUFHeader:
+    """A GGUF file's path, config and tokenizer without its weights (the embedded SmolLM2 when
     path is None): for executors that load the weights themselves (llama.cpp)."""
     target = Path(path if path is not None else default_model_path())
     if target.is_dir() or target.suffix != ".gguf" or not target.exists():
@@ -235,7 +243,7 @@ def read_gguf_header(path: str | None = None) -> tuple[Path, ModelConfig, Tokeni
     reader = _open_gguf(target)
     metadata = _gguf_metadata(reader, target)
     config = ModelConfig.from_gguf_metadata(metadata, [tensor.name for tensor in reader.tensors])
-    return target, config, Tokenizer.from_gguf_metadata(metadata)
+    return GGUFHeader(target, config, Tokenizer.from_gguf_metadata(metadata))
 
 
 def _open_gguf(path: Path) -> Any:

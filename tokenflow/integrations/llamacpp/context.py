@@ -8,6 +8,7 @@ restore one sequence's KV as bytes.  llama.cpp's log goes to Python logging at d
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,15 +46,10 @@ def _forward_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     logger.debug("llama.cpp: %s", text.decode(errors="replace").rstrip())
 
 
-_backend_ready = False
-
-
+@functools.cache  # once per process, as llama.cpp requires
 def _init_backend() -> None:
-    global _backend_ready  # once per process, as llama.cpp requires
-    if not _backend_ready:
-        llama.llama_log_set(_forward_log, ctypes.c_void_p(0))
-        llama.llama_backend_init()
-        _backend_ready = True
+    llama.llama_log_set(_forward_log, ctypes.c_void_p(0))
+    llama.llama_backend_init()
 
 
 class LlamaContext:

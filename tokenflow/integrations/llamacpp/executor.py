@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tokenflow.core.plan import SampledToken, ScheduledChunk, StepPlan, StepResult
@@ -74,7 +75,9 @@ class LlamaCppExecutor:
         logits = self._decode(tokens, positions, seqs, wants, in_plan)
         return StepResult(sampled=self._sample(plan.chunks, logits))
 
-    def _sample(self, chunks: tuple[ScheduledChunk, ...], logits) -> tuple[SampledToken, ...]:
+    def _sample(
+        self, chunks: tuple[ScheduledChunk, ...], logits: np.ndarray
+    ) -> tuple[SampledToken, ...]:
         sampling = [c for c in chunks if c.samples_token]
         rows = [SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in sampling]
         token_ids = sample_isolated(
@@ -127,7 +130,14 @@ class LlamaCppExecutor:
                 if not self._save_one(busy):
                     raise
 
-    def _decode(self, tokens, positions, seqs, wants, busy: set[str]):
+    def _decode(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        seqs: list[int],
+        wants: list[bool],
+        busy: set[str],
+    ) -> np.ndarray:
         while True:
             try:
                 return self.context.decode(tokens, positions, seqs, wants)
