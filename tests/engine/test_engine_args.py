@@ -57,3 +57,10 @@ def test_the_llamacpp_executor_says_what_is_missing_when_not_installed(monkeypat
     monkeypatch.delitem(sys.modules, "tokenflow.integrations.llamacpp.executor", raising=False)
     with pytest.raises(RuntimeError, match=r"pip install 'tokenflow\[llamacpp\]'"):
         LLMEngine(EngineArgs(executor="llama-cpp", device="cpu"))
+
+
+def test_tiny_cpu_steps_run_on_one_thread_unless_told_otherwise():
+    assert parse().serial_below_tokens == 8
+    assert parse("--serial-below-tokens", "0").serial_below_tokens == 0
+    with pytest.raises(ValueError, match="serial_below_tokens"):
+        parse("--serial-below-tokens", "-1")

@@ -22,6 +22,8 @@ from tokenflow.core.policies import POLICY_NAMES
 # defaults keep 2 s and 0.7 (docs/overload.md).
 SERVE_TOKENFLOW = TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
 EXECUTORS = ("torch", "llama-cpp")
+# CPU steps of fewer tokens run on one thread (tokenflow/engine/threads.py has the numbers).
+SERIAL_BELOW_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class EngineArgs:
     default_rate_tps: float = 4.0  # reading rate of a request that states none (tokens/s)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    serial_below_tokens: int = SERIAL_BELOW_TOKENS  # smaller CPU steps run on one thread
     compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
     executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
     tokenflow: TokenFlowConfig = SERVE_TOKENFLOW
@@ -71,6 +74,8 @@ class EngineArgs:
             raise ValueError("device_kv_fraction must be in (0, 1]")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.serial_below_tokens < 0:
+            raise ValueError(f"serial_below_tokens must be >= 0, got {self.serial_below_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if not (math.isfinite(self.step_target_ms) and self.step_target_ms > 0):
@@ -128,6 +133,13 @@ class EngineArgs:
             type=int,
             default=None,
             help="torch CPU threads (default: all cores; 1 on a machine busy with other work)",
+        )
+        group.add_argument(
+            "--serial-below-tokens",
+            type=int,
+            default=EngineArgs.serial_below_tokens,
+            help="torch executor: CPU steps of fewer tokens (a few streams) run on one thread; "
+            "waking idle OpenMP workers costs more than they add there (0: all threads always)",
         )
         group.add_argument(
             "--compile-decode",

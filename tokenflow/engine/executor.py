@@ -27,9 +27,9 @@ from tokenflow.engine.model import LlamaModel
 from tokenflow.engine.model_config import ModelConfig
 from tokenflow.engine.paged_decode import MIN_KEYS, can_read_in_place
 from tokenflow.engine.sampler import Sampler, SamplingRow, sample_isolated
+from tokenflow.engine.threads import StepThreads
 
 logger = logging.getLogger(__name__)
-
 
 
 class ModelExecutor:
@@ -43,6 +43,7 @@ class ModelExecutor:
         device: torch.device | str,
         seed: int = 0,
         compile_decode: bool = False,
+        serial_below_tokens: int = 0,
     ) -> None:
         self.model = model
         self.config = config
@@ -63,6 +64,8 @@ class ModelExecutor:
         self.decoder = (
             _compiled_decoder(model, kv_cache, reads_in_place) if compile_decode else None
         )
+        # On CPU, tiny steps compute on one thread (threads.py); CUDA steps are not affected.
+        self.threads = None if is_cuda else StepThreads(serial_below_tokens)
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -112,6 +115,8 @@ class ModelExecutor:
                 self.device,
                 self.in_place_min_keys,
             )
+            if self.threads is not None:
+                self.threads.for_step(len(inputs.input_ids))
             logits = self._forward(inputs)  # [num_sampled, vocab]
             chunks = [plan.chunks[i] for i in inputs.sampled_chunk_indices]
             rows = [

@@ -120,7 +120,13 @@ class LLMEngine:
             dtype,
         )
         self.executor = ModelExecutor(
-            model, config, kv_cache, self.device, args.seed, args.compile_decode
+            model,
+            config,
+            kv_cache,
+            self.device,
+            args.seed,
+            args.compile_decode,
+            args.serial_below_tokens,
         )
         return block_bytes, num_device_blocks
 
