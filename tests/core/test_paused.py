@@ -32,3 +32,24 @@ def test_fresh_prices_equal_the_costs_priced_member_by_member():
             assert [c.resume_s for c in got] == list(expected.resume_of.values())
             surveyed = survey(config, view, view.preempted, growth, expected).candidates
             assert [c.footprint_blocks for c in got] == [c.footprint_blocks for c in surveyed]
+
+
+def test_kept_prices_outlive_a_growth_that_moves_and_comes_back():
+    """The growth moves with the running count: the entries of the last few growths are kept,
+    a fit not kept starts empty, and the kept entries price as fresh ones do."""
+    policy, started, _ = _rotating(TOKENFLOW)
+    view, config = started.view, policy.config
+    assert view.preempted
+    prices = PausedPrices()
+    growth = policy.growth_tokens(view)
+    first = prices.entries(view, growth)
+    fresh = price_paused(config, view, growth, PausedPrices(), by_arrival=True)[1]
+    assert price_paused(config, view, growth, prices, by_arrival=True)[1] == fresh
+    assert len(first) == len(view.preempted)
+    for moved in range(growth + 1, growth + PausedPrices.KEPT_FITS):
+        price_paused(config, view, moved, prices, by_arrival=True)
+    assert prices.entries(view, growth) is first  # back within the kept fits
+    for moved in range(growth + 1, growth + PausedPrices.KEPT_FITS + 1):
+        prices.entries(view, moved)
+    assert prices.entries(view, growth) == {}  # pushed out by as many newer ones
+    assert price_paused(config, view, growth, prices, by_arrival=True)[1] == fresh
