@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
+from operator import attrgetter
 
 from tests.core.test_parity import TOKENFLOW
 from tests.core.test_residents import _rotating
@@ -34,22 +36,24 @@ def test_fresh_prices_equal_the_costs_priced_member_by_member():
             assert [c.footprint_blocks for c in got] == [c.footprint_blocks for c in surveyed]
 
 
-def test_kept_prices_outlive_a_growth_that_moves_and_comes_back():
-    """The growth moves with the running count: the entries of the last few growths are kept,
-    a fit not kept starts empty, and the kept entries price as fresh ones do."""
+
+
+def test_kept_prices_rank_by_arrival_as_the_survey_does_as_the_clock_moves():
+    """Ranked by arrival, kept entries give each member the survey's footprint, resume time
+    and urgent / overdue flags, as the clock moves them; another growth empties the table."""
     policy, started, _ = _rotating(TOKENFLOW)
     view, config = started.view, policy.config
-    assert view.preempted
     prices = PausedPrices()
     growth = policy.growth_tokens(view)
-    first = prices.entries(view, growth)
-    fresh = price_paused(config, view, growth, PausedPrices(), by_arrival=True)[1]
-    assert price_paused(config, view, growth, prices, by_arrival=True)[1] == fresh
-    assert len(first) == len(view.preempted)
-    for moved in range(growth + 1, growth + PausedPrices.KEPT_FITS):
-        price_paused(config, view, moved, prices, by_arrival=True)
-    assert prices.entries(view, growth) is first  # back within the kept fits
-    for moved in range(growth + 1, growth + PausedPrices.KEPT_FITS + 1):
-        prices.entries(view, moved)
-    assert prices.entries(view, growth) == {}  # pushed out by as many newer ones
-    assert price_paused(config, view, growth, prices, by_arrival=True)[1] == fresh
+    fields = attrgetter("request", "footprint_blocks", "resume_s", "is_urgent", "is_overdue")
+    flags = set()
+    for ahead_s in (0.0, 0.5, 1.0, 2.0, 5.0, 30.0):
+        later = replace(view, now_s=view.now_s + ahead_s)
+        costs, kept = price_paused(config, later, growth, prices, by_arrival=True)
+        surveyed = survey(config, later, later.preempted, growth, decision_costs(config, later))
+        assert list(map(fields, kept)) == list(map(fields, surveyed.candidates))
+        assert costs.queue_s == decision_costs(config, later).queue_s
+        flags |= {(c.is_urgent, c.is_overdue) for c in kept}
+    assert {(False, False), (True, False), (True, True)} <= flags  # every case was met
+    assert len(prices.entries(view, growth)) == len(view.preempted)
+    assert prices.entries(view, growth + 1) == {}

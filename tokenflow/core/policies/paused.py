@@ -8,10 +8,7 @@ choose_resume_mode`, in the same order of operations: the same floats).
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections.abc import Callable
-from itertools import compress, count, repeat
-from operator import attrgetter, getitem, itemgetter, ne
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView, Start
@@ -21,15 +18,9 @@ from tokenflow.core.request import Request
 
 # What is fixed while a member is paused (see `PausedPrices`): (its key (tokens, computed
 # tokens, synced tokens), its resume time as `pricing.resume_time_s`, its device blocks over
-# the next interval, its candidates ranked by arrival by urgent + 2 * overdue: the one
-# without flags built with the entry, the others when first asked for).  A plain tuple: the
-# loops index it, and indexing an exact tuple is the fast path.
+# the next interval, its candidates ranked by arrival by urgent + 2 * overdue, built when first
+# asked for).  A plain tuple: the loops index it, and indexing an exact tuple is the fast path.
 _Fixed = tuple[tuple[int, int, int], float, int, list[Candidate | None]]
-_KEY, _RESUME, _BY_FLAGS = itemgetter(0), itemgetter(1), itemgetter(3)
-_NO_ENTRY = ((-1, -1, -1), 0.0, 0, [])  # (an entry no member's key matches)
-_ID = attrgetter("request_id")
-_NUM_TOKENS = attrgetter("num_tokens")
-_COMPUTED = attrgetter("num_computed_tokens")
 
 
 class PausedPrices:
@@ -37,30 +28,24 @@ class PausedPrices:
     host copy and its tokens do not change while it waits), its footprint over the next
     interval, and its candidates when ranked by arrival (no utility; one per urgent / overdue
     flag pair).  An entry is keyed by the member's tokens, computed tokens and host copy, so a
-    change of any (a failed recompute start drops the copy) reprices it.  Entries are kept per
-    fit: the prefill fit, the link, the block size and the growth.  The growth moves by a token
-    whenever the running count crosses a step-time boundary, and back, so the last few fits'
-    tables are kept (in the simulated 400-stream burst a single table emptied at 16 of 45
-    decisions)."""
-
-    KEPT_FITS = 4
+    change of any (a failed recompute start drops the copy) reprices it; the whole cache is
+    keyed by the prefill fit, the link, the block size and the growth, so it empties when any
+    of those moves."""
 
     def __init__(self) -> None:
-        self._tables: dict[tuple, dict[str, _Fixed]] = {}  # fit -> entries, oldest use first
+        self._fit: tuple = ()
+        self._entries: dict[str, _Fixed] = {}
 
     def entries(self, view: SchedulingView, growth: int) -> dict[str, _Fixed]:
-        """The entries valid for this view's fit (a new table for a fit not kept; emptied
-        when it holds many more than the paused members)."""
+        """The entries valid for this view's fit (emptied if the fit moved; pruned to the
+        paused members when it holds many more)."""
         est, kv = view.estimator, view.kv
         fit = (est.prefill_step_s, est.prefill_token_s, kv.config.block_bytes, kv.block_size)
         fit += (view.config.link_bytes_per_s, growth)
-        tables = self._tables
-        entries = tables.pop(fit, None)
-        if entries is None or len(entries) > 2 * len(view.preempted) + 64:
-            entries = {}
-        tables[fit] = entries  # (now the newest)
-        if len(tables) > self.KEPT_FITS:
-            del tables[next(iter(tables))]
+        entries = self._entries
+        if fit != self._fit or len(entries) > 2 * len(view.preempted) + 64:
+            self._fit = fit
+            entries.clear()
         return entries
 
 
@@ -132,35 +117,27 @@ def _price_by_arrival(
     fresh: _Fresh,
 ) -> list[Candidate]:
     """Candidates ranked by arrival, kept with the prices, one per urgent / overdue pair (a
-    paused member's dry time is fixed, so only the flags move with the clock).
-
-    Degraded decisions run with many members paused, so the members whose entries hold are
-    priced in C-level passes; Python runs only for new or changed entries and for members
-    with flags set: those running dry within the critical slack, a prefix of
-    `view.preempted_by_dry` found by bisection (`dry_s - now` never falls as `dry_s` grows)."""
-    preempted, synced_of = view.preempted, view.kv.synced_tokens_of
-    ids = list(map(_ID, preempted))
-    synced = map(synced_of, ids, repeat(0))
-    keys = list(zip(map(_NUM_TOKENS, preempted), map(_COMPUTED, preempted), synced, strict=True))
-    held = list(map(entries.get, ids, repeat(_NO_ENTRY)))
-    for i in compress(count(), map(ne, map(_KEY, held), keys)):  # new or changed
-        r = preempted[i]
-        held[i] = entries[r.request_id] = fresh(r, keys[i])
-    resume_of.update(zip(ids, map(_RESUME, held), strict=True))
-    unflagged = map(getitem, map(_BY_FLAGS, held), repeat(0))
-    by_id = dict(zip(ids, unflagged, strict=True))
-    now, critical, max_stall = view.now_s, config.critical_slack_s, config.max_stall_s
-    by_dry = view.preempted_by_dry
-    num_dry = bisect_left(by_dry, True, key=lambda r: not r.dry_s - now < critical)
-    for r in by_dry[:num_dry]:
-        if r.output_token_ids:  # urgent, and overdue too?
-            flags = 1 + 2 * (r.dry_s - now <= -max_stall)
-            by_flags = entries[r.request_id][3]
-            cand = by_flags[flags]
-            if cand is None:
-                cand = by_flags[flags] = _arrival_candidate(r, entries[r.request_id], flags)
-            by_id[r.request_id] = cand
-    return list(by_id.values())
+    paused member's dry time is fixed, so only the flags move with the clock)."""
+    now, synced_of = view.now_s, view.kv.synced_tokens_of
+    critical, max_stall = config.critical_slack_s, config.max_stall_s
+    get = entries.get
+    out: list[Candidate] = []
+    for r in view.preempted:
+        rid = r.request_id
+        key = (r.num_tokens, r.num_computed_tokens, synced_of(rid, 0))
+        entry = get(rid)
+        if entry is None or entry[0] != key:
+            entry = entries[rid] = fresh(r, key)
+        resume_of[rid] = entry[1]
+        flags = 0
+        if r.output_token_ids:
+            slack = r.dry_s - now
+            flags = (slack < critical) + 2 * (slack <= -max_stall)
+        cand = entry[3][flags]  # (entry.by_flags)
+        if cand is None:
+            cand = entry[3][flags] = _arrival_candidate(r, entry, flags)
+        out.append(cand)
+    return out
 
 
 def _arrival_candidate(r: Request, entry: _Fixed, flags: int) -> Candidate:
@@ -187,10 +164,7 @@ def _fresh_prices(view: SchedulingView, growth: int) -> _Fresh:
         remaining = r.sampling_params.max_tokens - len(r.output_token_ids)
         extra = growth if growth < remaining else remaining
         footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
-        by_flags: list[Candidate | None] = [None] * 4
-        entry = key, resume, footprint, by_flags
-        by_flags[0] = _arrival_candidate(r, entry, 0)
-        return entry
+        return key, resume, footprint, [None] * 4
 
     return fresh
 
