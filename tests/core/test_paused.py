@@ -36,8 +36,6 @@ def test_fresh_prices_equal_the_costs_priced_member_by_member():
             assert [c.footprint_blocks for c in got] == [c.footprint_blocks for c in surveyed]
 
 
-
-
 def test_kept_prices_rank_by_arrival_as_the_survey_does_as_the_clock_moves():
     """Ranked by arrival, kept entries give each member the survey's footprint, resume time
     and urgent / overdue flags, as the clock moves them; another growth empties the table."""

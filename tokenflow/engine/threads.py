@@ -3,9 +3,10 @@
 On a CPU every torch op of a step is an OpenMP parallel region.  `tokenflow serve` lets
 OpenMP's idle workers sleep (passive waits) so that the HTTP thread keeps a core; the price is
 a worker wake-up per region.  A decode step of a few streams is a few hundred small regions,
-and there waking the workers costs more than they add: on the project's 2-core machine the
-embedded model decoded one stream at 44-45 tok/s on one thread against 31-38 on two, and 4
-streams at 115-129 against 92-105; from 12 streams on two threads win (docs/results.md).
+and there waking the workers costs more than they add: on the project's 2-core machine
+(`benchmarks/threads.py`, passive waits, steps alternated) one thread decoded 1 / 2 / 4
+streams at 42 / 70 / 112 tok/s against 28 / 52 / 80 on two, 6 and 8 streams were even, and two
+threads won from 12 streams on and in prefill (docs/results.md).
 """
 
 from __future__ import annotations
