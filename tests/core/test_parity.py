@@ -10,7 +10,7 @@ chunks (block tables rebuilt from the deltas), copies, releases and sampled toke
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -44,6 +44,7 @@ class Setup:
     num_host_blocks: int
     arrival_window_s: float
     max_tokens: int
+    rate_scale: float = 1.0  # readers' rates times this
 
 
 SETUPS = {
@@ -51,6 +52,7 @@ SETUPS = {
     "stream": Setup(90, 90, 400, 20.0, 160),
     "small-host": Setup(50, 60, 40, 2.0, 100),
     "trickle": Setup(80, 120, 400, 40.0, 60),  # arrivals between decisions, often none waiting
+    "fast-readers": Setup(90, 90, 400, 20.0, 160, rate_scale=4.0),  # the rate rule binds
 }
 
 
@@ -90,7 +92,7 @@ def _requests(setup: Setup, rng: random.Random) -> list[Request]:
                 sampling_params=SamplingParams(
                     max_tokens=rng.randint(1, setup.max_tokens), ignore_eos=rng.random() < 0.8
                 ),
-                rate_tps=rng.choice([2.0, 5.0, 10.0, 40.0]),
+                rate_tps=rng.choice([2.0, 5.0, 10.0, 40.0]) * setup.rate_scale,
                 arrival_s=round(rng.uniform(0, setup.arrival_window_s), 3),
                 eos_token_ids=(117,),
             )
@@ -98,13 +100,13 @@ def _requests(setup: Setup, rng: random.Random) -> list[Request]:
     return sorted(out, key=lambda r: r.arrival_s)
 
 
-def _scheduler(kind: str, policy: str, setup: Setup):
+def _scheduler(kind: str, policy: str, setup: Setup, tokenflow: TokenFlowConfig):
     kv = KVConfig(setup.num_device_blocks, setup.num_host_blocks, block_size=4, block_bytes=1000)
     if kind == "fast":
-        return Scheduler(CONFIG, kv, make_policy(policy, CONFIG, TOKENFLOW))
+        return Scheduler(CONFIG, kv, make_policy(policy, CONFIG, tokenflow))
     # FCFS and chunked share their (tiny) policy code; the reference scheduler checks the
     # mechanics and the view's derived state under them.
-    reference = RefTokenFlow(TOKENFLOW) if policy == "tokenflow" else make_policy(policy, CONFIG)
+    reference = RefTokenFlow(tokenflow) if policy == "tokenflow" else make_policy(policy, CONFIG)
     return RefScheduler(CONFIG, kv, reference)
 
 
@@ -123,11 +125,13 @@ def _normalized(plan: StepPlan, tables: BlockTables) -> tuple:
     return (chunks, plan.device_to_host, plan.host_to_device, plan.released_request_ids)
 
 
-def drive_both(policy: str, setup: Setup, seed: int) -> tuple[int, int]:
+def drive_both(
+    policy: str, setup: Setup, seed: int, tokenflow: TokenFlowConfig = TOKENFLOW
+) -> tuple[int, int]:
     """Run the fast and the reference scheduler in lockstep; returns (steps, preemptions)."""
     rng = random.Random(seed)
     pending = {kind: _requests(setup, random.Random(seed)) for kind in ("fast", "ref")}
-    schedulers = {kind: _scheduler(kind, policy, setup) for kind in ("fast", "ref")}
+    schedulers = {kind: _scheduler(kind, policy, setup, tokenflow) for kind in ("fast", "ref")}
     clocks = {kind: ManualClock() for kind in ("fast", "ref")}
     executors = {kind: TimedExecutor(clocks[kind]) for kind in ("fast", "ref")}
     steps = 0
@@ -161,6 +165,15 @@ def drive_both(policy: str, setup: Setup, seed: int) -> tuple[int, int]:
 def test_fast_path_decides_exactly_as_the_reference(policy, setup, seed):
     steps, preemptions = drive_both(policy, SETUPS[setup], seed)
     assert steps > 200
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_queue_headroom_decides_as_the_reference(seed):
+    """With `queue_headroom` on, the fast path still decides as the reference at every step,
+    and the option changes the run (so the wider budget was really used)."""
+    wider = replace(TOKENFLOW, queue_headroom=1.5)
+    with_option = drive_both("tokenflow", SETUPS["fast-readers"], seed, wider)
+    assert with_option != drive_both("tokenflow", SETUPS["fast-readers"], seed)
 
 
 def test_the_parity_runs_exercise_preemption_and_rotation():

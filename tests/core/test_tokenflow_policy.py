@@ -239,6 +239,24 @@ def test_admission_stops_at_the_rate_budget_in_arrival_order():
     assert policy.admit(replace(view, waiting=[modest])) == [modest]
 
 
+@pytest.mark.parametrize("queue_headroom", [1.0, 1.5])
+def test_the_whole_queue_joins_only_when_it_fits_the_queue_headroom(queue_headroom):
+    """Past Gamma a waiting request joins only when every waiting one fits in queue_headroom
+    x Gamma: a small deficit is shared, a large one kept out (and 1.0 turns it off)."""
+    core, clock, (r1, r2, r3) = three_streams(TokenFlowConfig(queue_headroom=queue_headroom))
+    view = core.scheduler.view(clock.t)
+    policy: TokenFlowPolicy = core.scheduler.policy
+    capacity = policy.capacity_tps(view)
+    spare = capacity - r1.rate_tps - r2.rate_tps
+    a = make_request("A", num_prompt=4, max_tokens=2, rate=0.6 * spare, arrival=clock.t)
+    b = make_request("B", num_prompt=4, max_tokens=2, rate=0.6 * spare, arrival=clock.t + 1)
+    big = make_request("C", num_prompt=4, max_tokens=2, rate=0.5 * capacity, arrival=clock.t + 2)
+    assert 1.2 * spare <= 1.5 * capacity - r1.rate_tps - r2.rate_tps < 1.2 * spare + big.rate_tps
+    small_queue = [r.request_id for r in policy.admit(replace(view, waiting=[a, b]))]
+    assert small_queue == (["A", "B"] if queue_headroom > 1.0 else ["A"])
+    assert policy.admit(replace(view, waiting=[a, b, big])) == [a]
+
+
 def test_oom_victim_is_the_pausable_stream_with_most_buffer_offloaded():
     core, clock, (r1, r2, r3) = three_streams()
     view = core.scheduler.view(clock.t)

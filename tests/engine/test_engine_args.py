@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from tokenflow.core.config import TokenFlowConfig
 from tokenflow.engine.engine_args import EngineArgs
 
 
@@ -28,12 +29,17 @@ def test_bad_overload_options_are_refused(option, value):
 
 def test_serve_runs_the_cpu_profile_of_the_policy_and_options_override_it():
     served = parse().tokenflow
-    assert (served.critical_slack_s, served.init_new_token_ratio) == (1.0, 0.3)
+    profile = (served.critical_slack_s, served.init_new_token_ratio, served.queue_headroom)
+    assert profile == (1.0, 0.3, 1.15)
+    assert TokenFlowConfig().queue_headroom == 1.0  # the core's default: off
     assert EngineArgs().tokenflow == served
-    tuned = parse("--critical-slack", "2", "--new-token-ratio", "0.7").tokenflow
-    assert (tuned.critical_slack_s, tuned.init_new_token_ratio) == (2.0, 0.7)
+    argv = ("--critical-slack", "2", "--new-token-ratio", "0.7", "--queue-headroom", "1")
+    tuned = parse(*argv).tokenflow
+    assert (tuned.critical_slack_s, tuned.init_new_token_ratio, tuned.queue_headroom) == (2, 0.7, 1)
     with pytest.raises(ValueError):
         parse("--new-token-ratio", "1.5")
+    with pytest.raises(ValueError, match="queue_headroom"):
+        parse("--queue-headroom", "0")
 
 
 def test_executor_and_its_weight_formats():

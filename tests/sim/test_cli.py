@@ -62,6 +62,7 @@ def test_small_custom_run_writes_json_and_plot(tmp_path, capsys):
         (["--setup", "4090-a", "--policies", "fifo"], "unknown policy"),
         (["--workload", "burst", "--gpu", "tpu"], "tpu"),
         (["--setup", "4090-a", "--capacity-headroom", "3"], "capacity_headroom"),
+        (["--setup", "4090-a", "--queue-headroom", "-1"], "queue_headroom"),
         (["--setup", "4090-a", "--max-stall-s", "-1"], "max_stall_s"),
         (["--workload", "burst", "--copy-pieces-per-block", "0"], "copy_pieces_per_block"),
         (["--workload", "burst", "--sched-overhead-ms", "-1"], "fixed_s"),

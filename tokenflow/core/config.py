@@ -63,6 +63,9 @@ class TokenFlowConfig:
     value_horizon_s: float = 8.0  # a token's value falls to 0 when this much reading is buffered
     switch_penalty: float = 0.2  # utility lost by bringing a stream back to the device
     capacity_headroom: float = 1.0  # admit only while reading rates stay <= this share of Gamma
+    # ... or while they stay <= this share when the whole queue fits in it: a small deficit is
+    # spread as short stalls, not one long wait for the last requests (<= capacity_headroom: off)
+    queue_headroom: float = 1.0
     capacity_window_s: float = 1.0  # admission uses the lower median Gamma of this window
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
@@ -87,6 +90,8 @@ class TokenFlowConfig:
             )
         if not 0.0 < self.capacity_headroom <= 2.0:
             raise ValueError("capacity_headroom must be in (0, 2]")
+        if not 0.0 < self.queue_headroom <= 2.0:
+            raise ValueError("queue_headroom must be in (0, 2]")
 
 
 @dataclass(frozen=True)

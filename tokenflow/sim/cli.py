@@ -45,6 +45,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="admit while reading rates stay <= this share of capacity (docs/overload.md)",
     )
     tf.add_argument(
+        "--queue-headroom",
+        type=float,
+        default=TokenFlowConfig.queue_headroom,
+        help="admit the whole queue while its reading rates stay <= this share of capacity",
+    )
+    tf.add_argument(
         "--max-stall-s",
         type=float,
         default=TokenFlowConfig.max_stall_s,
@@ -101,6 +107,7 @@ def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimCon
         schedule_interval_s=args.schedule_interval,
         buffer_conservativeness=args.mu,
         capacity_headroom=args.capacity_headroom,
+        queue_headroom=args.queue_headroom,
         max_stall_s=args.max_stall_s,
     )
     config = SimConfig(

@@ -103,7 +103,7 @@ class TokenFlowPolicy(Policy):
         if degraded:
             self.num_degraded_decisions += 1
         else:
-            spare = self.config.capacity_headroom * trusted - demand
+            spare = self._rate_budget_tps(view, trusted, demand)
             admitted = self._admit(view, started, spare)
             self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
         newcomers = survey(self.config, view, admitted, growth).candidates
@@ -273,7 +273,15 @@ class TokenFlowPolicy(Policy):
         memory or memory that safe pauses free (with host room for their unsynced tails)."""
         started = self._survey_started(view, 1)
         capacity, demand = self._capacity_and_demand(view, started)
-        return self._admit(view, started, self.config.capacity_headroom * capacity - demand)
+        return self._admit(view, started, self._rate_budget_tps(view, capacity, demand))
+
+    def _rate_budget_tps(self, view: SchedulingView, capacity: float, demand: float) -> float:
+        """`capacity_headroom` x Gamma less the demand, or `queue_headroom` x Gamma less it
+        when every waiting request's demand, summed in arrival order, fits in that."""
+        budget = self.config.capacity_headroom * capacity - demand
+        wider = self.config.queue_headroom * capacity - demand
+        queued = sum(map(self._demand_tps, view.waiting))
+        return wider if wider > budget and queued <= wider else budget
 
     # -- phase 3: buffer balancing --------------------------------------------------------------
     def growth_tokens(self, view: SchedulingView) -> int:

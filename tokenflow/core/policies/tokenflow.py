@@ -21,8 +21,10 @@ within `critical_slack_s` of running dry), one decision runs in named phases:
 Overload rule (beyond the paper): a waiting request starts only while the working set's total
 reading rate fits the engine's capacity with headroom, also between decisions; so a burst that
 wants more tokens/s than the engine makes waits in arrival order (no later arrival passes it)
-instead of joining and stalling everyone.  A started stream that stalls anyway (estimates were
-off, contexts grew) goes first once it has stalled `max_stall_s`.
+instead of joining and stalling everyone; unless the whole queue fits in `queue_headroom` x
+Gamma (off by default), when it may all join and the small deficit is spread as short stalls.
+A started stream that stalls anyway (estimates were off, contexts grew) goes first once it
+has stalled `max_stall_s`.
 
 Between decisions, the decided starts are carried out as memory frees, and free memory goes to
 the preempted streams nearest to running dry, then to waiting requests within the rate budget
@@ -146,7 +148,7 @@ class TokenFlowPolicy(Policy):
         if degraded:
             self.num_degraded_decisions += 1
         else:
-            spare = self.config.capacity_headroom * trusted - demand
+            spare = self._rate_budget_tps(view, trusted, demand)
             admission = self._admission(view, started, spare)
             admitted = admission.requests  # (their demands: `_demand_tps` of each)
             self._spare_rate_tps = max(spare - sum(admission.demands_tps), 0.0)
@@ -306,7 +308,23 @@ class TokenFlowPolicy(Policy):
         capacity (with headroom) this view leaves."""
         started = self._survey_started(view, 1)
         capacity, demand = self._capacity_and_demand(view, started)
-        return self._admit(view, started, self.config.capacity_headroom * capacity - demand)
+        return self._admit(view, started, self._rate_budget_tps(view, capacity, demand))
+
+    def _rate_budget_tps(self, view: SchedulingView, capacity: float, demand: float) -> float:
+        """Reading rate waiting requests may add: up to `capacity_headroom` x Gamma, or up to
+        `queue_headroom` x Gamma when the whole queue fits in that (a small deficit is cheaper
+        spread as short stalls than paid by the last requests as one long wait; a large one
+        is kept out).  Looks at no more of the queue than fits."""
+        budget = self.config.capacity_headroom * capacity - demand
+        wider = self.config.queue_headroom * capacity - demand
+        if wider <= budget:
+            return budget
+        queued = 0.0
+        for request in view.waiting:
+            queued += self._demand_tps(request)
+            if queued > wider:
+                return budget
+        return wider
 
     # -- phase 3: buffer balancing --------------------------------------------------------------
     def growth_tokens(self, view: SchedulingView) -> int:
