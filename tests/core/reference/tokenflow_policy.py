@@ -102,8 +102,10 @@ class TokenFlowPolicy(Policy):
         self._spare_rate_tps = 0.0
         if degraded:
             self.num_degraded_decisions += 1
-        else:
-            spare = self._rate_budget_tps(view, trusted, demand)
+        queue_fits = self._queue_fits(view, trusted, demand)
+        if queue_fits or not degraded:
+            headroom = self.config.queue_headroom if queue_fits else self.config.capacity_headroom
+            spare = headroom * trusted - demand
             admitted = self._admit(view, started, spare)
             self._spare_rate_tps = max(spare - sum(map(self._demand_tps, admitted)), 0.0)
         newcomers = survey(self.config, view, admitted, growth).candidates
@@ -273,15 +275,16 @@ class TokenFlowPolicy(Policy):
         memory or memory that safe pauses free (with host room for their unsynced tails)."""
         started = self._survey_started(view, 1)
         capacity, demand = self._capacity_and_demand(view, started)
-        return self._admit(view, started, self._rate_budget_tps(view, capacity, demand))
+        queue_fits = self._queue_fits(view, capacity, demand)
+        headroom = self.config.queue_headroom if queue_fits else self.config.capacity_headroom
+        return self._admit(view, started, headroom * capacity - demand)
 
-    def _rate_budget_tps(self, view: SchedulingView, capacity: float, demand: float) -> float:
-        """`capacity_headroom` x Gamma less the demand, or `queue_headroom` x Gamma less it
-        when every waiting request's demand, summed in arrival order, fits in that."""
-        budget = self.config.capacity_headroom * capacity - demand
-        wider = self.config.queue_headroom * capacity - demand
-        queued = sum(map(self._demand_tps, view.waiting))
-        return wider if wider > budget and queued <= wider else budget
+    def _queue_fits(self, view: SchedulingView, capacity: float, demand: float) -> bool:
+        """Every waiting request's demand, summed in arrival order, fits in `queue_headroom`
+        x Gamma less the members' demand, and that is more than `capacity_headroom` allows."""
+        room = self.config.queue_headroom * capacity - demand
+        wider = room > self.config.capacity_headroom * capacity - demand
+        return wider and sum(map(self._demand_tps, view.waiting)) <= room
 
     # -- phase 3: buffer balancing --------------------------------------------------------------
     def growth_tokens(self, view: SchedulingView) -> int:

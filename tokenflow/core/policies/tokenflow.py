@@ -22,7 +22,8 @@ Overload rule (beyond the paper): a waiting request starts only while the workin
 reading rate fits the engine's capacity with headroom, also between decisions; so a burst that
 wants more tokens/s than the engine makes waits in arrival order (no later arrival passes it)
 instead of joining and stalling everyone; unless the whole queue fits in `queue_headroom` x
-Gamma (off by default), when it may all join and the small deficit is spread as short stalls.
+Gamma (off by default), when it may all join, even past Gamma, and the small deficit is
+spread as short stalls.
 A started stream that stalls anyway (estimates were off, contexts grew) goes first once it
 has stalled `max_stall_s`.
 
@@ -143,12 +144,13 @@ class TokenFlowPolicy(Policy):
         started, costs, capacity, demand = self._started(view, growth)
         trusted = self._capacity_floor.observe(view.now_s, capacity)
         degraded = demand > capacity
-        admitted: list[Request] = []
-        self._spare_rate_tps = 0.0
         if degraded:
             self.num_degraded_decisions += 1
-        else:
-            spare = self._rate_budget_tps(view, trusted, demand)
+        admitted: list[Request] = []
+        self._spare_rate_tps = 0.0
+        queue_fits = self._queue_fits(view, trusted, demand)  # (then even past Gamma)
+        if queue_fits or not degraded:
+            spare = self._headroom(queue_fits) * trusted - demand
             admission = self._admission(view, started, spare)
             admitted = admission.requests  # (their demands: `_demand_tps` of each)
             self._spare_rate_tps = max(spare - sum(admission.demands_tps), 0.0)
@@ -308,23 +310,28 @@ class TokenFlowPolicy(Policy):
         capacity (with headroom) this view leaves."""
         started = self._survey_started(view, 1)
         capacity, demand = self._capacity_and_demand(view, started)
-        return self._admit(view, started, self._rate_budget_tps(view, capacity, demand))
+        headroom = self._headroom(self._queue_fits(view, capacity, demand))
+        return self._admit(view, started, headroom * capacity - demand)
 
-    def _rate_budget_tps(self, view: SchedulingView, capacity: float, demand: float) -> float:
-        """Reading rate waiting requests may add: up to `capacity_headroom` x Gamma, or up to
-        `queue_headroom` x Gamma when the whole queue fits in that (a small deficit is cheaper
-        spread as short stalls than paid by the last requests as one long wait; a large one
-        is kept out).  Looks at no more of the queue than fits."""
-        budget = self.config.capacity_headroom * capacity - demand
-        wider = self.config.queue_headroom * capacity - demand
-        if wider <= budget:
-            return budget
+    def _queue_fits(self, view: SchedulingView, capacity: float, demand: float) -> bool:
+        """Whether the members and every waiting request ask at most `queue_headroom` x
+        Gamma, where that exceeds `capacity_headroom`: then the whole queue may join, even
+        past Gamma (a small deficit is cheaper spread as short stalls than paid by the last
+        requests as one long wait; a large one is kept out).  Reads no more of the queue
+        than fits."""
+        room = self.config.queue_headroom * capacity - demand
+        if room <= self.config.capacity_headroom * capacity - demand:
+            return False
         queued = 0.0
         for request in view.waiting:
             queued += self._demand_tps(request)
-            if queued > wider:
-                return budget
-        return wider
+            if queued > room:
+                return False
+        return queued <= room
+
+    def _headroom(self, queue_fits: bool) -> float:
+        """The share of Gamma admission may fill."""
+        return self.config.queue_headroom if queue_fits else self.config.capacity_headroom
 
     # -- phase 3: buffer balancing --------------------------------------------------------------
     def growth_tokens(self, view: SchedulingView) -> int:
