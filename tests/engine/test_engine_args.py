@@ -30,12 +30,12 @@ def test_bad_overload_options_are_refused(option, value):
 def test_serve_runs_the_cpu_profile_of_the_policy_and_options_override_it():
     served = parse().tokenflow
     profile = (served.critical_slack_s, served.init_new_token_ratio, served.queue_headroom)
-    assert profile == (1.0, 0.3, 1.15)
-    assert TokenFlowConfig().queue_headroom == 1.0  # the core's default: off
+    assert profile == (1.0, 0.3, TokenFlowConfig().queue_headroom)
     assert EngineArgs().tokenflow == served
-    argv = ("--critical-slack", "2", "--new-token-ratio", "0.7", "--queue-headroom", "1")
+    argv = ("--critical-slack", "2", "--new-token-ratio", "0.7", "--queue-headroom", "1.15")
     tuned = parse(*argv).tokenflow
-    assert (tuned.critical_slack_s, tuned.init_new_token_ratio, tuned.queue_headroom) == (2, 0.7, 1)
+    wanted = (2.0, 0.7, 1.15)
+    assert (tuned.critical_slack_s, tuned.init_new_token_ratio, tuned.queue_headroom) == wanted
     with pytest.raises(ValueError):
         parse("--new-token-ratio", "1.5")
     with pytest.raises(ValueError, match="queue_headroom"):

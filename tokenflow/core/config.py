@@ -64,7 +64,8 @@ class TokenFlowConfig:
     switch_penalty: float = 0.2  # utility lost by bringing a stream back to the device
     capacity_headroom: float = 1.0  # admit only while reading rates stay <= this share of Gamma
     # ... or while they stay <= this share when the whole queue fits in it: a small deficit is
-    # spread as short stalls, not one long wait for the last requests (<= capacity_headroom: off)
+    # spread as short stalls, not one long wait for the last requests (<= capacity_headroom: off;
+    # docs/overload.md has why it is off by default)
     queue_headroom: float = 1.0
     capacity_window_s: float = 1.0  # admission uses the lower median Gamma of this window
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others

@@ -19,12 +19,8 @@ from tokenflow.core.policies import POLICY_NAMES
 # residents' remaining output instead of SGLang's 0.7 (TokenFlow pauses a stream short of
 # memory instead of retracting it), took the CPU reading burst's P99 TTFT from 13-17 s to
 # 11-12 s.  In the GPU simulator the same values raised overload stalls, so the core's
-# defaults keep 2 s and 0.7 (docs/overload.md).  And the whole queue may join while it asks
-# at most 1.15 x Gamma: on the CPU burst the last requests otherwise waited ~30 s in some runs
-# (an estimate of Gamma a few percent low), while in the simulator it raised h200-d's stalls.
-SERVE_TOKENFLOW = TokenFlowConfig(
-    critical_slack_s=1.0, init_new_token_ratio=0.3, queue_headroom=1.15
-)
+# defaults keep 2 s and 0.7 (docs/overload.md).
+SERVE_TOKENFLOW = TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
 EXECUTORS = ("torch", "llama-cpp")
 # CPU steps of fewer tokens run on one thread (tokenflow/engine/threads.py has the numbers).
 SERIAL_BELOW_TOKENS = 8
@@ -195,7 +191,8 @@ _POLICY_OPTIONS = {
     ),
     "queue_headroom": (
         "queue_headroom",
-        "admit the whole queue while its reading rates stay <= this share of capacity",
+        "admit the whole queue while its reading rates stay <= this share of capacity "
+        "(e.g. 1.15: shorter P99 TTFT, longer stalls; docs/overload.md)",
     ),
     "max_stall_s": ("max_stall_s", "a stream stalled this long goes on the device first"),
 }

@@ -23,9 +23,8 @@ reading rate fits the engine's capacity with headroom, also between decisions; s
 wants more tokens/s than the engine makes waits in arrival order (no later arrival passes it)
 instead of joining and stalling everyone; unless the whole queue fits in `queue_headroom` x
 Gamma (off by default), when it may all join, even past Gamma, and the small deficit is
-spread as short stalls.
-A started stream that stalls anyway (estimates were off, contexts grew) goes first once it
-has stalled `max_stall_s`.
+spread as short stalls.  A started stream that stalls anyway (estimates were off, contexts
+grew) goes first once it has stalled `max_stall_s`.
 
 Between decisions, the decided starts are carried out as memory frees, and free memory goes to
 the preempted streams nearest to running dry, then to waiting requests within the rate budget
@@ -316,9 +315,9 @@ class TokenFlowPolicy(Policy):
     def _queue_fits(self, view: SchedulingView, capacity: float, demand: float) -> bool:
         """Whether the members and every waiting request ask at most `queue_headroom` x
         Gamma, where that exceeds `capacity_headroom`: then the whole queue may join, even
-        past Gamma (a small deficit is cheaper spread as short stalls than paid by the last
-        requests as one long wait; a large one is kept out).  Reads no more of the queue
-        than fits."""
+        past Gamma (where Gamma is right, a small deficit is cheaper spread as short stalls
+        than paid by the last requests as one long wait; docs/overload.md).  Reads no more
+        of the queue than fits."""
         room = self.config.queue_headroom * capacity - demand
         if room <= self.config.capacity_headroom * capacity - demand:
             return False
