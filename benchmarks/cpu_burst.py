@@ -10,6 +10,12 @@ bench table and the ratios of each TokenFlow headline metric to vLLM's and to ou
 
     .venv/bin/python benchmarks/cpu_burst.py [--json out.json]
 
+This machine's speed drifts between runs by more than most settings change (docs/overload.md),
+so compare settings within rounds: `--repeats N` runs every server once per round, N rounds,
+and ends with each server's median [min-max] and the per-round ratios' spread; `--variant
+NAME="OPTIONS"` adds a TokenFlow server with extra `serve` options to every round, e.g.
+`--skip-vllm --repeats 3 --variant q115="--queue-headroom 1.15"`.
+
 Defaults: the issue's burst - 32 streams, prompt 128, output 256, readers 4-8 tok/s - with a
 device tier of 128 blocks of 32 tokens (4,096 tokens: about a third of the streams at their
 full length).
@@ -18,6 +24,7 @@ full length).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -29,6 +36,7 @@ from vs_vllm import BenchError, ensure_hf_model, ensure_vllm_venv
 
 from tokenflow.bench.cli import client_config_from_args, report_runs
 from tokenflow.metrics import Summary
+from tokenflow.report import format_spread_table, report_records, spread
 from tokenflow.workload_cli import add_workload_arguments, workload_from_args
 
 
@@ -73,26 +81,72 @@ def format_ratios(summaries: dict[str, Summary]) -> str:
     return "\n".join(lines)
 
 
+def ratio_spreads(rounds: list[dict[str, Summary]], ours: str, base: str) -> str:
+    """`ours` / `base` for each headline metric: median [min-max] over the rounds."""
+    lines = [f"{ours} / {base}, median [min-max] over {len(rounds)} rounds:"]
+    for label, attr, _ in HEADLINE:
+        ratios = [getattr(r[ours], attr) / getattr(r[base], attr) for r in rounds]
+        lines.append(f"  {label:<30}{spread(ratios).text(2)}")
+    return "\n".join(lines)
+
+
+def servers_of(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, command, environment) of every server a round runs, in order."""
+    servers: list[tuple[str, list[str], dict[str, str]]] = []
+    if not args.skip_vllm:
+        python = ensure_vllm_venv(args.vllm_venv, args.log_dir)
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
+        servers.append(("vllm", vllm_command(args, python, ensure_hf_model(args.model_dir)), env))
+    ours_env = {**os.environ, **dict(item.split("=", 1) for item in args.ours_env)}
+    for policy in ("fcfs", "tokenflow"):
+        servers.append((policy, ours_command(args, policy), ours_env))
+    for name, options in args.variant:
+        command = ours_command(args, "tokenflow") + shlex.split(options)
+        servers.append((f"tokenflow-{name}", command, ours_env))
+    return servers
+
+
 def run(args: argparse.Namespace) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     requests = workload_from_args(args)
     config = client_config_from_args(
         argparse.Namespace(**{**vars(args), "url": "http://127.0.0.1", "model": None})
     )
-    servers: list[tuple[str, list[str], dict[str, str]]] = []
-    if not args.skip_vllm:
-        python = ensure_vllm_venv(args.vllm_venv, args.log_dir)
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind}
-        servers.append(("vllm", vllm_command(args, python, ensure_hf_model(args.model_dir)), env))
-    for policy in ("fcfs", "tokenflow"):
-        ours_env = {**os.environ, **dict(item.split("=", 1) for item in args.ours_env)}
-        servers.append((policy, ours_command(args, policy), ours_env))
-    runs = bench_servers(servers, requests, config, args)
-    summaries = report_runs(runs, json_path=args.json)
-    if "vllm" in summaries:
-        print()
-        print(format_ratios(summaries))
-    return 0 if all(s.num_completed == s.num_requests for s in summaries.values()) else 1
+    servers = servers_of(args)
+    rounds: list[dict[str, Summary]] = []
+    for index in range(args.repeats):
+        if args.repeats > 1:
+            print(f"round {index + 1} of {args.repeats}", flush=True)
+        log_dir = args.log_dir / f"round-{index + 1}" if args.repeats > 1 else args.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        round_args = argparse.Namespace(**{**vars(args), "log_dir": log_dir})
+        rounds.append(report_runs(bench_servers(servers, requests, config, round_args)))
+        if "vllm" in rounds[-1]:
+            print()
+            print(format_ratios(rounds[-1]))
+    if args.repeats > 1:
+        print(f"\nover {args.repeats} rounds, median [min-max]:")
+        print(format_spread_table(rounds))
+        for ours in [name for name, _, _ in servers if name.startswith("tokenflow")]:
+            for base in [b for b in ("vllm", "fcfs") if b in rounds[0]]:
+                print(ratio_spreads(rounds, ours, base))
+    if args.json:
+        records = [
+            {"round": index + 1, **record}
+            for index, summaries in enumerate(rounds)
+            for record in report_records(summaries)
+        ]
+        Path(args.json).write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+    done = all(s.num_completed == s.num_requests for r in rounds for s in r.values())
+    return 0 if done else 1
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """NAME=OPTIONS of `--variant` (argparse type)."""
+    name, sep, options = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=OPTIONS, got {text!r}")
+    return name, options
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,10 +159,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-model-len", type=int, default=512)
     add("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its best on this CPU: bf16)")
     add("--ours-args", default="", help="extra `tokenflow serve` options for both policies")
-    add("--ours-env", nargs="*", default=[], metavar="KEY=VALUE",
-        help="environment for our servers only, e.g. OMP_WAIT_POLICY=ACTIVE")
+    add(
+        "--ours-env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for our servers only, e.g. OMP_WAIT_POLICY=ACTIVE",
+    )
     add("--skip-vllm", action="store_true", help="only our two policies")
-    return parser.parse_args(argv)
+    add("--repeats", type=int, default=1, help="rounds, every server once per round")
+    add(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        metavar="NAME=OPTIONS",
+        help="one more TokenFlow server with these extra `serve` options",
+    )
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

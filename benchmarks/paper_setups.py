@@ -191,10 +191,6 @@ def targets(setup: str, tf: dict[str, Spread], fcfs: dict[str, Spread]) -> dict:
 
 
 # -- writing ---------------------------------------------------------------------------------------
-def fmt(s: Spread, digits: int) -> str:
-    return f"{s.median:.{digits}f} [{s.minimum:.{digits}f}-{s.maximum:.{digits}f}]"
-
-
 COLUMNS = (
     ("throughput_tps", "tok/s", 0),
     ("effective_throughput_tps", "eff tok/s", 0),
@@ -212,7 +208,7 @@ def setup_section(setup: str, per_policy: dict[str, dict[str, Spread]], extra: d
     lines.append("| policy | " + " | ".join(t for _, t, _ in COLUMNS) + " | preemptions |")
     lines.append("|---" * (len(COLUMNS) + 2) + "|")
     for policy, spreads in per_policy.items():
-        cells = [fmt(spreads[k], d) for k, _, d in COLUMNS]
+        cells = [spreads[k].text(d) for k, _, d in COLUMNS]
         lines.append(f"| {policy} | " + " | ".join(cells) + f" | {extra[policy]} |")
     return lines
 
@@ -250,7 +246,7 @@ def ablation_table(ablations: dict[str, dict[str, Spread]]) -> list[str]:
             if s is None:
                 cells.append("n/a")
                 continue
-            cell = f"{fmt(s, 1)} s"
+            cell = f"{s.text(1)} s"
             if variant != "full" and full is not None:
                 cell += f" ({s.median / full.median - 1:+.1%})"
             cells.append(cell)

@@ -46,7 +46,13 @@ def format_table(summaries: Mapping[str, Summary]) -> str:
         done = f"{values['num_completed']}/{values['num_requests']}"
         cells = [fmt.format(values[key]) for key, _, fmt in TABLE_COLUMNS]
         rows.append([name, done, *cells])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return _aligned(rows)
+
+
+def _aligned(rows: list[list[str]]) -> str:
+    """The rows as text: the first column left-aligned, the others right-aligned, a rule
+    under the header row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for index, row in enumerate(rows):
         first = row[0].ljust(widths[0])
@@ -185,6 +191,10 @@ class Spread:
         """{"median": ..., "min": ..., "max": ...}"""
         return {"median": self.median, "min": self.minimum, "max": self.maximum}
 
+    def text(self, digits: int) -> str:
+        """ "median [min-max]" with `digits` decimals."""
+        return f"{self.median:.{digits}f} [{self.minimum:.{digits}f}-{self.maximum:.{digits}f}]"
+
 
 def spread(values: Sequence[float]) -> Spread:
     """Median (the mean of the middle two for an even count), minimum and maximum."""
@@ -199,6 +209,31 @@ def aggregate(
 ) -> dict[str, Spread]:
     """Per metric, the spread over `runs` (each a `Summary.to_dict()` or a JSON record)."""
     return {key: spread([run[key] for run in runs]) for key in keys}
+
+
+# (summary key, column title, decimals) of the table over repeated runs
+SPREAD_COLUMNS = (
+    ("throughput_tps", "tok/s", 1),
+    ("effective_throughput_tps", "eff tok/s", 1),
+    ("ttft_mean_s", "TTFT mean", 2),
+    ("ttft_p99_s", "TTFT p99", 2),
+    ("rebuffer_mean_s", "stall mean", 2),
+    ("rebuffer_p99_s", "stall p99", 2),
+    ("qoe_mean", "QoE", 3),
+)
+
+
+def format_spread_table(rounds: Sequence[Mapping[str, Summary]]) -> str:
+    """Rows = the runs of the first round (servers or policies), columns = headline metrics
+    as "median [min-max]" over `rounds`, repeated runs of the same runs."""
+    header = ["policy", "runs", *(title for _, title, _ in SPREAD_COLUMNS)]
+    rows = [header]
+    for name in rounds[0]:
+        records = [one[name].to_dict() for one in rounds if name in one]
+        spreads = aggregate(records, [key for key, _, _ in SPREAD_COLUMNS])
+        cells = [spreads[key].text(digits) for key, _, digits in SPREAD_COLUMNS]
+        rows.append([name, str(len(records)), *cells])
+    return _aligned(rows)
 
 
 def plot_spread(

@@ -11,6 +11,7 @@ from tokenflow.metrics import RequestTrace, summarize
 from tokenflow.report import (
     Spread,
     aggregate,
+    format_spread_table,
     format_table,
     pick_timeline_requests,
     plot_report,
@@ -90,6 +91,22 @@ def test_aggregate_defaults_cover_the_reported_metrics() -> None:
     keys = set(aggregate(runs))
     assert {"ttft_mean_s", "ttft_p99_s", "rebuffer_mean_s", "rebuffer_p99_s", "qoe_mean"} <= keys
     assert {"effective_throughput_tps", "throughput_tps"} <= keys
+
+
+def test_spread_table_is_median_and_range_over_rounds() -> None:
+    assert Spread(2.0, 1.0, 3.25).text(1) == "2.0 [1.0-3.2]"
+    rounds = [
+        {"fcfs": summarize(traces(fcfs)), "tokenflow": summarize(traces(ours))}
+        for fcfs, ours in ((1.0, 0.2), (3.0, 0.1), (2.0, 0.3))
+    ]
+    table = format_spread_table(rounds).splitlines()
+    assert table[0].split()[:2] == ["policy", "runs"]
+    assert len({len(line) for line in table}) == 1  # aligned columns
+    ttfts = sorted(r["fcfs"].ttft_mean_s for r in rounds)
+    fcfs_row = table[2]
+    assert fcfs_row.startswith("fcfs") and fcfs_row.split()[1] == "3"
+    assert f"{ttfts[1]:.2f} [{ttfts[0]:.2f}-{ttfts[2]:.2f}]" in fcfs_row
+    assert table[3].startswith("tokenflow")
 
 
 def test_plot_spread_writes_a_png(tmp_path: Path) -> None:
