@@ -18,6 +18,12 @@ scheduler's queues keep, with those the vLLM bridge gives, and with none (a surv
 
     python -m benchmarks.scheduler_overhead --without-sums --sizes 100,400,1000
 
+With --floor it times, on the same frozen state, what any decision there must do at the least in
+CPython (build its moves as the seam's objects, read every member once, order the residents by
+buffer) beside TokenFlow's whole decision, and prints their ratio:
+
+    python -m benchmarks.scheduler_overhead --floor --sizes 400,1000
+
 With --per-step it instead measures what the simulator charges: the scheduler's CPU time of
 whole steps (`schedule()` + `update()`, decisions included at their natural frequency, the
 executor excluded) while each policy serves the burst, and fits fixed + per-active-request
@@ -34,18 +40,22 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
+from operator import attrgetter
 
 from tokenflow.core.config import AndesConfig, TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES, make_policy
 from tokenflow.core.policies.andes import AndesPolicy
-from tokenflow.core.policies.base import Policy, SchedulingView
+from tokenflow.core.policies.base import Policy, Preemption, SchedulingView, Start
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.sim.runner import SimConfig, build_engine, make_request
 from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 WAITING_SHARE = 0.11  # of the active requests that arrive after the warm-up (never started)
+_BY_BUFFER = attrgetter("last_consume_s")
 WARM_STEPS = 500  # steps of service before timing: at 400 active ~256 running, ~50 preempted
 
 
@@ -227,6 +237,51 @@ def in_run(sizes: list[int], steps: int) -> int:
     return 0
 
 
+def _median_us(run: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def floor(sizes: list[int], repeats: int) -> int:
+    """TokenFlow's decision beside the least work a decision on the same state needs: its
+    moves built as the seam's objects, one attribute read of every member, and the C-level
+    sort of the residents by buffer that ranking them needs (medians, microseconds)."""
+    print(
+        f"{'active':>6s} {'moves':>6s} {'decision us':>12s} {'moves us':>9s} {'read us':>8s} "
+        f"{'sort us':>8s} {'floor us':>9s} {'x floor':>8s}"
+    )
+    for size in sizes:
+        view = busy_view(size)
+        policy = make_policy("tokenflow", view.config, TokenFlowConfig(), AndesConfig())
+        moves = policy.decide(view)
+        members = [*view.running, *view.preempted, *view.waiting]
+
+        def build(moves=moves):
+            [Preemption(p.request_id, p.mode) for p in moves.preemptions]
+            [Start(s.request_id, s.by_load) for s in moves.starts]
+
+        def read(members=members):
+            [r.last_consume_s for r in members]
+
+        def order(running=view.running):
+            sorted(running, key=_BY_BUFFER)
+
+        decided = _median_us(partial(policy.decide, view), repeats)
+        parts = [_median_us(run, repeats) for run in (build, read, order)]
+        least = sum(parts)
+        num_moves = len(moves.preemptions) + len(moves.starts)
+        print(
+            f"{size:6d} {num_moves:6d} {decided:12.1f} {parts[0]:9.1f} {parts[1]:8.1f} "
+            f"{parts[2]:8.1f} {least:9.1f} {decided / least:8.2f}",
+            flush=True,
+        )
+    return 0
+
+
 def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
     """Decision and per-step medians of every policy at every size."""
     rows = []
@@ -285,6 +340,11 @@ def main() -> int:
         action="store_true",
         help="TokenFlow's decision with the queues' sums, the vLLM bridge's, and none",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="TokenFlow's decision beside the least work any decision on its state needs",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
@@ -295,6 +355,8 @@ def main() -> int:
         return in_run(sizes, args.steps)
     if args.without_sums:
         return without_sums(sizes, args.repeats)
+    if args.floor:
+        return floor(sizes, args.repeats)
     rows = side_by_side(sizes, args.repeats, args.steps)
     if args.json:
         print(json.dumps(rows, indent=2))
