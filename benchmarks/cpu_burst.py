@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_ratios(rounds[-1]))
     if args.repeats > 1:
         print(f"\nover {args.repeats} rounds, median [min-max]:")
-        print(format_spread_table(rounds))
+        print(format_spread_table(rounds, label="server"))
         for ours in [name for name, _, _ in servers if name.startswith("tokenflow")]:
             for base in [b for b in ("vllm", "fcfs") if b in rounds[0]]:
                 print(ratio_spreads(rounds, ours, base))

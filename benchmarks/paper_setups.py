@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.report import Spread, aggregate, plot_spread
-from tokenflow.sim.runner import SimConfig, run_simulation
+from tokenflow.sim.runner import run_simulation, setup_config
 from tokenflow.sim.setups import get_setup, paper_setups
 from tokenflow.workload import generate
 
@@ -92,13 +92,7 @@ def git_commit() -> str:
 def run_job(job: Job) -> tuple[Job, dict]:
     """Simulate one job (in a worker process)."""
     setup = get_setup(job.setup, seed=job.seed)
-    config = SimConfig(
-        gpu=setup.gpu,
-        model=setup.model,
-        memory_fraction=setup.memory_fraction,
-        host_memory_gib=setup.host_memory_gib,
-        **VARIANTS[job.variant],
-    )
+    config = setup_config(setup, **VARIANTS[job.variant])
     result = run_simulation(generate(setup.workload), job.policy, config)
     record = {
         "seed": job.seed,

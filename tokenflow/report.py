@@ -223,10 +223,11 @@ SPREAD_COLUMNS = (
 )
 
 
-def format_spread_table(rounds: Sequence[Mapping[str, Summary]]) -> str:
-    """Rows = the runs of the first round (servers or policies), columns = headline metrics
-    as "median [min-max]" over `rounds`, repeated runs of the same runs."""
-    header = ["policy", "runs", *(title for _, title, _ in SPREAD_COLUMNS)]
+def format_spread_table(rounds: Sequence[Mapping[str, Summary]], label: str = "policy") -> str:
+    """Rows = the runs of the first round (servers, policies, settings: titled `label`),
+    columns = headline metrics as "median [min-max]" over `rounds`, repeated runs of the same
+    runs."""
+    header = [label, "runs", *(title for _, title, _ in SPREAD_COLUMNS)]
     rows = [header]
     for name in rounds[0]:
         records = [one[name].to_dict() for one in rounds if name in one]

@@ -107,6 +107,7 @@ def test_spread_table_is_median_and_range_over_rounds() -> None:
     assert fcfs_row.startswith("fcfs") and fcfs_row.split()[1] == "3"
     assert f"{ttfts[1]:.2f} [{ttfts[0]:.2f}-{ttfts[2]:.2f}]" in fcfs_row
     assert table[3].startswith("tokenflow")
+    assert format_spread_table(rounds, label="server").split()[:2] == ["server", "runs"]
 
 
 def test_plot_spread_writes_a_png(tmp_path: Path) -> None:

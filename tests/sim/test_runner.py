@@ -9,7 +9,14 @@ from tokenflow.core.plan import BlockCopy, CopyKind, StepPlan
 from tokenflow.core.policies import POLICY_NAMES
 from tokenflow.sim.clock import SimClock
 from tokenflow.sim.overhead import OverheadCharge, SchedulerOverhead, default_overhead
-from tokenflow.sim.runner import SimConfig, build_engine, make_request, run_simulation
+from tokenflow.sim.runner import (
+    SimConfig,
+    build_engine,
+    make_request,
+    run_simulation,
+    setup_config,
+)
+from tokenflow.sim.setups import get_setup
 from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 EMPTY_PLAN = StepPlan(0, (), (), (), ())
@@ -126,3 +133,13 @@ def test_ablations_slow_the_pressed_case_down() -> None:
     full = run_simulation(workload, "tokenflow", PRESSED).summary.makespan_s
     no_offload = replace(PRESSED, offload=False)
     assert run_simulation(workload, "tokenflow", no_offload).summary.makespan_s > full
+
+
+def test_setup_config_takes_the_setup_deployment_and_overrides() -> None:
+    setup = get_setup("4090-b")
+    charge = SchedulerOverhead(0.0, 0.0)
+    config = setup_config(setup, offload=False, scheduler_overhead=charge)
+    assert (config.gpu, config.model) == ("rtx4090", "llama3-8b")
+    assert (config.memory_fraction, config.host_memory_gib) == (0.9, 64.0)
+    assert config.offload is False and config.scheduler_overhead is charge
+    assert setup_config(setup).offload is True and setup_config(setup).scheduler_overhead is None

@@ -20,6 +20,7 @@ from tokenflow.sim.cost_model import CostModel, CostModelConfig
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.hardware import get_gpu, get_model
 from tokenflow.sim.overhead import OverheadCharge, SchedulerOverhead, default_overhead
+from tokenflow.sim.setups import Setup
 from tokenflow.workload import WorkloadRequest
 
 _GIB = 2**30
@@ -57,6 +58,18 @@ class SimConfig:
     andes: AndesConfig = field(default_factory=AndesConfig)
     idle_tick_s: float = 0.005  # clock advance when nothing can run (waiting on a decision)
     stall_limit_steps: int = 200_000  # consecutive steps without a token before giving up
+
+
+def setup_config(setup: Setup, **overrides: object) -> SimConfig:
+    """The deployment of a paper setup (its GPU, model, memory and host tier), with
+    `overrides` of any other `SimConfig` field (ablations, the scheduler charge)."""
+    return SimConfig(
+        gpu=setup.gpu,
+        model=setup.model,
+        memory_fraction=setup.memory_fraction,
+        host_memory_gib=setup.host_memory_gib,
+        **overrides,
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,105 @@
+"""What the scheduler's own CPU time costs TokenFlow on the paper's setups, in the simulator.
+
+TokenFlow serves every paper setup over several seeds with three scheduler charges
+(`tokenflow/sim/overhead.py`: fixed + per-active-request seconds per step):
+
+- none: the scheduler is free (what the simulator charged before it was honest);
+- now: the calibrated charge of this code (the default of every simulation);
+- before: the charge calibrated the same way on the code before the hot-path work of
+  issue 9 (0.387 ms + 0.794 us per active request).
+
+Per setup it prints each charge's median [min-max] over the seeds, then the ratios of the
+medians to the free scheduler: what the hot path bought on simulated GPUs, and what the
+scheduler still costs.
+
+    python -m benchmarks.scheduler_charge [--seeds 3] [--setups h200-a,h200-c] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from tokenflow.metrics import Summary
+from tokenflow.report import format_spread_table
+from tokenflow.sim.overhead import SchedulerOverhead, default_overhead
+from tokenflow.sim.runner import run_simulation, setup_config
+from tokenflow.sim.setups import get_setup, paper_setups
+from tokenflow.workload import generate
+
+POLICY = "tokenflow"
+CHARGES: dict[str, SchedulerOverhead | None] = {
+    "none": SchedulerOverhead(0.0, 0.0),
+    "now": None,  # the calibrated default
+    "before": SchedulerOverhead(0.387e-3, 0.794e-6),
+}
+RATIO_KEYS = (
+    ("throughput_tps", "raw tok/s"),
+    ("effective_throughput_tps", "eff tok/s"),
+    ("qoe_mean", "QoE"),
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    setup: str
+    charge: str
+    seed: int
+
+
+def run_job(job: Job) -> tuple[Job, Summary]:
+    """Simulate one (setup, charge, seed) in a worker process."""
+    setup = get_setup(job.setup, seed=job.seed)
+    config = setup_config(setup, scheduler_overhead=CHARGES[job.charge])
+    return job, run_simulation(generate(setup.workload), POLICY, config).summary
+
+
+def charge_text(name: str) -> str:
+    overhead = CHARGES[name] or default_overhead(POLICY)
+    return f"{overhead.fixed_s * 1e3:.3f} ms + {overhead.per_request_s * 1e6:.3f} us x active"
+
+
+def ratios(rounds: list[dict[str, Summary]]) -> str:
+    """Each charge's medians over the seeds, as ratios to the free scheduler's."""
+
+    def median(charge: str, key: str) -> float:
+        return statistics.median(getattr(one[charge], key) for one in rounds)
+
+    cells = []
+    for charge in CHARGES:
+        if charge != "none":
+            parts = (f"{median(charge, k) / median('none', k):.3f}x {t}" for k, t in RATIO_KEYS)
+            cells.append(f"{charge}: " + ", ".join(parts))
+    return "  against none: " + "; ".join(cells)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--setups", default=",".join(paper_setups()))
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    setups = args.setups.split(",")
+    for name in setups:
+        get_setup(name)  # (ValueError naming the valid setups)
+    jobs = [Job(s, c, seed) for s in setups for c in CHARGES for seed in range(args.seeds)]
+    results: dict[Job, Summary] = {}
+    with multiprocessing.Pool(max(1, args.workers)) as pool:
+        for job, summary in tqdm(pool.imap_unordered(run_job, jobs), total=len(jobs)):
+            results[job] = summary
+    for name in CHARGES:
+        print(f"{name}: {charge_text(name)}")
+    for setup in setups:
+        rounds = [{c: results[Job(setup, c, seed)] for c in CHARGES} for seed in range(args.seeds)]
+        print(f"\n{setup} ({POLICY}, {args.seeds} seeds, median [min-max])")
+        print(format_spread_table(rounds, label="charge"))
+        print(ratios(rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
