@@ -13,6 +13,7 @@ medians to the free scheduler: what the hot path bought on simulated GPUs, and w
 scheduler still costs.
 
     python -m benchmarks.scheduler_charge [--seeds 3] [--setups h200-a,h200-c] [--workers 2]
+                                          [--plot docs/results/scheduler_charge.png]
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import multiprocessing
 import statistics
 from dataclasses import dataclass
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from tokenflow.metrics import Summary
@@ -77,11 +80,36 @@ def ratios(rounds: list[dict[str, Summary]]) -> str:
     return "  against none: " + "; ".join(cells)
 
 
+def plot(path: str, by_setup: dict[str, list[dict[str, Summary]]]) -> None:
+    """Per setup, each charge's median raw and effective throughput relative to the free
+    scheduler's, as grouped bars (one panel per metric)."""
+    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    charged = [c for c in CHARGES if c != "none"]
+    width = 0.8 / len(charged)
+    for ax, (key, title) in zip(figure.subplots(1, 2), RATIO_KEYS[:2], strict=True):
+        for index, charge in enumerate(charged):
+            values = []
+            for rounds in by_setup.values():
+                free = statistics.median(getattr(one["none"], key) for one in rounds)
+                values.append(statistics.median(getattr(one[charge], key) for one in rounds) / free)
+            shift = (index - (len(charged) - 1) / 2) * width
+            xs = [i + shift for i in range(len(by_setup))]
+            ax.bar(xs, values, width, label=f"{charge}: {charge_text(charge)}", color=f"C{index}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(by_setup)), list(by_setup))
+        ax.set_ylim(0.9, 1.06)
+        ax.set(title=f"{POLICY}: {title} against a free scheduler", ylabel="ratio of medians")
+        ax.legend(fontsize=8)
+    figure.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--setups", default=",".join(paper_setups()))
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--plot", help="also write the ratios as a PNG to this path")
     args = parser.parse_args()
     setups = args.setups.split(",")
     for name in setups:
@@ -93,11 +121,16 @@ def main() -> int:
             results[job] = summary
     for name in CHARGES:
         print(f"{name}: {charge_text(name)}")
-    for setup in setups:
-        rounds = [{c: results[Job(setup, c, seed)] for c in CHARGES} for seed in range(args.seeds)]
+    by_setup = {
+        setup: [{c: results[Job(setup, c, seed)] for c in CHARGES} for seed in range(args.seeds)]
+        for setup in setups
+    }
+    for setup, rounds in by_setup.items():
         print(f"\n{setup} ({POLICY}, {args.seeds} seeds, median [min-max])")
         print(format_spread_table(rounds, label="charge"))
         print(ratios(rounds))
+    if args.plot:
+        plot(args.plot, by_setup)
     return 0
 
 
