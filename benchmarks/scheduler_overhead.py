@@ -237,19 +237,23 @@ def in_run(sizes: list[int], steps: int) -> int:
     return 0
 
 
-def _median_us(run: Callable[[], object], repeats: int) -> float:
-    samples = []
+def _interleaved_medians_us(runs: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median microseconds of each of `runs`, timed in turn within every repeat (so that a
+    change of the machine's speed during the measurement moves all of them alike)."""
+    samples: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+        for run, times in zip(runs, samples, strict=True):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) * 1e6 for times in samples]
 
 
 def floor(sizes: list[int], repeats: int) -> int:
     """TokenFlow's decision beside the least work a decision on the same state needs: its
     moves built as the seam's objects, one attribute read of every member, and the C-level
-    sort of the residents by buffer that ranking them needs (medians, microseconds)."""
+    sort of the residents by buffer that ranking them needs (medians, microseconds, all four
+    timed in turn)."""
     print(
         f"{'active':>6s} {'moves':>6s} {'decision us':>12s} {'moves us':>9s} {'read us':>8s} "
         f"{'sort us':>8s} {'floor us':>9s} {'x floor':>8s}"
@@ -270,8 +274,8 @@ def floor(sizes: list[int], repeats: int) -> int:
         def order(running=view.running):
             sorted(running, key=_BY_BUFFER)
 
-        decided = _median_us(partial(policy.decide, view), repeats)
-        parts = [_median_us(run, repeats) for run in (build, read, order)]
+        runs = [partial(policy.decide, view), build, read, order]
+        decided, *parts = _interleaved_medians_us(runs, repeats)
         least = sum(parts)
         num_moves = len(moves.preemptions) + len(moves.starts)
         print(
