@@ -104,23 +104,25 @@ def busy_view(num_active: int, warm_steps: int = WARM_STEPS) -> SchedulingView:
     return core.scheduler.view(core.clock.now())
 
 
+def _one_step_ms(core, executor) -> float:
+    """One step of `core`: the scheduler's CPU ms (schedule + update, the executor excluded)."""
+    scheduler, clock = core.scheduler, core.clock
+    start = time.perf_counter()
+    plan = scheduler.schedule(clock.now())
+    middle = time.perf_counter()
+    result = executor.execute(plan)
+    resume = time.perf_counter()
+    scheduler.update(plan, result, clock.now())
+    return ((middle - start) + (time.perf_counter() - resume)) * 1e3
+
+
 def step_cpu_ms(name: str, num_active: int, warm_steps: int, steps: int) -> tuple[list[float], str]:
     """Scheduler CPU ms of each of `steps` steps (schedule + update, the executor excluded)
     while `name` serves from `busy_core`, and the state's composition when timing starts."""
     core, executor = busy_core(name, num_active, warm_steps)
-    scheduler, clock = core.scheduler, core.clock
-    state = composition(scheduler)
+    state = composition(core.scheduler)
     gc.collect()  # the earlier runs' garbage, so that no collection of it lands in a timed step
-    samples = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        plan = scheduler.schedule(clock.now())
-        middle = time.perf_counter()
-        result = executor.execute(plan)
-        resume = time.perf_counter()
-        scheduler.update(plan, result, clock.now())
-        samples.append(((middle - start) + (time.perf_counter() - resume)) * 1e3)
-    return samples, state
+    return [_one_step_ms(core, executor) for _ in range(steps)], state
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -154,16 +156,16 @@ def decision(policy: Policy):
     return policy.plan_moves
 
 
-def time_decision(view: SchedulingView, name: str, repeats: int) -> float:
-    config = view.config
-    policy = make_policy(name, config, TokenFlowConfig(), AndesConfig())
-    run = decision(policy)
-    samples = []
+def _interleaved_medians_us(runs: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median microseconds of each of `runs`, timed in turn within every repeat (so that a
+    change of the machine's speed during the measurement moves all of them alike)."""
+    samples: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
-        start = time.perf_counter()
-        run(view)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+        for run, times in zip(runs, samples, strict=True):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) * 1e6 for times in samples]
 
 
 def against_reference(sizes: list[int], repeats: int) -> int:
@@ -175,13 +177,8 @@ def against_reference(sizes: list[int], repeats: int) -> int:
     for size in sizes:
         view = busy_view(size)
         fast, reference = TokenFlowPolicy(TokenFlowConfig()), ReferencePolicy(TokenFlowConfig())
-        samples: dict[str, list[float]] = {"fast": [], "reference": []}
-        for _ in range(repeats):
-            for name, policy in (("fast", fast), ("reference", reference)):
-                start = time.perf_counter()
-                policy.decide(view)
-                samples[name].append(time.perf_counter() - start)
-        fast_ms, ref_ms = (statistics.median(samples[n]) * 1e3 for n in ("fast", "reference"))
+        runs = [partial(fast.decide, view), partial(reference.decide, view)]
+        fast_ms, ref_ms = (us / 1e3 for us in _interleaved_medians_us(runs, repeats))
         state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
         print(f"{size:6d} {state:>12s} {ref_ms:13.3f} {fast_ms:8.3f} {ref_ms / fast_ms:7.2f}x")
     return 0
@@ -198,14 +195,9 @@ def without_sums(sizes: list[int], repeats: int) -> int:
         bridge = replace(view, started_rates=None, resident_tokens=None)
         bare = replace(bridge, unsettled=None, running_by_arrival=None)
         views = {"queues": view, "bridge": bridge, "none": bare}
-        policies = {name: TokenFlowPolicy(TokenFlowConfig()) for name in views}
-        samples: dict[str, list[float]] = {name: [] for name in views}
-        for _ in range(repeats):
-            for name, decided in views.items():
-                start = time.perf_counter()
-                policies[name].decide(decided)
-                samples[name].append(time.perf_counter() - start)
-        ms = {name: statistics.median(samples[name]) * 1e3 for name in views}
+        runs = [partial(TokenFlowPolicy(TokenFlowConfig()).decide, v) for v in views.values()]
+        medians_us = _interleaved_medians_us(runs, repeats)
+        ms = {name: us / 1e3 for name, us in zip(views, medians_us, strict=True)}
         state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
         print(f"{size:6d} {state:>12s} {ms['queues']:10.3f} {ms['bridge']:10.3f} {ms['none']:8.3f}")
     return 0
@@ -235,18 +227,6 @@ def in_run(sizes: list[int], steps: int) -> int:
         mean, median = statistics.fmean(samples), statistics.median(samples)
         print(f"{size:6d} {len(samples):9d} {mean:8.3f} {median:9.3f} {p90:7.3f}", flush=True)
     return 0
-
-
-def _interleaved_medians_us(runs: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median microseconds of each of `runs`, timed in turn within every repeat (so that a
-    change of the machine's speed during the measurement moves all of them alike)."""
-    samples: list[list[float]] = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, times in zip(runs, samples, strict=True):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-    return [statistics.median(times) * 1e6 for times in samples]
 
 
 def floor(sizes: list[int], repeats: int) -> int:
@@ -287,18 +267,22 @@ def floor(sizes: list[int], repeats: int) -> int:
 
 
 def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
-    """Decision and per-step medians of every policy at every size."""
+    """Decision and per-step medians of every policy at every size, one policy after the
+    other (timed in turn, the policies evicted each other's data from the CPU caches and
+    every figure read ~20-30% higher in a trial; ratios drift with the machine instead)."""
     rows = []
     for size in sizes:
         view = busy_view(size)
         print(f"{size} active, decision state: {composition(view)}", file=sys.stderr)
         for name in POLICY_NAMES:
+            policy = make_policy(name, view.config, TokenFlowConfig(), AndesConfig())
+            decision_us = _interleaved_medians_us([partial(decision(policy), view)], repeats)[0]
             step_samples, state = step_cpu_ms(name, size, warm_steps=WARM_STEPS, steps=steps)
             rows.append(
                 {
                     "policy": name,
                     "num_active": size,
-                    "ms_per_decision": round(time_decision(view, name, repeats), 4),
+                    "ms_per_decision": round(decision_us / 1e3, 4),
                     "ms_per_step": round(statistics.median(step_samples), 4),
                     "step_state": state,
                 }
