@@ -66,16 +66,21 @@ def charge_text(name: str) -> str:
     return f"{overhead.fixed_s * 1e3:.3f} ms + {overhead.per_request_s * 1e6:.3f} us x active"
 
 
+def ratio_to_free(rounds: list[dict[str, Summary]], charge: str, key: str) -> float:
+    """`charge`'s median of `key` over the seeds, over the free scheduler's."""
+
+    def median(name: str) -> float:
+        return statistics.median(getattr(one[name], key) for one in rounds)
+
+    return median(charge) / median("none")
+
+
 def ratios(rounds: list[dict[str, Summary]]) -> str:
     """Each charge's medians over the seeds, as ratios to the free scheduler's."""
-
-    def median(charge: str, key: str) -> float:
-        return statistics.median(getattr(one[charge], key) for one in rounds)
-
     cells = []
     for charge in CHARGES:
         if charge != "none":
-            parts = (f"{median(charge, k) / median('none', k):.3f}x {t}" for k, t in RATIO_KEYS)
+            parts = (f"{ratio_to_free(rounds, charge, k):.3f}x {t}" for k, t in RATIO_KEYS)
             cells.append(f"{charge}: " + ", ".join(parts))
     return "  against none: " + "; ".join(cells)
 
@@ -89,10 +94,7 @@ def plot(path: str, by_setup: dict[str, list[dict[str, Summary]]]) -> None:
     width = 0.8 / len(charged)
     for ax, (key, title) in zip(figure.subplots(1, 2), RATIO_KEYS[:2], strict=True):
         for index, charge in enumerate(charged):
-            values = []
-            for rounds in by_setup.values():
-                free = statistics.median(getattr(one["none"], key) for one in rounds)
-                values.append(statistics.median(getattr(one[charge], key) for one in rounds) / free)
+            values = [ratio_to_free(rounds, charge, key) for rounds in by_setup.values()]
             shift = (index - (len(charged) - 1) / 2) * width
             xs = [i + shift for i in range(len(by_setup))]
             ax.bar(xs, values, width, label=f"{charge}: {charge_text(charge)}", color=f"C{index}")

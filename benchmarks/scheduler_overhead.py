@@ -55,8 +55,8 @@ from tokenflow.sim.runner import SimConfig, build_engine, make_request
 from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 WAITING_SHARE = 0.11  # of the active requests that arrive after the warm-up (never started)
-_BY_BUFFER = attrgetter("last_consume_s")
 WARM_STEPS = 500  # steps of service before timing: at 400 active ~256 running, ~50 preempted
+_BY_BUFFER = attrgetter("last_consume_s")
 
 
 def _burst(num_requests: int, first_id: int = 0, arrival_s: float = 0.0) -> list:
@@ -268,8 +268,8 @@ def floor(sizes: list[int], repeats: int) -> int:
 
 def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
     """Decision and per-step medians of every policy at every size, one policy after the
-    other (timed in turn, the policies evicted each other's data from the CPU caches and
-    every figure read ~20-30% higher in a trial; ratios drift with the machine instead)."""
+    other, as the targets were set (timed in turn, the policies evict each other's data
+    from the CPU caches: every figure read ~20-30% higher in a trial)."""
     rows = []
     for size in sizes:
         view = busy_view(size)
