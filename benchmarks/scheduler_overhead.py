@@ -24,6 +24,12 @@ buffer) beside TokenFlow's whole decision, and prints their ratio:
 
     python -m benchmarks.scheduler_overhead --floor --sizes 400,1000
 
+With --cold-mib N the per-step figures (table and --per-step) read an N MiB array between
+timed steps, as a forward pass on the CPU would, so the scheduler runs with cold CPU caches
+(64 MiB exceeds this machine's 32 MiB L3):
+
+    python -m benchmarks.scheduler_overhead --sizes 400 --cold-mib 64
+
 With --per-step it instead measures what the simulator charges: the scheduler's CPU time of
 whole steps (`schedule()` + `update()`, decisions included at their natural frequency, the
 executor excluded) while each policy serves the burst, and fits fixed + per-active-request
@@ -44,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from operator import attrgetter
+
+import numpy as np
 
 from tokenflow.core.config import AndesConfig, TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES, make_policy
@@ -116,13 +124,23 @@ def _one_step_ms(core, executor) -> float:
     return ((middle - start) + (time.perf_counter() - resume)) * 1e3
 
 
-def step_cpu_ms(name: str, num_active: int, warm_steps: int, steps: int) -> tuple[list[float], str]:
+def step_cpu_ms(
+    name: str, num_active: int, warm_steps: int, steps: int, cold_mib: int = 0
+) -> tuple[list[float], str]:
     """Scheduler CPU ms of each of `steps` steps (schedule + update, the executor excluded)
-    while `name` serves from `busy_core`, and the state's composition when timing starts."""
+    while `name` serves from `busy_core`, and the state's composition when timing starts.
+    With `cold_mib`, an array that large is read between steps (untimed), as a forward pass
+    on the CPU would, so the scheduler runs with the CPU caches cold."""
     core, executor = busy_core(name, num_active, warm_steps)
     state = composition(core.scheduler)
+    flush = np.ones(cold_mib * 2**20 // 8) if cold_mib else None
     gc.collect()  # the earlier runs' garbage, so that no collection of it lands in a timed step
-    return [_one_step_ms(core, executor) for _ in range(steps)], state
+    samples = []
+    for _ in range(steps):
+        if flush is not None:
+            flush.sum()
+        samples.append(_one_step_ms(core, executor))
+    return samples, state
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -133,13 +151,13 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
-def per_step(sizes: list[int], steps: int) -> int:
+def per_step(sizes: list[int], steps: int, cold_mib: int) -> int:
     """Print mean per-step CPU time per policy and size, and the fixed + per-request fit."""
     print(f"{'policy':10s} {'active':>6s} {'ms/step':>9s}  state")
     for name in POLICY_NAMES:
         ys = []
         for size in sizes:
-            samples, state = step_cpu_ms(name, size, warm_steps=WARM_STEPS, steps=steps)
+            samples, state = step_cpu_ms(name, size, WARM_STEPS, steps, cold_mib)
             ys.append(statistics.fmean(samples))
             print(f"{name:10s} {size:6d} {ys[-1]:9.3f}  {state}", flush=True)
         fixed, slope = fit_line([float(s) for s in sizes], ys)
@@ -266,7 +284,7 @@ def floor(sizes: list[int], repeats: int) -> int:
     return 0
 
 
-def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
+def side_by_side(sizes: list[int], repeats: int, steps: int, cold_mib: int) -> list[dict]:
     """Decision and per-step medians of every policy at every size, one policy after the
     other, as the targets were set (timed in turn, the policies evict each other's data
     from the CPU caches: every figure read ~20-30% higher in a trial)."""
@@ -277,7 +295,7 @@ def side_by_side(sizes: list[int], repeats: int, steps: int) -> list[dict]:
         for name in POLICY_NAMES:
             policy = make_policy(name, view.config, TokenFlowConfig(), AndesConfig())
             decision_us = _interleaved_medians_us([partial(decision(policy), view)], repeats)[0]
-            step_samples, state = step_cpu_ms(name, size, warm_steps=WARM_STEPS, steps=steps)
+            step_samples, state = step_cpu_ms(name, size, WARM_STEPS, steps, cold_mib)
             rows.append(
                 {
                     "policy": name,
@@ -333,10 +351,17 @@ def main() -> int:
         action="store_true",
         help="TokenFlow's decision beside the least work any decision on its state needs",
     )
+    parser.add_argument(
+        "--cold-mib",
+        type=int,
+        default=0,
+        help="read an array of this many MiB between timed steps (caches cold, as after a "
+        "forward pass on the CPU); 0: warm",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
-        return per_step(sizes, args.steps)
+        return per_step(sizes, args.steps, args.cold_mib)
     if args.against_reference:
         return against_reference(sizes, args.repeats)
     if args.in_run:
@@ -345,7 +370,7 @@ def main() -> int:
         return without_sums(sizes, args.repeats)
     if args.floor:
         return floor(sizes, args.repeats)
-    rows = side_by_side(sizes, args.repeats, args.steps)
+    rows = side_by_side(sizes, args.repeats, args.steps, args.cold_mib)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
