@@ -6,7 +6,11 @@ TokenFlow serves every paper setup over several seeds with three scheduler charg
 - none: the scheduler is free (what the simulator charged before it was honest);
 - now: the calibrated charge of this code (the default of every simulation);
 - before: the charge calibrated the same way on the code before the hot-path work of
-  issue 9 (0.387 ms + 0.794 us per active request).
+  issue 9 (0.387 ms + 0.794 us per active request);
+- cold: this code's charge with the CPU caches cold at every step (`python -m
+  benchmarks.scheduler_overhead --per-step --sizes 50,200,400,800 --steps 200 --cold-mib 64`,
+  twice: 0.564 ms + 0.972 us and 0.511 + 0.666, averaged), a bound from above on a GPU, where
+  the forward pass leaves more of the CPU caches to the scheduler.
 
 Per setup it prints each charge's median [min-max] over the seeds, then the ratios of the
 medians to the free scheduler: what the hot path bought on simulated GPUs, and what the
@@ -39,6 +43,7 @@ CHARGES: dict[str, SchedulerOverhead | None] = {
     "none": SchedulerOverhead(0.0, 0.0),
     "now": None,  # the calibrated default
     "before": SchedulerOverhead(0.387e-3, 0.794e-6),
+    "cold": SchedulerOverhead(0.538e-3, 0.819e-6),
 }
 RATIO_KEYS = (
     ("throughput_tps", "raw tok/s"),
