@@ -324,7 +324,7 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,400,1000")
     parser.add_argument("--repeats", type=int, default=200, help="timed decisions per policy")
@@ -358,7 +358,11 @@ def main() -> int:
         help="read an array of this many MiB between timed steps (caches cold, as after a "
         "forward pass on the CPU); 0: warm",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
         return per_step(sizes, args.steps, args.cold_mib)
