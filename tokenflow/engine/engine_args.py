@@ -97,70 +97,8 @@ class EngineArgs:
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """CLI options for every field (help from the field comments above)."""
         group = parser.add_argument_group("engine")
-        group.add_argument("--model", default=None, help="GGUF file or HF safetensors dir")
-        group.add_argument("--device", default="auto")
-        group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-        group.add_argument(
-            "--weights",
-            default="auto",
-            choices=["auto", "int4", "dense", "q8_0"],
-            help="auto: a GGUF's 4-bit weights stay packed on CPU (bf16 activations); "
-            "dense: dequantize to --dtype; q8_0 (llama-cpp executor): Q4_1 rewritten as Q8_0",
-        )
-        group.add_argument("--policy", default="tokenflow", choices=POLICY_NAMES)
-        for name in (
-            "block_size",
-            "device_kv_tokens",
-            "host_kv_tokens",
-            "max_model_len",
-            "max_num_seqs",
-            "max_prefill_tokens",
-            "chunk_tokens",
-            "max_num_requests",
-            "seed",
-        ):
-            default = next(f.default for f in fields(EngineArgs) if f.name == name)
-            group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
-        group.add_argument("--device-kv-fraction", type=float, default=None)
-        group.add_argument(
-            "--step-target-ms",
-            type=float,
-            default=EngineArgs.step_target_ms,
-            help="prefill chunks are sized so one step takes about this long",
-        )
-        group.add_argument(
-            "--num-threads",
-            type=int,
-            default=None,
-            help="torch CPU threads (default: all cores; 1 on a machine busy with other work)",
-        )
-        group.add_argument(
-            "--serial-below-tokens",
-            type=int,
-            default=EngineArgs.serial_below_tokens,
-            help="torch executor: CPU steps of fewer tokens (a few streams) run on one thread; "
-            "waking idle OpenMP workers costs more than they add there (0: all threads always)",
-        )
-        group.add_argument(
-            "--compile-decode",
-            action="store_true",
-            help="run decode-only steps through compiled graphs (a few percent faster here; "
-            "about 30 s more at start with an empty compiler cache, 3 s with a warm one)",
-        )
-        group.add_argument(
-            "--executor",
-            default=EngineArgs.executor,
-            choices=EXECUTORS,
-            help="torch: our PyTorch model; llama-cpp: the GGUF through llama.cpp (needs the "
-            "llamacpp extra; fastest at 1-8 streams on CPU, docs/results.md)",
-        )
-        group.add_argument(
-            "--default-rate",
-            type=float,
-            default=EngineArgs.default_rate_tps,
-            dest="default_rate_tps",
-            help="tokens/s for requests that state no stream_rate",
-        )
+        _add_model_arguments(group)
+        _add_runtime_arguments(group)
         _add_policy_arguments(parser.add_argument_group("tokenflow policy"))
 
     @classmethod
@@ -196,6 +134,78 @@ _POLICY_OPTIONS = {
     ),
     "max_stall_s": ("max_stall_s", "a stream stalled this long goes on the device first"),
 }
+
+
+def _add_model_arguments(group: argparse._ArgumentGroup) -> None:
+    """The model, where it runs, its weights, the policy and the integer sizes."""
+    group.add_argument("--model", default=None, help="GGUF file or HF safetensors dir")
+    group.add_argument("--device", default="auto")
+    group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    group.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "int4", "dense", "q8_0"],
+        help="auto: a GGUF's 4-bit weights stay packed on CPU (bf16 activations); "
+        "dense: dequantize to --dtype; q8_0 (llama-cpp executor): Q4_1 rewritten as Q8_0",
+    )
+    group.add_argument("--policy", default="tokenflow", choices=POLICY_NAMES)
+    for name in (
+        "block_size",
+        "device_kv_tokens",
+        "host_kv_tokens",
+        "max_model_len",
+        "max_num_seqs",
+        "max_prefill_tokens",
+        "chunk_tokens",
+        "max_num_requests",
+        "seed",
+    ):
+        default = next(f.default for f in fields(EngineArgs) if f.name == name)
+        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+
+
+def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
+    """How steps run (threads, chunk sizing, compiling, the executor) and the default rate."""
+    group.add_argument("--device-kv-fraction", type=float, default=None)
+    group.add_argument(
+        "--step-target-ms",
+        type=float,
+        default=EngineArgs.step_target_ms,
+        help="prefill chunks are sized so one step takes about this long",
+    )
+    group.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: all cores; 1 on a machine busy with other work)",
+    )
+    group.add_argument(
+        "--serial-below-tokens",
+        type=int,
+        default=EngineArgs.serial_below_tokens,
+        help="torch executor: CPU steps of fewer tokens (a few streams) run on one thread; "
+        "waking idle OpenMP workers costs more than they add there (0: all threads always)",
+    )
+    group.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="run decode-only steps through compiled graphs (a few percent faster here; "
+        "about 30 s more at start with an empty compiler cache, 3 s with a warm one)",
+    )
+    group.add_argument(
+        "--executor",
+        default=EngineArgs.executor,
+        choices=EXECUTORS,
+        help="torch: our PyTorch model; llama-cpp: the GGUF through llama.cpp (needs the "
+        "llamacpp extra; fastest at 1-8 streams on CPU, docs/results.md)",
+    )
+    group.add_argument(
+        "--default-rate",
+        type=float,
+        default=EngineArgs.default_rate_tps,
+        dest="default_rate_tps",
+        help="tokens/s for requests that state no stream_rate",
+    )
 
 
 def _add_policy_arguments(group: argparse._ArgumentGroup) -> None:

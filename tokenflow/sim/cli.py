@@ -35,7 +35,19 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--model", default=None, help="llama3-8b, qwen2-7b, qwen2.5-32b")
     hw.add_argument("--memory-fraction", type=float, default=None, help="GPU memory for weights+KV")
     hw.add_argument("--host-memory-gib", type=float, default=None, help="host KV tier size")
-    tf = parser.add_argument_group("tokenflow policy and ablations")
+    _add_policy_arguments(parser.add_argument_group("tokenflow policy and ablations"))
+    _add_cost_arguments(
+        parser.add_argument_group("costs (defaults: the GPU preset's, see docs/results.md)")
+    )
+    add_workload_arguments(parser, default_kind=None)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", default=None, help="write one object per policy to this file")
+    out.add_argument("--plot", default=None, help="write headline bars and timelines (PNG)")
+    out.add_argument("--no-progress", action="store_true")
+
+
+def _add_policy_arguments(tf: argparse._ArgumentGroup) -> None:
+    """TokenFlow's options and the ablations of its mechanism."""
     tf.add_argument("--schedule-interval", type=float, default=TokenFlowConfig.schedule_interval_s)
     tf.add_argument("--mu", type=float, default=TokenFlowConfig.buffer_conservativeness)
     tf.add_argument(
@@ -67,7 +79,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="ablation: a victim's memory is reusable only once its eviction completes",
     )
-    cost = parser.add_argument_group("costs (defaults: the GPU preset's, see docs/results.md)")
+
+
+def _add_cost_arguments(cost: argparse._ArgumentGroup) -> None:
+    """Overrides of the GPU preset's copy and scheduler costs."""
     cost.add_argument("--pcie-gbps", type=float, default=None, help="effective GB/s per direction")
     cost.add_argument("--copy-latency-us", type=float, default=None, help="per copy operation")
     cost.add_argument(
@@ -88,11 +103,6 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="scheduler CPU us per step per unfinished request (with --sched-overhead-ms)",
     )
-    add_workload_arguments(parser, default_kind=None)
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", default=None, help="write one object per policy to this file")
-    out.add_argument("--plot", default=None, help="write headline bars and timelines (PNG)")
-    out.add_argument("--no-progress", action="store_true")
 
 
 def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimConfig]:
