@@ -248,19 +248,8 @@ class OpenAIServing:
                 await self._race_disconnect(asyncio.shield(progress.pending), wait_for_disconnect)
             if progress.pending.done():
                 progress.pending.result()  # raises a refusal or an early failure
-        except EngineOverloaded as exc:
-            retry_after = str(max(1, math.ceil(exc.retry_after_s)))
-            raise ApiError(
-                429,
-                str(exc),
-                type="server_overloaded",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": retry_after},
-            ) from exc
-        except EngineRequestError as exc:
-            raise ApiError(400, str(exc)) from exc
-        except EngineDead as exc:
-            raise ApiError(503, f"the engine is not running: {exc}", type="server_error") from exc
+        except (EngineOverloaded, EngineRequestError, EngineDead) as exc:
+            raise _refusal(exc) from exc
         except StopAsyncIteration:
             message = "the engine ended the request without output"
             raise ApiError(500, message, type="server_error") from None
@@ -385,6 +374,23 @@ class OpenAIServing:
 
 # A non-streaming body, or the SSE frames of a streaming one.
 ServeResult = CompletionResponse | ChatCompletionResponse | SseStream
+
+
+def _refusal(exc: EngineOverloaded | EngineRequestError | EngineDead) -> ApiError:
+    """The status a refused request gets: 429 with Retry-After when the engine is full, 400
+    for a request it cannot take, 503 when it is down."""
+    if isinstance(exc, EngineOverloaded):
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        return ApiError(
+            429,
+            str(exc),
+            type="server_overloaded",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": retry_after},
+        )
+    if isinstance(exc, EngineRequestError):
+        return ApiError(400, str(exc))
+    return ApiError(503, f"the engine is not running: {exc}", type="server_error")
 
 
 def _engine_error_message(exc: BaseException) -> str:
