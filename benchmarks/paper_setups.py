@@ -26,6 +26,7 @@ import multiprocessing
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -276,6 +277,7 @@ def header(meta: dict) -> list[str]:
 
 
 def write_report(args: argparse.Namespace, results: dict[Job, dict], meta: dict) -> None:
+    """Per setup a JSON file and a plot under `args.out`, a summary.json, and the markdown."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     all_targets, per_setup_lines = {}, []
@@ -283,32 +285,15 @@ def write_report(args: argparse.Namespace, results: dict[Job, dict], meta: dict)
         per_policy = {p: s for p in args.policies if (s := spreads_of(results, setup, p))}
         if not per_policy:
             continue
-        runs = {
-            p: [
-                r
-                for j, r in sorted(results.items(), key=lambda x: x[0].seed)
-                if (j.setup, j.policy, j.variant) == (setup, p, "full")
-            ]
-            for p in per_policy
-        }
-        extra = {
+        runs = _full_runs(results, setup, per_policy)
+        _write_setup(out, setup, per_policy, runs, meta)
+        if "tokenflow" in per_policy and "fcfs" in per_policy:
+            all_targets[setup] = targets(setup, per_policy["tokenflow"], per_policy["fcfs"])
+        preemptions = {
             p: int(sorted(r["summary"]["num_preemptions"] for r in runs[p])[len(runs[p]) // 2])
             for p in per_policy
         }
-        setup_json = {
-            "setup": setup,
-            "description": paper_setups()[setup].description,
-            **meta,
-            "policies": {
-                p: {"spread": {k: v.to_dict() for k, v in per_policy[p].items()}, "runs": runs[p]}
-                for p in per_policy
-            },
-        }
-        (out / f"{setup}.json").write_text(json.dumps(setup_json, indent=1) + "\n")
-        plot_spread(out / f"{setup}.png", setup, per_policy)
-        if "tokenflow" in per_policy and "fcfs" in per_policy:
-            all_targets[setup] = targets(setup, per_policy["tokenflow"], per_policy["fcfs"])
-        per_setup_lines += setup_section(setup, per_policy, extra)
+        per_setup_lines += setup_section(setup, per_policy, preemptions)
     ablations = {
         setup: {
             v: s["makespan_s"]
@@ -326,7 +311,42 @@ def write_report(args: argparse.Namespace, results: dict[Job, dict], meta: dict)
         },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    md = Path(args.markdown)
+    _write_markdown(Path(args.markdown), meta, all_targets, ablations, per_setup_lines)
+
+
+def _full_runs(results: dict[Job, dict], setup: str, policies: Iterable[str]) -> dict[str, list]:
+    """Each policy's runs of the full system on `setup`, by seed."""
+    return {
+        p: [
+            r
+            for j, r in sorted(results.items(), key=lambda x: x[0].seed)
+            if (j.setup, j.policy, j.variant) == (setup, p, "full")
+        ]
+        for p in policies
+    }
+
+
+def _write_setup(
+    out: Path, setup: str, per_policy: dict[str, dict], runs: dict[str, list], meta: dict
+) -> None:
+    """`<setup>.json` (spreads and runs of every policy) and `<setup>.png`."""
+    setup_json = {
+        "setup": setup,
+        "description": paper_setups()[setup].description,
+        **meta,
+        "policies": {
+            p: {"spread": {k: v.to_dict() for k, v in per_policy[p].items()}, "runs": runs[p]}
+            for p in per_policy
+        },
+    }
+    (out / f"{setup}.json").write_text(json.dumps(setup_json, indent=1) + "\n")
+    plot_spread(out / f"{setup}.png", setup, per_policy)
+
+
+def _write_markdown(
+    md: Path, meta: dict, all_targets: dict, ablations: dict, per_setup_lines: list[str]
+) -> None:
+    """docs/results.md: the header, the kept notes, the targets, ablations and every setup."""
     lines = header(meta) + ["", keep_notes(md), "", "## TokenFlow against FCFS: the targets", ""]
     lines.append(
         "Medians over seeds, tokenflow / fcfs. Targets (issue 7): P99 TTFT <= fcfs everywhere "

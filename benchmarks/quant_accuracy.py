@@ -168,6 +168,22 @@ def evaluate(loaded, prompts, reference_single, reference_batched, reference_log
     )
 
 
+def load_path(path: str, threads: int, calibration_ids: list[int]):
+    """The model of one path of the table: a baseline, llama.cpp, or an int8 conversion."""
+    if path == "dense-bf16":
+        return load_model(None, "cpu", torch.bfloat16, weights="dense")
+    if path == "int4":
+        return load_model(None, "cpu", None, weights="int4")  # the default: bf16
+    if path.startswith("llamacpp-"):
+        return LlamaCppPath.load(path.removeprefix("llamacpp-"), threads)
+    if path.startswith("int8-head-"):  # the default model with an int8 LM head
+        loaded = load_model(None, "cpu", None, weights="int4")
+    else:
+        loaded = load_model(None, "cpu", torch.float32, weights="dense")
+    convert(loaded.model, loaded.config, path.removeprefix("int8-"), calibration_ids)
+    return loaded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48)
@@ -200,18 +216,7 @@ def main() -> None:
     paths += [f"llamacpp-{weights}" for weights in args.llamacpp]
     for path in paths:
         start = time.perf_counter()
-        if path == "dense-bf16":
-            loaded = load_model(None, "cpu", torch.bfloat16, weights="dense")
-        elif path == "int4":
-            loaded = load_model(None, "cpu", None, weights="int4")  # the default: bf16
-        elif path.startswith("llamacpp-"):
-            loaded = LlamaCppPath.load(path.removeprefix("llamacpp-"), args.threads)
-        elif path.startswith("int8-head-"):  # the default model with an int8 LM head
-            loaded = load_model(None, "cpu", None, weights="int4")
-            convert(loaded.model, loaded.config, path.removeprefix("int8-"), calibration_ids)
-        else:
-            loaded = load_model(None, "cpu", torch.float32, weights="dense")
-            convert(loaded.model, loaded.config, path.removeprefix("int8-"), calibration_ids)
+        loaded = load_path(path, args.threads, calibration_ids)
         acc = evaluate(loaded, prompts, ref_single, ref_batched, ref_logits, args.tokens)
         print(
             f"{path:>16} {acc.agree_single_tokens:>8}/{total:<6} {acc.agree_batched_tokens:>7}/"
