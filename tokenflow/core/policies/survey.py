@@ -16,6 +16,7 @@ from operator import add, attrgetter, floordiv
 from typing import NamedTuple
 
 from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.kv_manager import KVTierManager
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.pricing import (
     Costs,
@@ -216,51 +217,31 @@ def _candidates(
     costs: Costs,
 ) -> list[Candidate]:
     """A candidate per member: the decision's inner loop (plain arithmetic on attributes)."""
-    now = view.now_s
-    kv = view.kv
+    now, kv = view.now_s, view.kv
     bs = kv.block_size
-    seconds_per_block = costs.seconds_per_block
     dt = config.schedule_interval_s
     inv_dt, inv_horizon = 1.0 / dt, 1.0 / config.value_horizon_s
     stall_dt, switch = config.stall_penalty * dt, config.switch_penalty * dt
     exp = math.exp
-    free_host = kv.num_free_host_blocks
     critical, max_stall = config.critical_slack_s, config.max_stall_s
-    prefill_s = costs.prefill_s
-    resume_of, queue_s, min_threshold = costs.resume_of, costs.queue_s, costs.min_threshold_s
+    min_threshold = costs.min_threshold_s
     candidates: list[Candidate] = []
     for r in members:
         num_out = len(r.output_token_ids)
         num_tokens = r.num_tokens
-        max_tokens = r.sampling_params.max_tokens
         buffered = r.last_consume_s - now if num_out else 0.0
         if buffered < 0.0:
             buffered = 0.0
         state = r.state
         resident = state is _RUNNING or state is _LOADING
-        remaining = max_tokens - num_out
+        remaining = r.sampling_params.max_tokens - num_out
         extra = growth if growth < remaining else remaining
         footprint = -(-(num_tokens + (extra if extra > 1 else 1)) // bs)
         decoding = state is _RUNNING and num_out > 0 and r.num_computed_tokens >= num_tokens - 1
-        pausable = False
-        reclaim = unsynced = 0
+        pausable, reclaim, unsynced = False, 0, 0
         if decoding and buffered >= min_threshold:
-            computed, synced = r.num_computed_tokens, kv.synced_tokens(r.request_id)
-            unsynced = kv.blocks_for(computed) - synced // bs
-            # Pausing needs host room for the unsynced rest, or the KV would be dropped and
-            # recomputed (a preemption then costs compute instead of link time).
-            pausable = unsynced <= free_host and buffered >= (
-                pause_threshold_s(config, computed, synced, bs, seconds_per_block, queue_s)
-            )
-            if pausable:
-                reclaim = kv.num_device_blocks_of(r.request_id)
-            else:
-                unsynced = 0
-        resume = 0.0
-        if state is _PREEMPTED:
-            resume = resume_of.get(r.request_id)
-            if resume is None:  # a member surveyed outside the view's preempted list
-                resume = resume_time_s(r, kv, seconds_per_block, prefill_s)
+            pausable, reclaim, unsynced = _pause_test(config, kv, r, buffered, costs)
+        resume = _resume_s(r, kv, costs) if state is _PREEMPTED else 0.0
         # slack: seconds until the reader wants a token that does not exist (< 0: stalling)
         slack = r.dry_s - now if num_out else 0.0
         # utility(), inlined: this loop runs over every listed member at every decision
@@ -268,19 +249,36 @@ def _candidates(
         score = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
         if not resident:
             score -= switch
-        candidates.append(
-            Candidate(
-                r,
-                score,
-                footprint,
-                resident,
-                resident and not pausable,
-                pausable,
-                num_out > 0 and slack < critical,
-                num_out > 0 and slack <= -max_stall,
-                reclaim,
-                unsynced,
-                resume,
-            )
-        )
+        urgent, overdue = num_out > 0 and slack < critical, num_out > 0 and slack <= -max_stall
+        pinned = resident and not pausable
+        fields = (r, score, footprint, resident, pinned, pausable, urgent, overdue)
+        candidates.append(Candidate(*fields, reclaim, unsynced, resume))
     return candidates
+
+
+def _pause_test(
+    config: TokenFlowConfig, kv: KVTierManager, r: Request, buffered: float, costs: Costs
+) -> tuple[bool, int, int]:
+    """(Whether decoding `r` with `buffered` seconds of reading can be paused safely, the
+    device blocks a pause reclaims, the host blocks its unsynced tail takes; 0, 0 unless
+    pausable)."""
+    bs = kv.block_size
+    computed, synced = r.num_computed_tokens, kv.synced_tokens(r.request_id)
+    unsynced = kv.blocks_for(computed) - synced // bs
+    # Pausing needs host room for the unsynced rest, or the KV would be dropped and
+    # recomputed (a preemption then costs compute instead of link time).
+    threshold = pause_threshold_s(
+        config, computed, synced, bs, costs.seconds_per_block, costs.queue_s
+    )
+    if unsynced <= kv.num_free_host_blocks and buffered >= threshold:
+        return True, kv.num_device_blocks_of(r.request_id), unsynced
+    return False, 0, 0
+
+
+def _resume_s(r: Request, kv: KVTierManager, costs: Costs) -> float:
+    """A paused member's resume time: the decision's, or priced here for one surveyed outside
+    the view's preempted list."""
+    resume = costs.resume_of.get(r.request_id)
+    if resume is None:
+        resume = resume_time_s(r, kv, costs.seconds_per_block, costs.prefill_s)
+    return resume
