@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.client import (
+    EngineDead,
     EngineHealth,
     EngineOverloaded,
     EngineRequestError,
@@ -76,7 +77,7 @@ class FakeEngine:
     aborted_ids: list[str] = field(default_factory=list)
     submitted: list[tuple[str, SamplingParams, float]] = field(default_factory=list)
     num_finished: int = 0
-    death: str | None = None  # health() reports the loop dead with this reason
+    death: str | None = None  # health() reports the loop dead, generate() raises EngineDead
     seconds_since_tick: float = 0.0
 
     async def generate(
@@ -86,6 +87,8 @@ class FakeEngine:
         sampling_params: SamplingParams,
         rate_tps: float,
     ) -> AsyncIterator[GenerationDelta]:
+        if self.death is not None:
+            raise EngineDead(self.death)
         if self.max_num_requests is not None and len(self.active_ids) >= self.max_num_requests:
             raise EngineOverloaded("too many requests waiting", retry_after_s=self.retry_after_s)
         limit = self.reject_prompts_longer_than

@@ -1,4 +1,4 @@
-"""Every bad input is an OpenAI-shaped error: 400 (never 422), 404, 429, 401."""
+"""Every bad input is an OpenAI-shaped error: 400 (never 422), 404, 429, 401; a dead engine 503."""
 
 from __future__ import annotations
 
@@ -209,3 +209,15 @@ async def test_api_key() -> None:
         right = {"Authorization": "Bearer sesame"}
         assert (await http.post(COMPLETIONS, json=body, headers=right)).status_code == 200
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_a_dead_engine_is_503_for_streams_and_plain_requests() -> None:
+    engine = FakeEngine(death="the engine loop died: boom")
+    transport = httpx.ASGITransport(app=build_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for stream in (False, True):
+            body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+            error = assert_error(await http.post(COMPLETIONS, json=body), 503)
+            assert error["type"] == "server_error"
+            assert "not running" in error["message"] and "boom" in error["message"]
+    assert engine.submitted == []
