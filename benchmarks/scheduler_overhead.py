@@ -174,7 +174,7 @@ def decision(policy: Policy):
     return policy.plan_moves
 
 
-def _interleaved_medians_us(runs: list[Callable[[], object]], repeats: int) -> list[float]:
+def interleaved_medians_us(runs: list[Callable[[], object]], repeats: int) -> list[float]:
     """Median microseconds of each of `runs`, timed in turn within every repeat (so that a
     change of the machine's speed during the measurement moves all of them alike)."""
     samples: list[list[float]] = [[] for _ in runs]
@@ -196,7 +196,7 @@ def against_reference(sizes: list[int], repeats: int) -> int:
         view = busy_view(size)
         fast, reference = TokenFlowPolicy(TokenFlowConfig()), ReferencePolicy(TokenFlowConfig())
         runs = [partial(fast.decide, view), partial(reference.decide, view)]
-        fast_ms, ref_ms = (us / 1e3 for us in _interleaved_medians_us(runs, repeats))
+        fast_ms, ref_ms = (us / 1e3 for us in interleaved_medians_us(runs, repeats))
         state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
         print(f"{size:6d} {state:>12s} {ref_ms:13.3f} {fast_ms:8.3f} {ref_ms / fast_ms:7.2f}x")
     return 0
@@ -214,7 +214,7 @@ def without_sums(sizes: list[int], repeats: int) -> int:
         bare = replace(bridge, unsettled=None, running_by_arrival=None)
         views = {"queues": view, "bridge": bridge, "none": bare}
         runs = [partial(TokenFlowPolicy(TokenFlowConfig()).decide, v) for v in views.values()]
-        medians_us = _interleaved_medians_us(runs, repeats)
+        medians_us = interleaved_medians_us(runs, repeats)
         ms = {name: us / 1e3 for name, us in zip(views, medians_us, strict=True)}
         state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
         print(f"{size:6d} {state:>12s} {ms['queues']:10.3f} {ms['bridge']:10.3f} {ms['none']:8.3f}")
@@ -273,7 +273,7 @@ def floor(sizes: list[int], repeats: int) -> int:
             sorted(running, key=_BY_BUFFER)
 
         runs = [partial(policy.decide, view), build, read, order]
-        decided, *parts = _interleaved_medians_us(runs, repeats)
+        decided, *parts = interleaved_medians_us(runs, repeats)
         least = sum(parts)
         num_moves = len(moves.preemptions) + len(moves.starts)
         print(
@@ -294,7 +294,7 @@ def side_by_side(sizes: list[int], repeats: int, steps: int, cold_mib: int) -> l
         print(f"{size} active, decision state: {composition(view)}", file=sys.stderr)
         for name in POLICY_NAMES:
             policy = make_policy(name, view.config, TokenFlowConfig(), AndesConfig())
-            decision_us = _interleaved_medians_us([partial(decision(policy), view)], repeats)[0]
+            decision_us = interleaved_medians_us([partial(decision(policy), view)], repeats)[0]
             step_samples, state = step_cpu_ms(name, size, WARM_STEPS, steps, cold_mib)
             rows.append(
                 {
