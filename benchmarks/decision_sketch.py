@@ -69,7 +69,8 @@ class Sketch:
         bs, synced_of = kv.block_size, kv.synced_tokens_of
         per_block_s = kv.config.block_bytes / view.config.link_bytes_per_s
         dt, inv_horizon = cfg.schedule_interval_s, 1.0 / cfg.value_horizon_s
-        stall_dt, switch, exp = cfg.stall_penalty * dt, cfg.switch_penalty * dt, math.exp
+        inv_dt, stall_dt, switch = 1.0 / dt, cfg.stall_penalty * dt, cfg.switch_penalty * dt
+        exp = math.exp
         step_s, token_s, fixed = est.prefill_step_s, est.prefill_token_s, self._fixed
         rows, queue_s = [], 0.0
         for r in view.preempted:
@@ -80,12 +81,16 @@ class Sketch:
                 num_tokens, computed, synced = key
                 resume = step_s + num_tokens * token_s
                 if computed > 0 and synced >= computed:
-                    resume = min(resume, -(-computed // bs) * per_block_s)
+                    load = -(-computed // bs) * per_block_s
+                    resume = load if load < resume else resume
                 entry = fixed[rid] = (key, resume, -(-(num_tokens + growth) // bs))
             queue_s += entry[1]
-            buffered = max(r.last_consume_s - now, 0.0)
-            value = max(1.0 - buffered * inv_horizon, 0.0)
-            utility = value * dt + stall_dt * exp(-buffered / dt) - switch
+            buffered = r.last_consume_s - now
+            if buffered < 0.0:
+                buffered = 0.0
+            value = 1.0 - buffered * inv_horizon
+            utility = (value if value > 0.0 else 0.0) * dt + stall_dt * exp(-buffered * inv_dt)
+            utility -= switch
             rows.append((-utility, -r.rate_tps, r.arrival_s, r.arrival_index, entry[1], r))
         return rows, queue_s
 
@@ -109,7 +114,7 @@ class Sketch:
         utility = budget_s + cfg.stall_penalty * budget_s - cfg.switch_penalty * budget_s
         rate_sum, tokens, num_over = 0.0, 0, 0
         for r in view.waiting[: self.num_joins]:
-            rate = min(r.rate_tps, rate_cap)
+            rate = r.rate_tps if r.rate_tps <= rate_cap else rate_cap
             tokens += r.num_tokens
             paced = -(-tokens // max_step) * step_s + tokens * token_s
             need = -(-r.num_tokens // bs)
