@@ -14,8 +14,9 @@ figures must do at the least:
 
 It skips all that finds those figures exactly: the exact pause test near the threshold, ties
 of equal utility, the memory check, the degraded order, every bound and fallback.  So its time
-is a lower bound for a decision written as plain CPython that makes the same moves: if the
-sketch misses a time target, so would any such decision.
+bounds from below a plain-CPython decision of this design (every paused member priced, every
+joining request admitted, the others ordered, every move built) that makes the same moves; a
+design that kept the paused members' prices and order on events could skip those two parts.
 
     python -m benchmarks.decision_sketch [--sizes 400,1000] [--repeats 300]
 """
