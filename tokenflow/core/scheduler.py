@@ -1,19 +1,20 @@
 """The scheduler: turns a policy's decisions into a `StepPlan`, and a `StepResult` into outputs.
 
-`schedule(now)` runs five named phases: policy moves -> preemptions -> starts -> chunks (with
-out-of-memory retraction) -> copies (loads, then write-through).  `update()` applies the step:
-the executor's tokens meet the requests kept in chunk order (`TokenAppender`, appender.py).
+`schedule(now)` runs five named phases: policy moves -> preemptions -> starts -> chunks
+(`ChunkBuilder`, chunker.py; the scheduler retracts victims where a decode finds no block) ->
+copies (loads, then write-through).  `update()` applies the step: the executor's tokens meet
+the requests kept in chunk order (`TokenAppender`, appender.py).
 """
 
 from __future__ import annotations
 
 from tokenflow.core.appender import TokenAppender, check_sampled
+from tokenflow.core.chunker import ChunkBuilder
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.plan import (
     BlockCopy,
-    ChunkCounts,
     RequestOutput,
     ScheduledChunk,
     StepPlan,
@@ -54,13 +55,11 @@ class Scheduler:
         self._evict_copies: list[BlockCopy] = []
         self._loads_completing: list[Request] = []
         self._step_started_s = 0.0
-        self._sent_blocks: dict[str, int] = {}  # leading table entries the executor knows
         self._output_limits: dict[str, int] = {}  # max_tokens, or less where max_model_len ends it
-        # The last plan and its chunks' requests in chunk order (the decodes come first), kept
-        # for `update`: it walks them beside the chunks instead of looking each one up.
+        # The last plan, kept for `update`: it walks its chunks beside their requests (kept in
+        # chunk order by the chunk builder) instead of looking each one up.
         self._planned: StepPlan | None = None
-        self._decoding: list[Request] = []
-        self._prefilling: list[Request] = []
+        self._chunks = ChunkBuilder(self.kv, self.queues, config, policy, self._grow_or_retract)
         self._appender = TokenAppender(
             self.queues,
             kv_config.block_size,
@@ -105,7 +104,7 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.queues.remove(request)
-        self._sent_blocks.pop(request.request_id, None)
+        self._chunks.forget(request.request_id)
         request.finish_reason = reason
         request.state = (
             RequestState.ABORTED if reason is FinishReason.ABORT else RequestState.FINISHED
@@ -156,7 +155,7 @@ class Scheduler:
         for preemption in moves.preemptions:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
         self._apply_starts(moves.starts)
-        chunks, counts = self._build_chunks(view)
+        chunks, counts = self._chunks.build(view)
         budget = self._copy_budget_blocks(len(chunks))  # per link direction
         loads = self._plan_loads(budget)
         writes = self._plan_write_through(view, budget - len(self._evict_copies))
@@ -188,7 +187,7 @@ class Scheduler:
             self.kv.drop(request.request_id)
             request.num_computed_tokens = 0
         self.queues.pause(request)
-        self._sent_blocks.pop(request.request_id, None)  # its next table comes whole
+        self._chunks.forget(request.request_id)  # its next table comes whole
         request.num_preemptions += 1
         self.num_preemptions_total += 1
 
@@ -213,116 +212,7 @@ class Scheduler:
                 state = RequestState.RUNNING
             self.queues.enter_device(request, state)
 
-    # -- chunks ---------------------------------------------------------------------------------
-    def _build_chunks(self, view: SchedulingView) -> tuple[list[ScheduledChunk], ChunkCounts]:
-        """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget):
-        the chunks, decodes first, and their counts.  Leaves the chunks' requests, in the same
-        order, in `_decoding` and `_prefilling`."""
-        decoding, prefills = self._split_residents()
-        self._decoding, self._prefilling = [], []
-        chunk_tokens = self.policy.prefill_chunk_tokens
-        if chunk_tokens is None and prefills:
-            chunks = self._prefill_chunks(prefills, self.config.max_prefill_tokens, whole=True)
-            return chunks, ChunkCounts.of(chunks)
-        decodes, context = self._decode_chunks(decoding, view)
-        if chunk_tokens is None:
-            return decodes, ChunkCounts(0, len(decodes), context)
-        prefills = [r for r in prefills if r.state is RequestState.RUNNING]  # (retractions)
-        chunks = self._prefill_chunks(prefills, chunk_tokens - len(decodes), whole=False)
-        odd = ChunkCounts.of(chunks)  # (a one-token chunk of a recompute counts as a decode)
-        counts = ChunkCounts(
-            odd.num_prefill_tokens,
-            len(decodes) + odd.num_decode_tokens,
-            context + odd.num_decode_context_tokens,
-        )
-        return decodes + chunks, counts
-
-    def _split_residents(self) -> tuple[list[Request], list[Request]]:
-        """(Decoding residents, prefilling ones), each in running order.  Only the unsettled
-        residents are looked at: every other one is decoding (`RequestQueues.unsettled`), and
-        so is every unsettled one but the loads and the running ones still prefilling."""
-        running, state = self.running, RequestState.RUNNING
-        prefilling = [
-            r
-            for r in self.queues.unsettled.values()
-            if r.state is state
-            and not (r.output_token_ids and r.num_computed_tokens >= r.num_tokens - 1)
-        ]
-        if not prefilling:
-            if not self.queues.loading:
-                return list(running), []
-            return [r for r in running if r.state is state], []  # (residents load or run)
-        odd = set(prefilling)
-        decodes = [r for r in running if r.state is state and r not in odd]
-        return decodes, list(filter(odd.__contains__, running))
-
-    def _prefill_chunks(
-        self, prefills: list[Request], budget: int, whole: bool
-    ) -> list[ScheduledChunk]:
-        chunks: list[ScheduledChunk] = []
-        for request in prefills:
-            remaining = request.num_tokens - request.num_computed_tokens
-            if whole and chunks and remaining > budget:
-                break
-            count = remaining if whole else min(remaining, budget)
-            if count <= 0:
-                break
-            if not self.kv.allocate(request.request_id, request.num_computed_tokens + count):
-                break
-            chunks.append(self._chunk(request, count))
-            self._prefilling.append(request)
-            budget -= count
-        return chunks
-
-    def _decode_chunks(
-        self, decodes: list[Request], view: SchedulingView
-    ) -> tuple[list[ScheduledChunk], int]:
-        """One token per stream; when a block cannot be had, retract a victim and retry.
-        Returns the chunks (their requests left in `_decoding`) and their context tokens."""
-        chunks: list[ScheduledChunk] = []
-        tables, block_size, no_table = self.kv.device_tables, self.kv.block_size, ()
-        sent_blocks, make, add = self._sent_blocks, ScheduledChunk, chunks.append
-        starts = 0  # the chunks' start positions, summed
-        retracted = False
-        for request in decodes:
-            rid = request.request_id
-            table = tables.get(rid, no_table)
-            num_blocks = len(table)
-            if request.num_tokens > num_blocks * block_size:
-                num_chunks = len(chunks)
-                grown = self._grow_or_retract(request, chunks, view)
-                if len(chunks) != num_chunks:  # victims' chunks were taken out: sum again
-                    starts = sum(c.start_position for c in chunks)
-                if not grown:
-                    retracted = True
-                    continue
-                retracted |= len(chunks) != num_chunks
-                table = tables[rid]
-                num_blocks = len(table)
-            sent = sent_blocks.get(rid, 0)
-            new_blocks: tuple[int, ...] = ()
-            if num_blocks != sent:
-                new_blocks = tuple(table[sent:])
-                sent_blocks[rid] = num_blocks
-            outputs, start = request.output_token_ids, request.num_computed_tokens
-            add(
-                make(
-                    rid,
-                    (outputs[-1],),
-                    start,
-                    new_blocks,
-                    sent,
-                    True,
-                    request.sampling_params,
-                    len(outputs),
-                )
-            )
-            starts += start
-        # Every stream that had to go (itself or as a victim) is off the device now.
-        running = RequestState.RUNNING
-        self._decoding = [r for r in decodes if r.state is running] if retracted else decodes
-        return chunks, starts + len(chunks)
-
+    # -- out of memory while building chunks (chunker.py calls this) ----------------------------
     def _grow_or_retract(
         self, request: Request, chunks: list[ScheduledChunk], view: SchedulingView
     ) -> bool:
@@ -345,21 +235,6 @@ class Scheduler:
             chunks[:] = [c for c in chunks if c.request_id != victim]
             self.new_token_ratio = self._init_ratio
         return request.state is RequestState.RUNNING
-
-    def _chunk(self, request: Request, count: int) -> ScheduledChunk:
-        rid, start = request.request_id, request.num_computed_tokens
-        table, sent = self.kv.device_tables.get(rid, ()), self._sent_blocks.get(rid, 0)
-        self._sent_blocks[rid] = len(table)
-        return ScheduledChunk(
-            request_id=rid,
-            token_ids=request.token_ids_from(start, count),
-            start_position=start,
-            new_block_ids=tuple(table[sent:]),
-            block_table_start=sent,
-            samples_token=start + count == request.num_tokens,
-            sampling_params=request.sampling_params,
-            num_output_tokens=len(request.output_token_ids),
-        )
 
     # -- copies ---------------------------------------------------------------------------------
     def _copy_budget_blocks(self, num_chunks: int) -> int:
@@ -414,7 +289,8 @@ class Scheduler:
         if plan is not self._planned:
             raise ValueError(f"step {plan.step_index} is not the last plan, or applied already")
         self._planned = None
-        decoding, prefilling, sampled = self._decoding, self._prefilling, result.sampled
+        decoding, prefilling = self._chunks.decoding, self._chunks.prefilling
+        sampled = result.sampled
         num_decodes = len(decoding)
         prefills = plan.chunks[num_decodes:]
         check_sampled(plan, decoding, sampled, num_decodes + sum(c.samples_token for c in prefills))
