@@ -338,10 +338,6 @@ class TokenFlowPolicy(Policy):
         step_s = view.estimator.decode_time_s(len(view.running) or 1)
         return int(self.config.schedule_interval_s / step_s)
 
-    def candidate(self, view: SchedulingView, request: Request) -> Candidate:
-        """Utility, device footprint over the next interval, and pinning of one member."""
-        return survey(self.config, view, [request], self.growth_tokens(view)).candidates[0]
-
     def balance(
         self, view: SchedulingView, candidates: list[Candidate], by_arrival: bool = False
     ) -> list[Candidate]:
