@@ -50,7 +50,7 @@ class Sketch:
         growth, capacity, rate_cap, demand = self._capacity(view)
         others, queue_s = self._price_paused(view, growth)
         pausable = self._pausable(view, queue_s)
-        self._admit(view, growth, rate_cap, capacity - demand, others)
+        self._admit(view, rate_cap, capacity - demand, others)
         picked = self._pick(others)
         return self._moves(view, pausable, picked)
 
@@ -103,9 +103,7 @@ class Sketch:
         order = sorted(view.running, key=_LAST_CONSUME, reverse=True)
         return order[: bisect_left(order, True, key=lambda r: r.last_consume_s - now < least)]
 
-    def _admit(
-        self, view: SchedulingView, growth: int, rate_cap: float, spare: float, rows: list
-    ) -> None:
+    def _admit(self, view: SchedulingView, rate_cap: float, spare: float, rows: list) -> None:
         """The admission arithmetic of the `num_joins` requests that join; a row for each."""
         est, kv, bs, ratio = view.estimator, view.kv, view.kv.block_size, view.new_token_ratio
         step_s, token_s = est.prefill_step_s, est.prefill_token_s
