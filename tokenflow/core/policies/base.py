@@ -140,7 +140,13 @@ def fcfs_starts(
     if candidates is None:
         candidates = list(view.preempted)
         if include_waiting:
-            candidates = sorted(candidates + view.waiting, key=lambda r: r.sort_key)
+            # Both queues are in arrival order, so with none paused (every step of a baseline
+            # that is not short of memory) the merge is the waiting queue itself: no sort of
+            # the whole queue per step.
+            if candidates:
+                candidates = sorted(candidates + view.waiting, key=lambda r: r.sort_key)
+            else:
+                candidates = view.waiting
     if not candidates or view.start_blocks(candidates[0]) > view.kv.num_free_device_blocks:
         return []  # cheap exit before summing the reserve: the head does not fit anyway
     free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
