@@ -11,7 +11,7 @@ Calibration: `python benchmarks/scheduler_overhead.py --per-step --sizes 50,200,
 while each policy serves a burst on a simulated H200, and fits the line by least squares.  The
 defaults below are the mean of two such runs on the development machine (a 2-core VM, shared,
 Python 3.11; figures in docs/results.md).  A server CPU is faster; the charge is still small
-beside a GPU step (~0.23 ms for FCFS, ~0.30 ms for TokenFlow at 500 active requests, against
+beside a GPU step (~0.16 ms for FCFS, ~0.30 ms for TokenFlow at 500 active requests, against
 steps of 20-60 ms), but no longer zero.
 """
 
@@ -50,11 +50,15 @@ def default_overhead(policy: str) -> SchedulerOverhead:
         # on the development machine (load ~1.5 from other work), after the paused members'
         # prices were kept across decisions and write-through ordering was trimmed (issue 9;
         # states with waiting requests, 500 steps of service before timing):
-        # fcfs 0.1100 ms + 0.240 us, 0.1107 + 0.236; chunked 0.1324 + 0.271, 0.1290 + 0.277;
-        # andes 0.1077 + 0.237, 0.1100 + 0.233; tokenflow 0.1577 + 0.290, 0.1582 + 0.281.
-        "fcfs": SchedulerOverhead(0.110e-3, 0.238e-6),
-        "chunked": SchedulerOverhead(0.131e-3, 0.274e-6),
-        "andes": SchedulerOverhead(0.109e-3, 0.235e-6),
+        # tokenflow 0.1577 ms + 0.290 us, 0.1582 + 0.281.  The baselines again after their
+        # admission stopped sorting the waiting queue every step (`fcfs_starts`), six runs,
+        # the line fitted to the per-size medians (tokenflow in the same runs: 0.1345 + 0.344,
+        # at 400 active the same 0.272 ms as its charge): fcfs 0.1057 + 0.108, chunked
+        # 0.1376 + 0.123, andes 0.1092 + 0.122 (before: 0.110 + 0.238, 0.131 + 0.274, 0.109
+        # + 0.235; at 800 active fcfs 0.300 -> 0.192 ms).
+        "fcfs": SchedulerOverhead(0.106e-3, 0.108e-6),
+        "chunked": SchedulerOverhead(0.138e-3, 0.123e-6),
+        "andes": SchedulerOverhead(0.109e-3, 0.122e-6),
         "tokenflow": SchedulerOverhead(0.158e-3, 0.286e-6),
     }
     if policy not in calibrated:
