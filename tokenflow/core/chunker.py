@@ -11,6 +11,7 @@ requests are kept in chunk order (`decoding`, then `prefilling`) for `update`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.kv_manager import KVTierManager
@@ -22,6 +23,14 @@ from tokenflow.core.request import Request, RequestState
 # Gives a decoding stream its next block, retracting victims (and taking their chunks out of
 # the list) until one is free; False if the stream itself had to go.
 GrowOrRetract = Callable[[Request, list[ScheduledChunk], SchedulingView], bool]
+
+
+@dataclass(slots=True)
+class StepChunks:
+    """A step's chunks, decodes first, and their token counts (`StepPlan.counts`)."""
+
+    chunks: list[ScheduledChunk]
+    counts: ChunkCounts
 
 
 class ChunkBuilder:
@@ -45,7 +54,7 @@ class ChunkBuilder:
         """The executor drops `request_id`'s table (preempted or finished): the next comes whole."""
         self._sent_blocks.pop(request_id, None)
 
-    def build(self, view: SchedulingView) -> tuple[list[ScheduledChunk], ChunkCounts]:
+    def build(self, view: SchedulingView) -> StepChunks:
         """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget):
         the chunks, decodes first, and their counts.  Leaves the chunks' requests, in the same
         order, in `decoding` and `prefilling`."""
@@ -54,10 +63,10 @@ class ChunkBuilder:
         chunk_tokens = self._policy.prefill_chunk_tokens
         if chunk_tokens is None and prefills:
             chunks = self._prefill_chunks(prefills, self._config.max_prefill_tokens, whole=True)
-            return chunks, ChunkCounts.of(chunks)
+            return StepChunks(chunks, ChunkCounts.of(chunks))
         decodes, context = self._decode_chunks(decoding, view)
         if chunk_tokens is None:
-            return decodes, ChunkCounts(0, len(decodes), context)
+            return StepChunks(decodes, ChunkCounts(0, len(decodes), context))
         prefills = [r for r in prefills if r.state is RequestState.RUNNING]  # (retractions)
         chunks = self._prefill_chunks(prefills, chunk_tokens - len(decodes), whole=False)
         odd = ChunkCounts.of(chunks)  # (a one-token chunk of a recompute counts as a decode)
@@ -66,7 +75,7 @@ class ChunkBuilder:
             len(decodes) + odd.num_decode_tokens,
             context + odd.num_decode_context_tokens,
         )
-        return decodes + chunks, counts
+        return StepChunks(decodes + chunks, counts)
 
     def _split_residents(self) -> tuple[list[Request], list[Request]]:
         """(Decoding residents, prefilling ones), each in running order.  Only the unsettled

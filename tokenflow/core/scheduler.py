@@ -155,7 +155,8 @@ class Scheduler:
         for preemption in moves.preemptions:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
         self._apply_starts(moves.starts)
-        chunks, counts = self._chunks.build(view)
+        built = self._chunks.build(view)
+        chunks, counts = built.chunks, built.counts
         budget = self._copy_budget_blocks(len(chunks))  # per link direction
         loads = self._plan_loads(budget)
         writes = self._plan_write_through(view, budget - len(self._evict_copies))
