@@ -8,9 +8,10 @@ policies' decisions scan them all.
 
 Calibration: `python benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800` times
 `schedule()` + `update()` of whole steps (full decisions included at their natural frequency)
-while each policy serves a burst on a simulated H200, and fits the line by least squares.  The
-defaults below are the mean of two such runs on the development machine (a 2-core VM, shared,
-Python 3.11; figures in docs/results.md).  A server CPU is faster; the charge is still small
+while each policy serves a burst on a simulated H200, and fits the line by least squares.  On
+the development machine (a 2-core VM, shared, Python 3.11; figures in docs/results.md),
+TokenFlow's default is the mean of two such fits, the baselines' a fit to the per-size medians
+of six runs (see the comments below).  A server CPU is faster; the charge is still small
 beside a GPU step (~0.16 ms for FCFS, ~0.30 ms for TokenFlow at 500 active requests, against
 steps of 20-60 ms), but no longer zero.
 """
