@@ -13,17 +13,6 @@ vary; memory is often short later in a run):
 
     python -m benchmarks.scheduler_overhead --in-run --sizes 400,1000 --steps 2500
 
-With --without-sums it times TokenFlow's decision on the same view with the sums the
-scheduler's queues keep, with those the vLLM bridge gives, and with none (a survey):
-
-    python -m benchmarks.scheduler_overhead --without-sums --sizes 100,400,1000
-
-With --floor it times, on the same frozen state, what any decision there must do at the least in
-CPython (build its moves as the seam's objects, read every member once, order the residents by
-buffer) beside TokenFlow's whole decision, and prints their ratio:
-
-    python -m benchmarks.scheduler_overhead --floor --sizes 400,1000
-
 With --cold-mib N the per-step figures (table and --per-step) read an N MiB array between
 timed steps, as a forward pass on the CPU would, so the scheduler runs with cold CPU caches
 (64 MiB exceeds this machine's 32 MiB L3):
@@ -49,14 +38,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from operator import attrgetter
 
 import numpy as np
 
 from tokenflow.core.config import AndesConfig, TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES, make_policy
 from tokenflow.core.policies.andes import AndesPolicy
-from tokenflow.core.policies.base import Policy, Preemption, SchedulingView, Start
+from tokenflow.core.policies.base import Policy, SchedulingView
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.sim.runner import SimConfig, build_engine, make_request
@@ -64,7 +52,6 @@ from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 WAITING_SHARE = 0.11  # of the active requests that arrive after the warm-up (never started)
 WARM_STEPS = 500  # steps of service before timing: at 400 active ~256 running, ~50 preempted
-_BY_BUFFER = attrgetter("last_consume_s")
 
 
 def _burst(num_requests: int, first_id: int = 0, arrival_s: float = 0.0) -> list:
@@ -186,41 +173,6 @@ def interleaved_medians_us(runs: list[Callable[[], object]], repeats: int) -> li
     return [statistics.median(times) * 1e6 for times in samples]
 
 
-def against_reference(sizes: list[int], repeats: int) -> int:
-    """TokenFlow's decision against the slow, obvious one it replaced (the parity test's
-    reference in tests/core/reference), on the same state, alternated in one process."""
-    from tests.core.reference.tokenflow_policy import TokenFlowPolicy as ReferencePolicy
-
-    print(f"{'active':>6s} {'state':>12s} {'reference ms':>13s} {'fast ms':>8s} {'speedup':>8s}")
-    for size in sizes:
-        view = busy_view(size)
-        fast, reference = TokenFlowPolicy(TokenFlowConfig()), ReferencePolicy(TokenFlowConfig())
-        runs = [partial(fast.decide, view), partial(reference.decide, view)]
-        fast_ms, ref_ms = (us / 1e3 for us in interleaved_medians_us(runs, repeats))
-        state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
-        print(f"{size:6d} {state:>12s} {ref_ms:13.3f} {fast_ms:8.3f} {ref_ms / fast_ms:7.2f}x")
-    return 0
-
-
-def without_sums(sizes: list[int], repeats: int) -> int:
-    """TokenFlow's decision on the view as the scheduler builds it, as the vLLM bridge builds
-    it (the residents not decoding and by arrival, but not the rate counts or the token sum),
-    and with none of the sums the queues keep (the policy then surveys every member, as the
-    bridge's decisions did before), alternated in one process on the same state."""
-    print(f"{'active':>6s} {'state':>12s} {'queues ms':>10s} {'bridge ms':>10s} {'none ms':>8s}")
-    for size in sizes:
-        view = busy_view(size)
-        bridge = replace(view, started_rates=None, resident_tokens=None)
-        bare = replace(bridge, unsettled=None, running_by_arrival=None)
-        views = {"queues": view, "bridge": bridge, "none": bare}
-        runs = [partial(TokenFlowPolicy(TokenFlowConfig()).decide, v) for v in views.values()]
-        medians_us = interleaved_medians_us(runs, repeats)
-        ms = {name: us / 1e3 for name, us in zip(views, medians_us, strict=True)}
-        state = f"{len(view.running)}/{len(view.preempted)}/{len(view.waiting)}"
-        print(f"{size:6d} {state:>12s} {ms['queues']:10.3f} {ms['bridge']:10.3f} {ms['none']:8.3f}")
-    return 0
-
-
 def in_run(sizes: list[int], steps: int) -> int:
     """TokenFlow's full decisions as they come while it serves the burst for `steps` steps
     after the warm-up: how many, and their mean, median and 90th percentile time (the frozen
@@ -244,43 +196,6 @@ def in_run(sizes: list[int], steps: int) -> int:
         p90 = samples[int(0.9 * len(samples))]
         mean, median = statistics.fmean(samples), statistics.median(samples)
         print(f"{size:6d} {len(samples):9d} {mean:8.3f} {median:9.3f} {p90:7.3f}", flush=True)
-    return 0
-
-
-def floor(sizes: list[int], repeats: int) -> int:
-    """TokenFlow's decision beside the least work a decision on the same state needs: its
-    moves built as the seam's objects, one attribute read of every member, and the C-level
-    sort of the residents by buffer that ranking them needs (medians, microseconds, all four
-    timed in turn)."""
-    print(
-        f"{'active':>6s} {'moves':>6s} {'decision us':>12s} {'moves us':>9s} {'read us':>8s} "
-        f"{'sort us':>8s} {'floor us':>9s} {'x floor':>8s}"
-    )
-    for size in sizes:
-        view = busy_view(size)
-        policy = make_policy("tokenflow", view.config, TokenFlowConfig(), AndesConfig())
-        moves = policy.decide(view)
-        members = [*view.running, *view.preempted, *view.waiting]
-
-        def build(moves=moves):
-            [Preemption(p.request_id, p.mode) for p in moves.preemptions]
-            [Start(s.request_id, s.by_load) for s in moves.starts]
-
-        def read(members=members):
-            [r.last_consume_s for r in members]
-
-        def order(running=view.running):
-            sorted(running, key=_BY_BUFFER)
-
-        runs = [partial(policy.decide, view), build, read, order]
-        decided, *parts = interleaved_medians_us(runs, repeats)
-        least = sum(parts)
-        num_moves = len(moves.preemptions) + len(moves.starts)
-        print(
-            f"{size:6d} {num_moves:6d} {decided:12.1f} {parts[0]:9.1f} {parts[1]:8.1f} "
-            f"{parts[2]:8.1f} {least:9.1f} {decided / least:8.2f}",
-            flush=True,
-        )
     return 0
 
 
@@ -332,24 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--per-step", action="store_true", help="calibrate the simulator")
     parser.add_argument(
-        "--against-reference",
-        action="store_true",
-        help="TokenFlow's decision vs the reference implementation, same state (repo root only)",
-    )
-    parser.add_argument(
         "--in-run",
         action="store_true",
         help="time TokenFlow's decisions as they come over --steps steps of serving",
-    )
-    parser.add_argument(
-        "--without-sums",
-        action="store_true",
-        help="TokenFlow's decision with the queues' sums, the vLLM bridge's, and none",
-    )
-    parser.add_argument(
-        "--floor",
-        action="store_true",
-        help="TokenFlow's decision beside the least work any decision on its state needs",
     )
     parser.add_argument(
         "--cold-mib",
@@ -366,14 +266,8 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.per_step:
         return per_step(sizes, args.steps, args.cold_mib)
-    if args.against_reference:
-        return against_reference(sizes, args.repeats)
     if args.in_run:
         return in_run(sizes, args.steps)
-    if args.without_sums:
-        return without_sums(sizes, args.repeats)
-    if args.floor:
-        return floor(sizes, args.repeats)
     rows = side_by_side(sizes, args.repeats, args.steps, args.cold_mib)
     if args.json:
         print(json.dumps(rows, indent=2))

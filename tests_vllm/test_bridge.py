@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pytest
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies import make_policy
+from tokenflow.core.policies.pricing import Prices, is_pausable
 from tokenflow.core.request import RequestState
 from tokenflow.integrations.vllm.bridge import OTHER_OWNER, PolicyBridge, PoolShape, PoolState
 from tokenflow.integrations.vllm.middleware import move_stream_rate
@@ -269,29 +270,34 @@ def _views_of_a_random_run(seed: int, offload: bool, num_steps: int = 120):
 
 @pytest.mark.parametrize("offload", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_bridge_views_take_the_counted_path_and_decide_as_a_survey(seed, offload):
-    # The view names the residents not decoding and lists them by arrival, so the policy
-    # decides on its counted path; a policy given the same views without them surveys every
-    # member: the same moves at every step.
-    counted = make_policy("tokenflow", SchedulerConfig(max_num_seqs=8), TokenFlowConfig())
-    surveyed = make_policy("tokenflow", SchedulerConfig(max_num_seqs=8), TokenFlowConfig())
+def test_the_policy_decides_on_random_bridge_views_with_moves_vllm_can_carry_out(seed, offload):
+    # Pauses name running mirrors, starts name paused or waiting ones, and a start by load
+    # has a host copy to load.
+    policy = make_policy("tokenflow", SchedulerConfig(max_num_seqs=8), TokenFlowConfig())
     num_decisions = num_moves = 0
     for view in _views_of_a_random_run(seed, offload):
-        assert view.unsettled is not None and view.running_by_arrival is not None
-        moves = counted.decide(view)
-        assert moves == surveyed.decide(replace(view, unsettled=None, running_by_arrival=None))
+        moves = policy.decide(view)
+        running = {r.request_id for r in view.running}
+        off_device = {r.request_id: r for r in [*view.preempted, *view.waiting]}
+        assert {p.request_id for p in moves.preemptions} <= running
+        for start in moves.starts:
+            request = off_device[start.request_id]
+            assert not start.by_load or view.kv.has_host_copy(
+                request.request_id, request.num_computed_tokens
+            )
         num_decisions += 1
         num_moves += len(moves.preemptions) + len(moves.starts)
     assert num_decisions > 50 and num_moves > 0
 
 
-def test_the_residents_not_decoding_are_found_only_when_asked():
+def test_a_mirror_still_prefilling_is_never_pausable():
     bridge = make_bridge()
     decoding = FakeRequest("a", num_computed_tokens=21, output_token_ids=[5, 6])
     prefilling = FakeRequest("b", num_computed_tokens=8)
     for request in (decoding, prefilling):
-        bridge.track(request, rate_tps=2.0, now_s=0.0)
-    view = bridge.view([decoding, prefilling], [], PoolState(6, {"a": 2, "b": 2}), now_s=1.0)
-    assert view.unsettled._found is None  # nothing paid until a decision reads it
-    assert list(view.unsettled) == [bridge.requests["b"]] and len(view.unsettled) == 1
-    assert bridge.requests["b"] in view.unsettled and bridge.requests["a"] not in view.unsettled
+        bridge.track(request, rate_tps=0.01, now_s=0.0)  # slow readers: seconds buffered
+    view = bridge.view([decoding, prefilling], [], PoolState(6, {"a": 2, "b": 2}), now_s=0.0)
+    config = TokenFlowConfig(critical_slack_s=0.0, buffer_conservativeness=1.0)
+    prices = Prices.of(config, view)
+    assert is_pausable(config, view, bridge.requests["a"], prices)
+    assert not is_pausable(config, view, bridge.requests["b"], prices)

@@ -36,7 +36,7 @@ def _decoded(request: Request, kv: KVTierManager, queues: RequestQueues) -> None
 
 def _builder(policy: Policy, grow=None) -> tuple[ChunkBuilder, KVTierManager, RequestQueues]:
     kv = KVTierManager(KVConfig(num_device_blocks=32, num_host_blocks=32, block_size=BLOCK))
-    queues = RequestQueues(BLOCK)
+    queues = RequestQueues()
     config = SchedulerConfig(max_prefill_tokens=64)
 
     def grow_or_retract(request: Request, chunks: list[ScheduledChunk], view) -> bool:

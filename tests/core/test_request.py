@@ -66,8 +66,8 @@ def test_invalid_sampling_params_are_rejected(kwargs, word):
 
 def test_a_request_keeps_its_fields_in_slots_not_a_dict():
     # The per-step path touches every running request: fields in the object itself (no
-    # per-instance dict) read fewer cache lines (docs/hot_path_rounds.md, round 8), and a typo in an
-    # attribute name fails instead of adding a field.
+    # per-instance dict) read fewer cache lines, and a typo in an attribute name fails instead
+    # of adding a field.
     request = make_request("r0")
     assert not hasattr(request, "__dict__")
     with pytest.raises(AttributeError):

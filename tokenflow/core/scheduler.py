@@ -41,7 +41,7 @@ class Scheduler:
             per_context_token_s=config.initial_decode_token_s,
         )
         self.requests: dict[str, Request] = {}
-        self.queues = RequestQueues(kv_config.block_size)
+        self.queues = RequestQueues()
         self.waiting = self.queues.waiting  # (the same lists, for readers of the scheduler)
         self.running = self.queues.running
         self.preempted = self.queues.preempted
@@ -131,15 +131,6 @@ class Scheduler:
             waiting=self.waiting,
             kv=self.kv,
             estimator=self.estimator,
-            preempted_by_dry=self.queues.preempted_by_dry,
-            loading=self.queues.loading,
-            write_candidates=self.queues.write_candidates.values(),
-            remaining_output_tokens=self.queues.remaining_output_tokens,
-            started_lifetime_blocks=self.queues.started_lifetime_blocks,
-            unsettled=self.queues.unsettled.values(),
-            started_rates=self.queues.started_rates,
-            resident_tokens=self.queues.resident_tokens,
-            running_by_arrival=self.queues.running_by_arrival,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
@@ -262,26 +253,26 @@ class Scheduler:
         return copies
 
     def _plan_write_through(self, view: SchedulingView, budget: int) -> list[BlockCopy]:
-        pending = self.queues.write_candidates
-        if not pending:
+        """Copies of full blocks to the host, in the policy's order, within `budget` blocks.
+
+        Only the write candidates are looked at (`RequestQueues.write_candidates`); the ones
+        whose full blocks all have a host copy leave the set, and come back when a step fills
+        another of their blocks."""
+        candidates = self.queues.write_candidates
+        if not candidates or budget <= 0:
             return []
-        order = self.policy.write_through_order(view) if budget > 0 else []
+        kv = self.kv
+        for rid in [
+            rid
+            for rid, r in candidates.items()
+            if not kv.has_unsynced_full_block(rid, r.num_computed_tokens)
+        ]:
+            del candidates[rid]
+        pending = [r for r in candidates.values() if r.state is RequestState.RUNNING]
+        order = self.policy.write_through_order(view, pending) if pending else []
         if not order:
             return []
-        candidates = [(r.request_id, r.num_computed_tokens) for r in order]
-        copies = self.kv.plan_write_through(candidates, budget)
-        # Forget the streams whose full blocks all have a host copy now: one comes back only
-        # when a step fills another of its blocks (`update`).  (`has_unsynced_full_block`,
-        # written out: it runs for every candidate every step.)
-        synced_of, bs = self.kv.synced_tokens_of, self.kv.block_size
-        done = [
-            rid
-            for rid, r in pending.items()
-            if r.num_computed_tokens // bs <= synced_of(rid, 0) // bs
-        ]
-        for rid in done:
-            del pending[rid]
-        return copies
+        return kv.plan_write_through([(r.request_id, r.num_computed_tokens) for r in order], budget)
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[RequestOutput]:
@@ -312,9 +303,6 @@ class Scheduler:
             outputs += self._appender.append_prefills(
                 prefills, prefilling, sampled[num_decodes:], now_s
             )
-        # (a finished request left with its own remaining count: subtracting after is exact)
-        self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
-        self.queues.resident_tokens += len(outputs)
         self._decay_new_token_ratio()
         return outputs
 

@@ -1,131 +1,64 @@
-"""TokenFlow's buffer balancing (SPEC section 3, step 2): who is on the device next."""
+"""Buffer balancing (paper section 4.2, step 2): which members are on the device next.
+
+Members are taken greedily in priority order while device memory and max_num_seqs allow:
+
+- pinned members first (resident and not safely pausable: they stay whatever else holds);
+- then streams stalled for `max_stall_s` or longer (the stall bound, beyond the paper: an
+  estimate that was off must not leave one reader stalled indefinitely);
+- then by utility, highest first; on equal utility started streams before newcomers, the
+  faster reader first among started ones (the paper's tie rule), the earlier arrival among
+  newcomers (so none is passed over indefinitely);
+- or, when the working set is over capacity (`by_arrival`, section 4.3: degrade to first come,
+  first served), streams about to stall before the others, each group by arrival.
+
+Resumes of paused members share `resume_budget_s` of link (or recompute) time per decision, so
+rotation never asks more of the link than it moves in an interval; a resume that does not fit
+waits for the next decision (the first one always fits).
+
+The paper's adjacent-swap local search after the greedy pick is left out: in this order an
+unselected member ranked before a selected one lacked room, and a swap needs more room still.
+"""
 
 from __future__ import annotations
 
-import math
-from operator import attrgetter
+from collections.abc import Sequence
 
-from tokenflow.core.policies.survey import Candidate
+from tokenflow.core.policies.pricing import Member
 
 
-def balance(
-    candidates: list[Candidate],
+def utility_order(m: Member) -> tuple:
+    """The balancer's rank of `m` when the working set is schedulable (lowest first)."""
+    r = m.request
+    is_newcomer = not r.output_token_ids
+    tie = r.arrival_s if is_newcomer else -r.rate_tps
+    return (not m.is_pinned, not m.is_overdue, -m.utility, is_newcomer, tie, *r.sort_key)
+
+
+def arrival_order(m: Member) -> tuple:
+    """The balancer's rank of `m` when degraded to first come, first served."""
+    return (not m.is_pinned, not m.is_overdue, not m.is_urgent, *m.request.sort_key)
+
+
+def select(
+    members: Sequence[Member],
     capacity_blocks: int,
     max_seqs: int,
-    by_arrival: bool = False,
-    resume_budget_s: float = math.inf,
-    num_implicit_pinned: int = 0,
-    implicit_pinned_blocks: int = 0,
-) -> list[Candidate]:
-    """Who is on the device next: greedy in priority order while memory and max_seqs allow.
-
-    Priority: pinned members, then streams stalled for `max_stall_s` or longer (the stall
-    bound), then by utility (ties: see `_utility_order`) or, when the working set is over
-    capacity (`by_arrival`), streams about to stall before the others, each group in arrival
-    order (SPEC section 3: degrade to first come, first served).
-
-    Resumes of paused members share `resume_budget_s` of link (or recompute) time per
-    decision, so rotation never asks more of the link than it moves in an interval; a resume
-    that does not fit waits for the next decision (the first one always fits).
-
-    The paper follows the greedy pick with adjacent-swap local search.  In a list ordered by the
-    same utility the search maximises, no swap can help: an unselected member that precedes a
-    selected one was skipped for lack of room, and swapping it in needs more room still.  So
-    there is none here.
-
-    Members pinned for sure may be left out of `candidates` and given as a count and a
-    footprint: they go first (all of them: they are resident, so within max_seqs) and are not
-    returned.
-    """
-    if num_implicit_pinned > max_seqs:
-        raise ValueError(f"{num_implicit_pinned} pinned members exceed max_seqs {max_seqs}")
-    order = priority_order(candidates, by_arrival)
-    return greedy(
-        order,
-        capacity_blocks,
-        max_seqs,
-        resume_budget_s,
-        implicit_pinned_blocks,
-        num_implicit_pinned,
-    )
-
-
-def greedy(
-    order: list[Candidate],
-    capacity_blocks: int,
-    max_seqs: int,
+    by_arrival: bool,
     resume_budget_s: float,
-    used_blocks: int = 0,
-    num_taken: int = 0,
-    resume_s: float = 0.0,
-) -> list[Candidate]:
-    """The balancer's walk over `order` (priority order) from a state: `used_blocks` of device
-    memory and `num_taken` slots already taken, `resume_s` of the resume budget spent."""
-    picked: list[Candidate] = []
-    used = used_blocks
-    for cand in order:
-        if len(picked) + num_taken >= max_seqs:
+) -> list[Member]:
+    """Who is on the device next, in priority order (see the module docstring)."""
+    order = sorted(members, key=arrival_order if by_arrival else utility_order)
+    picked: list[Member] = []
+    used_blocks, resume_s = 0, 0.0
+    for m in order:
+        if len(picked) >= max_seqs:
             break
-        if not cand.is_pinned and used + cand.footprint_blocks > capacity_blocks:
+        if not m.is_pinned and used_blocks + m.footprint_blocks > capacity_blocks:
             continue
-        if cand.resume_s > 0.0:
-            if resume_s > 0.0 and resume_s + cand.resume_s > resume_budget_s:
+        if m.resume_s > 0.0:
+            if resume_s > 0.0 and resume_s + m.resume_s > resume_budget_s:
                 continue
-            resume_s += cand.resume_s
-        picked.append(cand)
-        used += cand.footprint_blocks
+            resume_s += m.resume_s
+        picked.append(m)
+        used_blocks += m.footprint_blocks
     return picked
-
-
-def _utility_order(c: Candidate) -> tuple[bool, bool, float, bool, float, float, int]:
-    """Ties on utility: started streams before newcomers; among started, the faster reader
-    (SPEC), among newcomers the earlier arrival (so none is passed over indefinitely)."""
-    r = c.request
-    newcomer = not r.output_token_ids
-    tie = r.arrival_s if newcomer else -r.rate_tps
-    return (
-        not c.is_pinned,
-        not c.is_overdue,
-        -c.utility,
-        newcomer,
-        tie,
-        r.arrival_s,
-        r.arrival_index,
-    )
-
-
-def _arrival_order(c: Candidate) -> tuple[bool, bool, bool, float, int]:
-    r = c.request
-    return (not c.is_pinned, not c.is_overdue, not c.is_urgent, r.arrival_s, r.arrival_index)
-
-
-_ARRIVAL_S = attrgetter("request.arrival_s")
-_INDEX = attrgetter("request.arrival_index")
-_RATE = attrgetter("request.rate_tps")
-
-
-def priority_order(
-    candidates: list[Candidate], by_arrival: bool, in_arrival_order: bool = False
-) -> list[Candidate]:
-    """`candidates` sorted by `_arrival_order` / `_utility_order`, in stable C-level sorts
-    (least significant key first, so the result is the tuple key's order); the first two
-    are skipped when the caller knows `candidates` are in (arrival_s, arrival_index) order."""
-    if in_arrival_order:
-        order = list(candidates)
-    else:
-        order = sorted(candidates, key=_INDEX)
-        order.sort(key=_ARRIVAL_S)  # (arrival_s, arrival_index) order
-    if by_arrival:
-        order.sort(key=attrgetter("is_urgent"), reverse=True)
-    else:
-        # On equal utility: started streams by the faster reader (then arrival), then the
-        # others (a paused stream without a token counts as a newcomer) by arrival.
-        started = [c for c in order if c.request.output_token_ids]
-        started.sort(key=_RATE, reverse=True)
-        if len(started) < len(order):
-            started += [c for c in order if not c.request.output_token_ids]
-        order = started
-        order.sort(key=attrgetter("utility"), reverse=True)
-    order.sort(key=attrgetter("is_overdue"), reverse=True)
-    order.sort(key=attrgetter("is_pinned"), reverse=True)
-    return order

@@ -7,12 +7,13 @@ that does not fit.  Mechanism (block allocation, copies, OOM handling) lives in 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
-from tokenflow.core.kv_manager import KVTierManager
+from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.request import PreemptMode, Request
 
 
@@ -38,33 +39,43 @@ class Moves:
     starts: tuple[Start, ...] = ()
 
 
+class KVState(Protocol):
+    """What a policy may read of the KV tiers (`KVTierManager` is one); it never changes them."""
+
+    config: KVConfig
+    block_size: int
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+    @property
+    def num_free_device_blocks(self) -> int: ...
+    @property
+    def num_free_host_blocks(self) -> int: ...
+    @property
+    def device_usage(self) -> float: ...
+    def num_device_blocks_of(self, request_id: str) -> int: ...
+    def synced_tokens(self, request_id: str) -> int: ...
+    def has_host_copy(self, request_id: str, num_tokens: int) -> bool: ...
+    @property
+    def num_evicting_blocks(self) -> int: ...
+    @property
+    def num_queued_load_blocks(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class SchedulingView:
-    """Read-only state handed to a policy.  Lists are in first-come-first-served order."""
+    """The state a policy decides on: the requests by state (each list in first-come-first-
+    served order), the KV tiers read-only, the step-time estimator, the limits and the time."""
 
     now_s: float
-    running: list[Request]  # resident on the device: RUNNING or LOADING
-    preempted: list[Request]  # started once, now off the device
-    waiting: list[Request]  # never started
-    kv: KVTierManager
+    running: Sequence[Request]  # resident on the device: RUNNING or LOADING
+    preempted: Sequence[Request]  # started once, now off the device
+    waiting: Sequence[Request]  # never started
+    kv: KVState
     estimator: StepTimeEstimator
     config: SchedulerConfig
-    new_token_ratio: float
+    new_token_ratio: float  # the admission reserve's share of each request's remaining output
     num_preemptions_total: int
     num_requests_seen: int
-    # Kept by the scheduler on events, so that no policy rescans every request per step:
-    preempted_by_dry: list[Request]  # preempted, by the time the reader runs dry, then arrival
-    loading: list[Request]  # residents whose KV is still being loaded, in running order
-    write_candidates: Collection[Request]  # residents that may have an unsynced full block
-    remaining_output_tokens: int  # max_tokens - generated, summed over the residents
-    started_lifetime_blocks: int  # blocks at max(tokens, prompt + max_tokens // 2), summed over
-    # running + preempted (the members' mean lifetime footprint, times their number)
-    # Residents that may not be decoding yet (a superset; every other resident with a token
-    # is decoding); None: unknown, a policy must look at each resident.
-    unsettled: Collection[Request] | None = None
-    started_rates: Mapping[float, int] | None = None  # reading rate -> running + preempted
-    resident_tokens: int | None = None  # num_tokens summed over the residents (None: unknown)
-    running_by_arrival: list[Request] | None = None  # the residents by arrival (None: unknown)
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it."""
@@ -86,7 +97,8 @@ class SchedulingView:
     def running_reserve_blocks(self) -> int:
         """Blocks kept free for the residents' future tokens: the new-token ratio of their
         remaining max_tokens, summed in tokens (as SGLang does) and then rounded up to blocks."""
-        return self.kv.blocks_for(int(self.remaining_output_tokens * self.new_token_ratio))
+        remaining = sum(r.sampling_params.max_tokens - r.num_output_tokens for r in self.running)
+        return self.kv.blocks_for(int(remaining * self.new_token_ratio))
 
 
 class Policy:
@@ -118,8 +130,11 @@ class Policy:
         )
         return Preemption(victim.request_id, PreemptMode.RECOMPUTE)
 
-    def write_through_order(self, view: SchedulingView) -> list[Request]:
-        """Running requests whose KV to copy to the host, most urgent first (none here)."""
+    def write_through_order(
+        self, view: SchedulingView, pending: Iterable[Request]
+    ) -> list[Request]:
+        """Which of `pending` (running streams with a full block not yet on the host) to copy
+        first; none here (no write-through)."""
         return []
 
 
@@ -127,7 +142,7 @@ def fcfs_starts(
     view: SchedulingView,
     include_waiting: bool = True,
     max_prefill_tokens: int | None = None,
-    candidates: list[Request] | None = None,
+    candidates: Sequence[Request] | None = None,
 ) -> list[Start]:
     """Starts while they fit beside the reserve of every resident request.
 
@@ -140,11 +155,10 @@ def fcfs_starts(
     if candidates is None:
         candidates = list(view.preempted)
         if include_waiting:
-            # Both queues are in arrival order, so with none paused (every step of a baseline
-            # that is not short of memory) the merge is the waiting queue itself: no sort of
-            # the whole queue per step.
+            # Both queues are in arrival order: with none paused (most steps of a baseline)
+            # the merge is the waiting queue itself.
             if candidates:
-                candidates = sorted(candidates + view.waiting, key=lambda r: r.sort_key)
+                candidates = sorted([*candidates, *view.waiting], key=lambda r: r.sort_key)
             else:
                 candidates = view.waiting
     if not candidates or view.start_blocks(candidates[0]) > view.kv.num_free_device_blocks:

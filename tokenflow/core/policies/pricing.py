@@ -1,101 +1,181 @@
-"""What a TokenFlow decision prices its members with (SPEC section 3): utility, the pause
-threshold, resume times, and the link and queue figures of one decision."""
+"""What TokenFlow prices its working set with (paper section 4): each formula once, and the
+`Member` record that carries them for one stream to every phase."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.kv_manager import KVTierManager
-from tokenflow.core.policies.base import SchedulingView
-from tokenflow.core.request import Request
-
-PrefillTime = Callable[[int], float]
+from tokenflow.core.estimator import StepTimeEstimator
+from tokenflow.core.policies.base import KVState, SchedulingView
+from tokenflow.core.request import Request, RequestState
 
 
 def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> float:
     """U = v*dt + gamma*dt*exp(-T/dt) - switch cost, T the seconds of reading buffered.
 
-    v, a token's value, falls linearly from 1 (empty buffer) to 0 at value_horizon_s; the
-    exponential term is the stall penalty: highest for a nearly empty buffer (SPEC convention).
-    """
+    v, a token's value, falls linearly from 1 (empty buffer) to 0 at `value_horizon_s`; the
+    exponential is the stall penalty, highest for a nearly empty buffer (the paper's phi(b)
+    with the buffer normalised to one interval of reading); a stream off the device pays
+    `switch_penalty` to come back, so rotation needs a real gain."""
     dt = config.schedule_interval_s
     value = max(0.0, 1.0 - buffered_s / config.value_horizon_s)
     switch = 0.0 if is_resident else config.switch_penalty * dt
     return value * dt + config.stall_penalty * dt * math.exp(-buffered_s / dt) - switch
 
 
+def lifetime_blocks(request: Request, block_size: int) -> int:
+    """beta's term: blocks at max(tokens now, prompt + max_tokens // 2), a stream's mean
+    footprint over its life (output lengths are unknown; half the budget is the guess)."""
+    return -(-max(request.num_tokens, request.lifetime_tokens) // block_size)
+
+
+def interval_footprint_blocks(request: Request, growth_tokens: int, block_size: int) -> int:
+    """Device blocks that hold a stream through the next interval: its tokens plus what it
+    generates meanwhile (at most its remaining budget, at least one token)."""
+    remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+    ahead = max(min(growth_tokens, remaining), 1)
+    return -(-(request.num_tokens + ahead) // block_size)
+
+
 def pause_threshold_s(
     config: TokenFlowConfig,
-    computed_tokens: int,
-    synced_tokens: int,
-    block_size: int,
+    num_blocks: int,
+    num_unsynced_blocks: int,
     seconds_per_block: float,
-    resume_queue_s: float = 0.0,
+    resume_queue_s: float,
 ) -> float:
     """Buffer (seconds of reading) a stream needs to be paused safely: mu times the round trip
     (evict its unsynced blocks, wait behind the resumes already queued, load all back, one
     interval) plus the critical slack, so that a paused stream is not critical the moment it
-    stops (which would thrash).  The queue term makes pausing self-limiting: the more streams
+    stops (it would thrash).  The queue term makes pausing self-limiting: the more streams
     wait off the device, the larger a buffer must be before another joins them."""
-    blocks = -(-computed_tokens // block_size)
-    unsynced = blocks - synced_tokens // block_size
-    round_trip_s = (
-        (unsynced + blocks) * seconds_per_block + resume_queue_s + config.schedule_interval_s
-    )
+    link_s = (num_unsynced_blocks + num_blocks) * seconds_per_block
+    round_trip_s = link_s + resume_queue_s + config.schedule_interval_s
     return config.buffer_conservativeness * round_trip_s + config.critical_slack_s
 
 
-def resume_time_s(
-    request: Request, kv: KVTierManager, seconds_per_block: float, prefill_s: PrefillTime
-) -> float:
-    """Time to bring a paused stream back: loading its host copy, or recomputing if faster.
+def recompute_price_s(estimator: StepTimeEstimator, request: Request) -> float:
+    """Time to prefill a stream's prompt and outputs again."""
+    return estimator.prefill_time_s(request.num_tokens)
 
-    (Runs for every paused stream at every decision: `kv.has_host_copy` and `kv.blocks_for`
-    are written out.)"""
-    recompute = prefill_s(request.num_tokens)
-    computed = request.num_computed_tokens
-    if computed > 0 and kv.synced_tokens(request.request_id) >= computed:  # a host copy
-        load = -(-computed // kv.block_size) * seconds_per_block
-        return load if load < recompute else recompute
-    return recompute
+
+def resume_price_s(
+    request: Request, kv: KVState, seconds_per_block: float, estimator: StepTimeEstimator
+) -> float:
+    """Time to bring a paused stream back: loading its host copy, or recomputing if faster."""
+    recompute_s, computed = recompute_price_s(estimator, request), request.num_computed_tokens
+    if not kv.has_host_copy(request.request_id, computed):
+        return recompute_s
+    return min(kv.blocks_for(computed) * seconds_per_block, recompute_s)
+
+
+def prefill_price_s(view: SchedulingView, num_tokens: int) -> float:
+    """Time to prefill `num_tokens` prompt tokens started together (in steps of at most
+    `max_prefill_tokens`)."""
+    return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
+
+
+def seconds_per_block(view: SchedulingView) -> float:
+    """Link time of one block, one direction."""
+    return view.kv.config.block_bytes / view.config.link_bytes_per_s
 
 
 @dataclass(frozen=True)
-class Costs:
-    """What a decision prices every member with: link, queue of resumes, pause threshold."""
+class Prices:
+    """What a decision prices every member with: the link, and the paused members' resumes."""
 
     seconds_per_block: float
-    prefill_s: PrefillTime
-    resume_of: dict[str, float]  # paused member -> time to bring it back
-    queue_s: float  # all of those, summed
-    min_threshold_s: float  # the least buffer any pause needs
+    resume_s: dict[str, float]  # paused member -> time to bring it back
+    resume_queue_s: float  # all of those, summed: the queue a new pause waits behind
+    least_pause_threshold_s: float  # `pause_threshold_s` of a stream with no blocks
+
+    @classmethod
+    def of(cls, config: TokenFlowConfig, view: SchedulingView) -> Prices:
+        per_block_s = seconds_per_block(view)
+        resume_s = {
+            r.request_id: resume_price_s(r, view.kv, per_block_s, view.estimator)
+            for r in view.preempted
+        }
+        queue_s = sum(resume_s.values())
+        least_s = pause_threshold_s(config, 0, 0, per_block_s, queue_s)
+        return cls(per_block_s, resume_s, queue_s, least_s)
 
 
-def decision_costs(config: TokenFlowConfig, view: SchedulingView) -> Costs:
-    """The link, resume and threshold prices of one decision (one pass over the paused)."""
+@dataclass(slots=True)
+class Member:
+    """One working-set member as the balancer and admission see it (read-only once built)."""
+
+    request: Request
+    utility: float
+    footprint_blocks: int  # device blocks to hold it through the next interval
+    is_resident: bool  # on the device now (running or loading)
+    is_pinned: bool  # must stay: resident and not safely pausable (prefill, load, small buffer)
+    is_pausable: bool  # decoding, and its buffer covers a safe pause (with host room)
+    is_urgent: bool  # started, and its reader runs dry within the critical slack
+    is_overdue: bool  # started, and its reader has stalled for max_stall_s or longer
+    reclaim_blocks: int  # device blocks a pause frees (0 unless pausable)
+    unsynced_blocks: int  # host blocks a pause takes for its unsynced tail (0 unless pausable)
+    resume_s: float  # time to bring a paused member back (0 unless paused)
+
+
+def unsynced_blocks(kv: KVState, r: Request) -> int:
+    """Blocks of a stream's computed KV with no host copy yet (what its eviction copies)."""
+    synced_blocks = kv.synced_tokens(r.request_id) // kv.block_size
+    return kv.blocks_for(r.num_computed_tokens) - synced_blocks
+
+
+def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices) -> bool:
+    """A running, decoding stream whose buffer covers `pause_threshold_s`, and whose unsynced
+    tail finds host room (else the pause would drop its KV and cost a recompute)."""
+    return _pause_tail_blocks(config, view, r, r.buffered_s(view.now_s), prices) is not None
+
+
+def _pause_tail_blocks(
+    config: TokenFlowConfig, view: SchedulingView, r: Request, buffered_s: float, prices: Prices
+) -> int | None:
+    """The host blocks a safe pause of `r` takes for its unsynced tail; None: `r` is not
+    safely pausable (see `is_pausable`)."""
+    if buffered_s < prices.least_pause_threshold_s:
+        return None  # (the threshold only grows with the stream's blocks)
+    if r.state is not RequestState.RUNNING or r.is_prefilling:
+        return None
     kv = view.kv
-    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
-    prefill_s = view.estimator.prefill_time_s
-    resume_of: dict[str, float] = {}
-    synced_of, bs = kv.synced_tokens, kv.block_size
-    for r in view.preempted:  # resume_time_s(), written out: it runs for every paused stream
-        recompute = prefill_s(r.num_tokens)
-        computed = r.num_computed_tokens
-        if computed > 0 and synced_of(r.request_id) >= computed:
-            load = -(-computed // bs) * seconds_per_block
-            recompute = load if load < recompute else recompute
-        resume_of[r.request_id] = recompute
-    return costs_of(config, view, resume_of)
+    unsynced = unsynced_blocks(kv, r)
+    threshold_s = pause_threshold_s(
+        config,
+        kv.blocks_for(r.num_computed_tokens),
+        unsynced,
+        prices.seconds_per_block,
+        prices.resume_queue_s,
+    )
+    if unsynced > kv.num_free_host_blocks or buffered_s < threshold_s:
+        return None
+    return unsynced
 
 
-def costs_of(config: TokenFlowConfig, view: SchedulingView, resume_of: dict[str, float]) -> Costs:
-    """The decision's `Costs` given each paused member's resume time (in the view's order)."""
-    kv = view.kv
-    seconds_per_block = kv.config.block_bytes / view.config.link_bytes_per_s
-    queue_s = sum(resume_of.values())
-    min_threshold = pause_threshold_s(config, 0, 0, kv.block_size, seconds_per_block, queue_s)
-    prefill_s = view.estimator.prefill_time_s
-    return Costs(seconds_per_block, prefill_s, resume_of, queue_s, min_threshold)
+def member(
+    config: TokenFlowConfig, view: SchedulingView, r: Request, growth: int, prices: Prices
+) -> Member:
+    """The member record of `r` at this decision."""
+    now, kv, state = view.now_s, view.kv, r.state
+    resident = state is RequestState.RUNNING or state is RequestState.LOADING
+    buffered_s = r.buffered_s(now)
+    tail_blocks = _pause_tail_blocks(config, view, r, buffered_s, prices)
+    pausable = tail_blocks is not None
+    started = bool(r.output_token_ids)
+    slack_s = r.slack_s(now)
+    return Member(
+        request=r,
+        utility=utility(config, buffered_s, resident),
+        footprint_blocks=interval_footprint_blocks(r, growth, kv.block_size),
+        is_resident=resident,
+        is_pinned=resident and not pausable,
+        is_pausable=pausable,
+        is_urgent=started and slack_s < config.critical_slack_s,
+        is_overdue=started and slack_s <= -config.max_stall_s,
+        reclaim_blocks=kv.num_device_blocks_of(r.request_id) if pausable else 0,
+        unsynced_blocks=tail_blocks or 0,
+        resume_s=prices.resume_s[r.request_id] if state is RequestState.PREEMPTED else 0.0,
+    )

@@ -24,7 +24,7 @@ Requests are read through the small `VllmRequestLike` protocol, so tests can use
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -32,7 +32,6 @@ from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies import Moves, Policy, SchedulingView
-from tokenflow.core.policies.survey import lifetime_blocks
 from tokenflow.core.request import Request, RequestState, SamplingParams
 
 _PREEMPTED = RequestState.PREEMPTED
@@ -163,10 +162,9 @@ class PolicyBridge:
             self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         preempted = sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs)
-        running = sorted(mirrored_running, key=_fcfs)  # (by arrival)
         return SchedulingView(
             now_s=now_s,
-            running=running,
+            running=sorted(mirrored_running, key=_fcfs),
             preempted=preempted,
             waiting=sorted((r for r in off_device if r.state is not _PREEMPTED), key=_fcfs),
             kv=self.kv,
@@ -175,15 +173,6 @@ class PolicyBridge:
             new_token_ratio=self.new_token_ratio,
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
-            preempted_by_dry=sorted(preempted, key=lambda r: (r.dry_s, _fcfs(r))),
-            loading=[r for r in running if r.state is RequestState.LOADING],
-            write_candidates=(),  # vLLM keeps no host copy of running streams
-            remaining_output_tokens=sum(
-                r.sampling_params.max_tokens - r.num_output_tokens for r in running
-            ),
-            started_lifetime_blocks=lifetime_blocks(running + preempted, self.kv.block_size),
-            unsettled=_NotDecoding(running),  # with it the policy decides on its counted path
-            running_by_arrival=running,
         )
 
     def plan(self, view: SchedulingView) -> Moves:
@@ -295,30 +284,3 @@ class PolicyBridge:
 
 def _fcfs(request: Request) -> tuple[float, int]:
     return request.sort_key
-
-
-class _NotDecoding(Collection[Request]):
-    """The residents that are not decoding (`SchedulingView.unsettled`), found when a decision
-    first asks.  The core's queues keep that set on events; the bridge rebuilds its view every
-    step but the policy decides about once an interval, so the pass is paid only then.  With
-    it the decision takes the counted path (`policies.residents`) instead of a survey of
-    every member: `benchmarks/scheduler_overhead.py --without-sums`."""
-
-    def __init__(self, running: list[Request]) -> None:
-        self._running = running
-        self._found: list[Request] | None = None
-
-    def _list(self) -> list[Request]:
-        if self._found is None:
-            running = RequestState.RUNNING
-            self._found = [r for r in self._running if r.state is not running or r.is_prefilling]
-        return self._found
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._list())
-
-    def __len__(self) -> int:
-        return len(self._list())
-
-    def __contains__(self, request: object) -> bool:
-        return request in self._list()

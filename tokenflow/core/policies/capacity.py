@@ -1,0 +1,84 @@
+"""Capacity and schedulability (paper section 4.3): what the engine can generate, and whether
+the working set's readers ask more than that.
+
+Gamma is the engine's generation rate (tokens/s) at the feasible batch: as many streams as the
+device tier holds at the members' mean lifetime footprint beta (capped by max_num_seqs), each
+at that footprint's context.  The working set is schedulable while the sum of its readers'
+rates stays within Gamma; each reader counts at most one stream's share of Gamma (a reader
+faster than the engine can serve it cannot take more than its slot).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.pricing import lifetime_blocks
+from tokenflow.core.request import Request
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Gamma and the batch it is measured at."""
+
+    gamma_tps: float  # tokens/s the engine generates at the feasible batch
+    batch: int  # the feasible batch: streams the device tier holds at beta
+    beta_blocks: float  # the members' mean lifetime footprint
+
+    @property
+    def rate_cap_tps(self) -> float:
+        """One stream's share of Gamma: the most a single reader's rate counts for."""
+        return self.gamma_tps / self.batch
+
+    def demand_tps(self, requests: Iterable[Request]) -> float:
+        """The readers' demands, summed."""
+        cap_tps = self.rate_cap_tps
+        return sum(reader_demand_tps(r, cap_tps) for r in requests)
+
+
+def reader_demand_tps(request: Request, rate_cap_tps: float) -> float:
+    """Tokens/s a reader asks of the engine: its rate, at most one stream's share of Gamma."""
+    return min(request.rate_tps, rate_cap_tps)
+
+
+def mean_lifetime_blocks(view: SchedulingView) -> float:
+    """beta: the started members' mean lifetime footprint (the waiting's when none started)."""
+    members = [*view.running, *view.preempted] or list(view.waiting)
+    if not members:
+        return 1.0
+    total = sum(lifetime_blocks(r, view.kv.block_size) for r in members)
+    return max(total / len(members), 1.0)
+
+
+def measure_capacity(view: SchedulingView) -> Capacity:
+    """Gamma at the feasible batch (see the module docstring)."""
+    beta = mean_lifetime_blocks(view)
+    fit = int(view.kv.config.num_device_blocks / beta)
+    batch = max(1, min(view.config.max_num_seqs, fit))
+    gamma = view.estimator.capacity_tps(batch, beta * view.kv.block_size)
+    return Capacity(gamma, batch, beta)
+
+
+class CapacityFloor:
+    """The lower median of Gamma over the decisions of the last `window_s`: what admission
+    trusts.  One high estimate would admit a whole burst whose readers then stall until it
+    drains; so a rise is trusted once it holds for most of the window, a fall once it holds
+    for half of it (docs/design.md)."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._recent: deque[tuple[float, float]] = deque()  # (decision time, Gamma)
+        self._sorted: list[float] = []  # the window's Gamma values, ascending
+
+    def observe(self, now_s: float, gamma_tps: float) -> float:
+        """Record this decision's Gamma; return the window's lower median (as
+        `statistics.median_low`)."""
+        while self._recent and self._recent[0][0] < now_s - self._window_s:
+            _, old = self._recent.popleft()
+            del self._sorted[bisect_left(self._sorted, old)]
+        self._recent.append((now_s, gamma_tps))
+        insort(self._sorted, gamma_tps)
+        return self._sorted[(len(self._sorted) - 1) // 2]
