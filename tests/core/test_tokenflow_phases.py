@@ -209,10 +209,11 @@ def test_degraded_balance_serves_by_arrival_streams_about_to_stall_first():
 
 
 def test_a_stream_stalled_past_the_bound_goes_first():
-    stalled = member("stalled", 0.5, 4, resident=False, rate=5.0, is_overdue=True)
-    fresh = member("fresh", 0.9, 4, resident=False, arrival=1.0)
-    assert _select([fresh, stalled], 4) == ["stalled"]
-    assert _select([fresh, stalled], 4, by_arrival=True) == ["stalled"]
+    # (a stalled stream is urgent too; it goes before an earlier urgent one)
+    stalled = member("stalled", 0.5, 4, False, False, 1.0, 5.0, is_overdue=True, is_urgent=True)
+    early = member("early", 0.9, 4, resident=False, arrival=0.0, is_urgent=True)
+    assert _select([early, stalled], 4) == ["stalled"]
+    assert _select([early, stalled], 4, by_arrival=True) == ["stalled"]
 
 
 def test_equal_newcomers_start_by_arrival_so_none_is_passed_over():

@@ -6,6 +6,8 @@ from tests.core.helpers import make_core, make_request
 from tests.core.tokenflow_states import OPTIMISTIC, three_streams
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.plan import CopyKind
+from tokenflow.core.policies import tokenflow as tokenflow_policy
+from tokenflow.core.policies.balance import select
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.request import PreemptMode, RequestState
 
@@ -42,17 +44,32 @@ def test_preempted_stream_resumes_by_load_before_its_buffer_runs_dry():
         consume = t if consume is None else max(t, consume + 1 / r1.rate_tps)
 
 
-def test_over_capacity_the_decision_degrades_and_admits_nobody():
+def test_over_capacity_the_decision_degrades_admits_nobody_and_balances_by_arrival(
+    monkeypatch,
+):
     core, clock, (r1, r2, r3) = three_streams()
     view = core.scheduler.view(clock.t)
+    orders = []
+
+    def spy(*args, by_arrival, **kwargs):
+        orders.append(by_arrival)
+        return select(*args, by_arrival=by_arrival, **kwargs)
+
+    monkeypatch.setattr(tokenflow_policy, "select", spy)
     policy = TokenFlowPolicy(TokenFlowConfig())
     assert [s.request_id for s in policy.decide(view).starts] == ["R3"]
-    assert policy.num_degraded_decisions == 0
+    assert policy.num_degraded_decisions == 0 and orders == [False]
     for r in (r1, r2):  # readers far faster than the engine
         r.rate_tps = 1e4
     fresh = TokenFlowPolicy(TokenFlowConfig())
+    fresh._capacity_floor = TrustAll()  # even where the trusted Gamma would leave room
     assert all(s.request_id != "R3" for s in fresh.decide(view).starts)
-    assert fresh.num_degraded_decisions == 1
+    assert fresh.num_degraded_decisions == 1 and orders == [False, True]
+
+
+class TrustAll:
+    def observe(self, now_s: float, gamma_tps: float) -> float:
+        return 1e9
 
 
 def test_a_later_request_never_starts_before_an_earlier_one_that_does_not_fit():

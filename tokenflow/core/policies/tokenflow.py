@@ -39,7 +39,6 @@ from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
     admit,
     carried_prefill_budget_s,
-    prefill_price_s,
     waiting_within_budget,
     working_set_limit,
 )
@@ -58,9 +57,11 @@ from tokenflow.core.policies.capacity import (
     measure_capacity,
     reader_demand_tps,
 )
-from tokenflow.core.policies.pricing import Member, Prices, is_pausable, member
+from tokenflow.core.policies.pricing import Member, Prices, is_pausable, member, prefill_price_s
 from tokenflow.core.policies.resume import queued_io_blocks, resume_start
 from tokenflow.core.request import PreemptMode, Request, RequestState
+
+_OFF_DEVICE = (RequestState.WAITING, RequestState.PREEMPTED)
 
 
 class TokenFlowPolicy(Policy):
@@ -72,6 +73,7 @@ class TokenFlowPolicy(Policy):
         self.config = config
         self._next_decision_s = 0.0
         self._targets: list[Start] = []  # the last decision's starts not carried out yet
+        self._target_requests: dict[str, Request] = {}  # (their requests, by id)
         self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
         self._rate_cap_tps = math.inf  # the most one reader's rate counts for
         self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
@@ -128,9 +130,9 @@ class TokenFlowPolicy(Policy):
             if r.request_id not in chosen
         )
         queued = queued_io_blocks(view)
-        self._targets = [
-            resume_start(view, m.request, queued) for m in selected if not m.is_resident
-        ]
+        resumed = [m.request for m in selected if not m.is_resident]
+        self._targets = [resume_start(view, r, queued) for r in resumed]
+        self._target_requests = {r.request_id: r for r in resumed}
         return Moves(preemptions=preemptions, starts=tuple(self._targets))
 
     def growth_tokens(self, view: SchedulingView) -> int:
@@ -177,8 +179,8 @@ class TokenFlowPolicy(Policy):
     # -- between decisions -----------------------------------------------------------------------
     def _starts_between_decisions(self, view: SchedulingView) -> list[Start]:
         """The last decision's starts not yet carried out; else work-conserving starts."""
-        not_started = {r.request_id for r in (*view.waiting, *view.preempted)}
-        self._targets = [s for s in self._targets if s.request_id in not_started]
+        requests = self._target_requests  # (started or finished since the decision: dropped)
+        self._targets = [s for s in self._targets if requests[s.request_id].state in _OFF_DEVICE]
         if self._targets:
             return list(self._targets)
         if view.kv.num_free_device_blocks == 0:
