@@ -108,21 +108,21 @@ def _rate(request):
 
 
 def test_admission_counts_the_blocks_a_pause_frees():
-    view = full_view(20, 100)
-    small = member("small", 0.0, 4, reclaim_blocks=4)
-    big = member("big", 0.0, 12, reclaim_blocks=12)
     newcomer = make_request("new", num_prompt=40, max_tokens=1)  # 10 blocks
-    assert _admit(view, [small], [newcomer]) == []
-    assert _admit(view, [big], [newcomer]) == ["new"]
-    assert _admit(view, [small, big], [newcomer]) == ["new"]
+    view, members = full_view(20, 100, {"small": (4, 0)})
+    assert _admit(view, members, [newcomer]) == []
+    view, members = full_view(20, 100, {"big": (12, 0)})
+    assert _admit(view, members, [newcomer]) == ["new"]
+    view, members = full_view(20, 100, {"small": (4, 0), "big": (12, 0)})
+    assert _admit(view, members, [newcomer]) == ["new"]
 
 
 def test_admission_needs_host_room_for_each_pause():
-    a = member("a", 0.0, 6, reclaim_blocks=6, unsynced_blocks=4)
-    b = member("b", 0.0, 6, reclaim_blocks=6, unsynced_blocks=4)
     newcomer = make_request("new", num_prompt=40, max_tokens=1)  # 10 blocks: needs both
-    assert _admit(full_view(20, 5), [a, b], [newcomer]) == []  # host room for one pause only
-    assert _admit(full_view(20, 8), [a, b], [newcomer]) == ["new"]
+    tight, members = full_view(20, 4 + 5, {"a": (6, 4), "b": (6, 4)})  # (4 already synced)
+    assert _admit(tight, members, [newcomer]) == []  # host room for one tail only
+    roomy, members = full_view(20, 4 + 8, {"a": (6, 4), "b": (6, 4)})
+    assert _admit(roomy, members, [newcomer]) == ["new"]
 
 
 def test_admission_stops_at_the_rate_budget_in_arrival_order():

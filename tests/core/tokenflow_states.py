@@ -55,12 +55,10 @@ def member(
     request.arrival_index = int(arrival * 1000)
     if started:
         request.append_token(7, arrival)
-    values: dict = dict(
-        is_urgent=False, is_overdue=False, reclaim_blocks=0, unsynced_blocks=0, resume_s=0.0
-    )
+    values: dict = dict(is_urgent=False, is_overdue=False, resume_s=0.0)
     values.update(fields)
     pausable = resident and not pinned
-    return Member(request, utility, blocks, resident, resident and pinned, pausable, **values)
+    return Member(request, utility, blocks, resident, pausable, **values)
 
 
 def empty_view(num_device_blocks: int, num_host_blocks: int = 0) -> SchedulingView:
@@ -71,9 +69,20 @@ def empty_view(num_device_blocks: int, num_host_blocks: int = 0) -> SchedulingVi
     return replace(view, kv=kv)
 
 
-def full_view(num_device_blocks: int, num_host_blocks: int) -> SchedulingView:
-    """A view whose device tier is all owned by someone the policy does not see."""
+def full_view(
+    num_device_blocks: int, num_host_blocks: int, pausable: dict[str, tuple[int, int]]
+) -> tuple[SchedulingView, list[Member]]:
+    """A view whose device tier is all owned: by pausable members (name -> (device blocks,
+    blocks of them not yet on the host)) and by someone the policy does not see."""
     view = empty_view(num_device_blocks, num_host_blocks)
-    assert isinstance(view.kv, KVTierManager)
-    view.kv.allocate("owner", num_device_blocks * 4)
-    return view
+    kv = view.kv
+    assert isinstance(kv, KVTierManager)
+    members = []
+    for name, (blocks, unsynced) in pausable.items():
+        m = member(name, 0.0, blocks)
+        m.request.num_computed_tokens = blocks * 4
+        assert kv.allocate(name, blocks * 4)
+        kv.plan_write_through([(name, (blocks - unsynced) * 4)], blocks)
+        members.append(m)
+    kv.allocate("owner", kv.num_free_device_blocks * 4)
+    return view, members

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
-from tokenflow.core.policies.pricing import Member, prefill_price_s
+from tokenflow.core.policies.pricing import Member, prefill_price_s, unsynced_blocks
 from tokenflow.core.request import Request
 
 DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
@@ -56,20 +56,24 @@ class _PauseQueue:
     each needs host room for its unsynced tail, or it frees nothing."""
 
     def __init__(self, members: Sequence[Member], view: SchedulingView) -> None:
-        pausable = [m for m in members if m.is_pausable]
-        self._pending = sorted(pausable, key=lambda m: (m.utility, m.request.sort_key))
+        pausable = sorted(
+            (m for m in members if m.is_pausable), key=lambda m: (m.utility, m.request.sort_key)
+        )
+        self._pending = [m.request for m in pausable]
         self._host_room = view.kv.num_free_host_blocks
         self._view = view
 
     def free_blocks(self, shortfall_blocks: int) -> int:
         """Take pauses until they free `shortfall_blocks` device blocks or none is left;
-        returns the blocks freed (reclaimed, plus the reserve they no longer need)."""
-        freed = 0
+        returns the blocks freed (its device blocks, plus the reserve it no longer needs)."""
+        kv, freed = self._view.kv, 0
         while freed < shortfall_blocks and self._pending:
-            pause = self._pending.pop(0)
-            if pause.unsynced_blocks <= self._host_room:
-                self._host_room -= pause.unsynced_blocks
-                freed += pause.reclaim_blocks + self._view.reserve_blocks(pause.request)
+            paused = self._pending.pop(0)
+            tail_blocks = unsynced_blocks(kv, paused)
+            if tail_blocks <= self._host_room:
+                self._host_room -= tail_blocks
+                freed += kv.num_device_blocks_of(paused.request_id)
+                freed += self._view.reserve_blocks(paused)
         return freed
 
 
@@ -89,7 +93,8 @@ def admit(
     admitted: list[Request] = []
     rate = tokens = 0
     for request in view.waiting:
-        if size >= limit or (size and rate + demand_of(request) > spare_rate_tps):
+        demand_tps = demand_of(request)
+        if size >= limit or (size and rate + demand_tps > spare_rate_tps):
             break
         batch_tokens = tokens + request.num_tokens
         if admitted and prefill_price_s(view, batch_tokens) > prefill_budget_s:
@@ -102,7 +107,7 @@ def admit(
         free -= need + view.reserve_blocks(request)
         admitted.append(request)
         size += 1
-        rate += demand_of(request)
+        rate += demand_tps
         tokens = batch_tokens
     unused_s = prefill_budget_s - prefill_price_s(view, tokens) if admitted else prefill_budget_s
     return Admission(admitted, rate, unused_s)

@@ -83,11 +83,11 @@ class SchedulingView:
         return Start(request.request_id, by_load)
 
     def start_blocks(self, request: Request) -> int:
-        """Device blocks a start needs (a decode's next block comes later)."""
-        tokens = (
-            request.num_computed_tokens if self.start_for(request).by_load else request.num_tokens
-        )
-        return self.kv.blocks_for(tokens)
+        """Device blocks a start needs (a decode's next block comes later): the host copy's
+        blocks for a load, else the request's tokens."""
+        computed = request.num_computed_tokens
+        by_load = self.kv.has_host_copy(request.request_id, computed)
+        return self.kv.blocks_for(computed if by_load else request.num_tokens)
 
     def reserve_blocks(self, request: Request) -> int:
         """Blocks kept free for a request's future tokens (SGLang's new-token ratio)."""

@@ -20,9 +20,11 @@ def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> fl
     with the buffer normalised to one interval of reading); a stream off the device pays
     `switch_penalty` to come back, so rotation needs a real gain."""
     dt = config.schedule_interval_s
-    value = max(0.0, 1.0 - buffered_s / config.value_horizon_s)
-    switch = 0.0 if is_resident else config.switch_penalty * dt
-    return value * dt + config.stall_penalty * dt * math.exp(-buffered_s / dt) - switch
+    value = 1.0 - buffered_s / config.value_horizon_s
+    u = (value if value > 0.0 else 0.0) * dt + config.stall_penalty * dt * math.exp(
+        -buffered_s / dt
+    )
+    return u if is_resident else u - config.switch_penalty * dt
 
 
 def lifetime_blocks(request: Request, block_size: int) -> int:
@@ -35,8 +37,8 @@ def interval_footprint_blocks(request: Request, growth_tokens: int, block_size: 
     """Device blocks that hold a stream through the next interval: its tokens plus what it
     generates meanwhile (at most its remaining budget, at least one token)."""
     remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
-    ahead = max(min(growth_tokens, remaining), 1)
-    return -(-(request.num_tokens + ahead) // block_size)
+    ahead = growth_tokens if growth_tokens < remaining else remaining
+    return -(-(request.num_tokens + (ahead if ahead > 1 else 1)) // block_size)
 
 
 def pause_threshold_s(
@@ -111,13 +113,15 @@ class Member:
     utility: float
     footprint_blocks: int  # device blocks to hold it through the next interval
     is_resident: bool  # on the device now (running or loading)
-    is_pinned: bool  # must stay: resident and not safely pausable (prefill, load, small buffer)
     is_pausable: bool  # decoding, and its buffer covers a safe pause (with host room)
     is_urgent: bool  # started, and its reader runs dry within the critical slack
     is_overdue: bool  # started, and its reader has stalled for max_stall_s or longer
-    reclaim_blocks: int  # device blocks a pause frees (0 unless pausable)
-    unsynced_blocks: int  # host blocks a pause takes for its unsynced tail (0 unless pausable)
     resume_s: float  # time to bring a paused member back (0 unless paused)
+
+    @property
+    def is_pinned(self) -> bool:
+        """Must stay on the device: resident and not safely pausable (prefill, load, buffer)."""
+        return self.is_resident and not self.is_pausable
 
 
 def unsynced_blocks(kv: KVState, r: Request) -> int:
@@ -129,18 +133,11 @@ def unsynced_blocks(kv: KVState, r: Request) -> int:
 def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices) -> bool:
     """A running, decoding stream whose buffer covers `pause_threshold_s`, and whose unsynced
     tail finds host room (else the pause would drop its KV and cost a recompute)."""
-    return _pause_tail_blocks(config, view, r, r.buffered_s(view.now_s), prices) is not None
-
-
-def _pause_tail_blocks(
-    config: TokenFlowConfig, view: SchedulingView, r: Request, buffered_s: float, prices: Prices
-) -> int | None:
-    """The host blocks a safe pause of `r` takes for its unsynced tail; None: `r` is not
-    safely pausable (see `is_pausable`)."""
-    if buffered_s < prices.least_pause_threshold_s:
-        return None  # (the threshold only grows with the stream's blocks)
-    if r.state is not RequestState.RUNNING or r.is_prefilling:
-        return None
+    buffered_s = r.buffered_s(view.now_s)
+    if r.state is not RequestState.RUNNING or buffered_s < prices.least_pause_threshold_s:
+        return False  # (the threshold only grows with the stream's blocks)
+    if r.is_prefilling:
+        return False
     kv = view.kv
     unsynced = unsynced_blocks(kv, r)
     threshold_s = pause_threshold_s(
@@ -150,32 +147,24 @@ def _pause_tail_blocks(
         prices.seconds_per_block,
         prices.resume_queue_s,
     )
-    if unsynced > kv.num_free_host_blocks or buffered_s < threshold_s:
-        return None
-    return unsynced
+    return unsynced <= kv.num_free_host_blocks and buffered_s >= threshold_s
 
 
 def member(
     config: TokenFlowConfig, view: SchedulingView, r: Request, growth: int, prices: Prices
 ) -> Member:
     """The member record of `r` at this decision."""
-    now, kv, state = view.now_s, view.kv, r.state
+    now, state = view.now_s, r.state
     resident = state is RequestState.RUNNING or state is RequestState.LOADING
-    buffered_s = r.buffered_s(now)
-    tail_blocks = _pause_tail_blocks(config, view, r, buffered_s, prices)
-    pausable = tail_blocks is not None
     started = bool(r.output_token_ids)
     slack_s = r.slack_s(now)
     return Member(
         request=r,
-        utility=utility(config, buffered_s, resident),
-        footprint_blocks=interval_footprint_blocks(r, growth, kv.block_size),
+        utility=utility(config, r.buffered_s(now), resident),
+        footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size),
         is_resident=resident,
-        is_pinned=resident and not pausable,
-        is_pausable=pausable,
+        is_pausable=is_pausable(config, view, r, prices),
         is_urgent=started and slack_s < config.critical_slack_s,
         is_overdue=started and slack_s <= -config.max_stall_s,
-        reclaim_blocks=kv.num_device_blocks_of(r.request_id) if pausable else 0,
-        unsynced_blocks=tail_blocks or 0,
         resume_s=prices.resume_s[r.request_id] if state is RequestState.PREEMPTED else 0.0,
     )
