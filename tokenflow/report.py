@@ -3,8 +3,8 @@
 Everything takes `dict[str, Summary]` (run or policy name -> its summary) and, for plots, the
 runs' `RequestTrace`s, so the simulator reports its runs with the same code as the HTTP
 benchmark.  Plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch).
-Repeated runs (seeds) are summarised as median and min-max by `aggregate`, and plotted by
-`plot_spread`.
+Repeated runs (seeds) are summarised as median and min-max by `aggregate`, plotted by
+`plot_spread`, and judged against a baseline's by `check_targets`.
 """
 
 from __future__ import annotations
@@ -209,6 +209,44 @@ def aggregate(
 ) -> dict[str, Spread]:
     """Per metric, the spread over `runs` (each a `Summary.to_dict()` or a JSON record)."""
     return {key: spread([run[key] for run in runs]) for key in keys}
+
+
+# -- targets against a baseline ------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetCheck:
+    """One target judged on medians: the measured value, whether it passed, the bound."""
+
+    value: float  # a ratio to the baseline's median, or seconds (mean stall)
+    passed: bool
+    target: str  # the bound as text, e.g. "<= 0.3x"
+
+    def to_dict(self) -> dict[str, object]:
+        """{"value": ..., "pass": ..., "target": ...}"""
+        return {"value": self.value, "pass": self.passed, "target": self.target}
+
+
+def check_targets(
+    candidate: Mapping[str, Spread], baseline: Mapping[str, Spread], p99_ttft_bound: float
+) -> dict[str, TargetCheck]:
+    """The targets a policy is held to against a baseline (TokenFlow against FCFS), on the
+    medians over seeds: P99 TTFT at most `p99_ttft_bound` x the baseline's, effective throughput
+    >= 1.3x, QoE >= 1.0x, mean stall <= max(2 s, 2x the baseline's), raw throughput >= 0.97x."""
+
+    def ratio(key: str) -> float:
+        base = baseline[key].median
+        return candidate[key].median / base if base else float("inf")
+
+    stall_bound_s = max(2.0, 2.0 * baseline["rebuffer_mean_s"].median)
+    stall_s = candidate["rebuffer_mean_s"].median
+    p99, eff = ratio("ttft_p99_s"), ratio("effective_throughput_tps")
+    qoe, raw = ratio("qoe_mean"), ratio("throughput_tps")
+    return {
+        "p99_ttft": TargetCheck(p99, p99 <= p99_ttft_bound, f"<= {p99_ttft_bound}x"),
+        "effective_tps": TargetCheck(eff, eff >= 1.3, ">= 1.3x"),
+        "qoe": TargetCheck(qoe, qoe >= 1.0, ">= 1.0x"),
+        "mean_stall_s": TargetCheck(stall_s, stall_s <= stall_bound_s, f"<= {stall_bound_s:.2f} s"),
+        "raw_tps": TargetCheck(raw, raw >= 0.97, ">= 0.97x"),
+    }
 
 
 # (summary key, column title, decimals) of the table over repeated runs

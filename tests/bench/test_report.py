@@ -11,6 +11,7 @@ from tokenflow.metrics import RequestTrace, summarize
 from tokenflow.report import (
     Spread,
     aggregate,
+    check_targets,
     format_spread_table,
     format_table,
     pick_timeline_requests,
@@ -117,3 +118,41 @@ def test_plot_spread_writes_a_png(tmp_path: Path) -> None:
     }
     plot_spread(tmp_path / "p.png", "setup", spreads)
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+
+
+# -- targets against a baseline, judged on medians ------------------------------------------------
+def _medians(p99: float, eff: float, qoe: float, stall: float, raw: float) -> dict[str, Spread]:
+    values = {
+        "ttft_p99_s": p99,
+        "effective_throughput_tps": eff,
+        "qoe_mean": qoe,
+        "rebuffer_mean_s": stall,
+        "throughput_tps": raw,
+    }
+    # min/max far from the median: only the median may decide
+    return {k: Spread(v, v / 10, v * 10) for k, v in values.items()}
+
+
+FCFS = _medians(p99=100.0, eff=100.0, qoe=0.5, stall=3.0, raw=1000.0)
+
+
+def test_a_policy_meeting_every_target_passes() -> None:
+    good = _medians(p99=25.0, eff=131.0, qoe=0.6, stall=5.9, raw=980.0)
+    checks = check_targets(good, FCFS, p99_ttft_bound=0.3)
+    assert all(check.passed for check in checks.values())
+    assert checks["p99_ttft"].value == 0.25
+    assert checks["p99_ttft"].to_dict() == {"value": 0.25, "pass": True, "target": "<= 0.3x"}
+
+
+def test_each_target_can_fail() -> None:
+    bad = _medians(p99=31.0, eff=129.0, qoe=0.49, stall=6.1, raw=960.0)
+    assert not any(check.passed for check in check_targets(bad, FCFS, 0.3).values())
+
+
+def test_the_ttft_bound_is_the_callers_and_the_stall_bound_never_below_two_seconds() -> None:
+    tokenflow = _medians(p99=90.0, eff=200.0, qoe=0.9, stall=1.9, raw=1000.0)
+    calm_fcfs = _medians(p99=100.0, eff=100.0, qoe=0.5, stall=0.1, raw=1000.0)
+    assert check_targets(tokenflow, calm_fcfs, 1.0)["p99_ttft"].passed
+    assert not check_targets(tokenflow, calm_fcfs, 0.3)["p99_ttft"].passed
+    stall = check_targets(tokenflow, calm_fcfs, 1.0)["mean_stall_s"]
+    assert stall.passed and stall.target == "<= 2.00 s"  # 1.9 s <= max(2, 0.2)
