@@ -184,3 +184,16 @@ def test_admission_spends_the_trusted_gamma_not_the_latest():
     seen: list[float] = []
     assert started(distrust=False) == 5
     assert started(distrust=True) == 1 and seen and seen[0] > 0
+
+
+def test_a_request_arriving_between_decisions_starts_within_the_rate_left_spare():
+    core, clock, _ = make_core("tokenflow", step_s=0.05, scheduler_config=OPTIMISTIC)
+    core.add_request(make_request("a", num_prompt=4, max_tokens=60, rate=5.0))
+    while clock.t < 0.6:  # decisions at 0 (a starts) and at 0.5 s (a's reader near dry)
+        core.step()
+    policy = core.scheduler.policy
+    assert policy.num_decisions == 2 and clock.t < policy._next_decision_s
+    late = make_request("b", num_prompt=4, max_tokens=60, rate=5.0, arrival=clock.t)
+    core.add_request(late)
+    core.step()
+    assert late.state is RequestState.RUNNING and policy.num_decisions == 2

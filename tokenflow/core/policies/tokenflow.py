@@ -157,11 +157,14 @@ class TokenFlowPolicy(Policy):
         trusted_tps = self._capacity_floor.observe(view.now_s, capacity.gamma_tps)
         self._spare_rate_tps = 0.0
         queue_fits = self._queue_fits(view, trusted_tps, demand_tps)
-        if not view.waiting or (degraded and not queue_fits):
+        if degraded and not queue_fits:
             return []
         cfg = self.config
         headroom = cfg.queue_headroom if queue_fits else cfg.capacity_headroom
         spare_tps = headroom * trusted_tps - demand_tps
+        self._spare_rate_tps = max(spare_tps, 0.0)  # (for arrivals before the next decision)
+        if not view.waiting:
+            return []  # (and the last decision's prefill budget stands)
         limit = working_set_limit(cfg, view, capacity.beta_blocks)
         budget_s = carried_prefill_budget_s(cfg.schedule_interval_s, self._prefill_budget_s)
         admission = admit(view, started, limit, spare_tps, self._demand_tps, budget_s)
