@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +15,38 @@ from tokenflow.engine import LlamaModel, ModelExecutor, TieredKVCache, build_mod
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 # Greedy with EOS masked, as transformers' `min_new_tokens` does in `hf_greedy`.
 GREEDY_NO_EOS = SamplingParams(max_tokens=64, temperature=0.0, min_tokens=64)
+
+# bfloat16 keeps 8 significant bits: rounding to nearest moves a value by at most 2^-8 of it.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+# An upper count of the roundings to bfloat16 on one int4 projection's path: the group's scale
+# and zero, the dequantized weight (where a kernel forms it in bf16) and the output.
+BF16_ROUNDINGS_PER_INT4_PROJECTION = 4
+# Per decoder layer: input norm 2 (to bf16, times its weight), QKV 4, RoPE 4 (cos, sin, x * cos,
+# the fused add), attention 3 (scores, probabilities, output), output projection 4 + 1 residual
+# add, post-attention norm 2, gate/up 4, SiLU and the product 2, down 4 + 1 residual add.  A dense
+# bf16 projection rounds twice (weight, output) and a fused kernel rounds less: an upper count.
+BF16_ROUNDINGS_PER_LAYER = 31
+# Outside the layers: the embedding row, the final norm (2), the LM head's weight and output.
+BF16_ROUNDINGS_OUTSIDE_LAYERS = 5
+
+
+def bf16_error_bound(magnitude: float, num_roundings: int) -> float:
+    """How far `num_roundings` bfloat16 roundings in series move a result of size `magnitude`.
+
+    Each rounding is an unbiased relative error of at most 2^-8; independent errors add in
+    quadrature (Wilkinson's rule for accumulated rounding), giving sqrt(N) * 2^-8 of the
+    magnitude.  CPUs differ (AVX2, AVX-512 bf16, AMX) in which of the counted roundings their
+    kernels make, not in the size of one, so a bound from the count holds on each of them.
+    """
+    return math.sqrt(num_roundings) * BF16_UNIT_ROUNDOFF * magnitude
+
+
+def bf16_logit_bound(logits: torch.Tensor, num_layers: int) -> float:
+    """`bf16_error_bound` for a bfloat16 model's logits, scaled by their largest magnitude."""
+    num_roundings = num_layers * BF16_ROUNDINGS_PER_LAYER + BF16_ROUNDINGS_OUTSIDE_LAYERS
+    return bf16_error_bound(float(logits.abs().max()), num_roundings)
+
+
 TINY_LLAMA = dict(
     vocab_size=128,
     hidden_size=64,

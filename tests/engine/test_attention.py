@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from tests.engine.helpers import bf16_error_bound
 from tokenflow.core.plan import ScheduledChunk
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.attention import (
@@ -113,7 +114,10 @@ def test_in_place_decode_equals_gather_in_bfloat16():
         assert attn.decode is not None and attn.decode.reads_in_place == in_place
         with torch.inference_mode():
             outs.append(paged_attention(query, key, value, cache, attn))
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+    # Each output is a convex combination of the values, so it is at most their largest size;
+    # each path rounds its scores, probabilities and output to bf16: 6 roundings apart.
+    bound = bf16_error_bound(float(cache.value.abs().max()), 6)
+    torch.testing.assert_close(outs[1], outs[0], atol=bound, rtol=0)
 
 
 def test_small_decode_batches_gather():

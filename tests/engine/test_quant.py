@@ -6,11 +6,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import chunk, greedy_generate, our_logits
+from tests.engine.helpers import (
+    BF16_ROUNDINGS_PER_INT4_PROJECTION,
+    bf16_error_bound,
+    bf16_logit_bound,
+    chunk,
+    greedy_generate,
+    our_logits,
+)
 from tokenflow.engine import ModelExecutor, TieredKVCache, default_model_path, load_model
+from tokenflow.engine.model import INT4_MAX_ROWS
 from tokenflow.engine.quant import GROUP_SIZE, Int4Weight, PackedInt4, decode_q4, quantize_int4
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
+# A prompt whose greedy continuation (" f, g, h, i, j, k,") never hangs on a near tie: in each of
+# its 12 steps the dense model's top logit leads the next by 2.7 or more, over 4x the largest
+# bf16 logit error seen on any CPU (0.40 with AVX-512 bf16, 0.64 with AMX).  PROMPT has a step
+# led by 0.3, which bf16's rounding may swap.
+DECISIVE_PROMPT = "The alphabet: a, b, c, d, e,"
 
 
 def _random_int4(rows: int, cols: int, seed: int = 0) -> Int4Weight:
@@ -50,8 +63,9 @@ def test_packed_kernel_in_bfloat16_stays_within_bf16_rounding():
     x = torch.randn(3, 256)
     out = PackedInt4(weight, torch.bfloat16).matmul(x.bfloat16()).float()
     expected = x @ weight.dequantize().t()
-    scale = expected.abs().max()
-    assert (out - expected).abs().max() < 0.02 * scale
+    # x rounded to bf16, then the roundings of one int4 projection
+    bound = bf16_error_bound(float(expected.abs().max()), 1 + BF16_ROUNDINGS_PER_INT4_PROJECTION)
+    assert (out - expected).abs().max() < bound
 
 
 def test_requantized_weights_are_within_half_a_step():
@@ -104,14 +118,15 @@ def test_int4_model_in_float32_equals_the_dequantized_model(smollm, int4_models)
 
 
 def test_int4_model_in_bfloat16_keeps_the_dense_greedy_tokens(smollm, int4_models):
-    # The dense float32 model is the transformers oracle (test_real_model); bfloat16 activations
-    # and bf16-rounded group scales move logits by a bounded amount and keep the greedy tokens.
+    # The dense float32 model is the transformers oracle (test_real_model); the packed one
+    # differs from it only by bf16 roundings (activations, group scales and zeros).
     packed = int4_models[torch.bfloat16]
-    prompt = smollm.tokenizer.encode(PROMPT)
+    prompt = smollm.tokenizer.encode(DECISIVE_PROMPT)
+    assert len(prompt) <= INT4_MAX_ROWS  # the prefill runs the int4 kernel too
+    assert _greedy(packed, prompt, 12) == _greedy(smollm, prompt, 12)
     dense_logits = _prefill_logits(smollm, prompt)
     diff = (_prefill_logits(packed, prompt) - dense_logits).abs().max()
-    assert diff < 0.5, diff
-    assert _greedy(packed, prompt, 12) == _greedy(smollm, prompt, 12)
+    assert diff < bf16_logit_bound(dense_logits, smollm.config.num_layers), diff
 
 
 def test_int4_is_refused_where_the_cpu_kernel_cannot_run(tiny_checkpoints):
