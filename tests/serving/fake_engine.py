@@ -7,6 +7,7 @@ Output: token i of every request is the word `t{i}`; each token takes `token_del
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -58,6 +59,8 @@ class FakeEngine:
     max_num_requests: in-flight cap; beyond it `generate()` raises EngineOverloaded.
     fail_after_tokens: raise RuntimeError mid-stream after this many tokens (None: never).
     reject_prompts_longer_than: raise EngineRequestError for longer prompts (None: never).
+    gate: output token `gate_at_token` of every stream waits until a test thread sets it (None:
+        no wait), so a test decides when the stream goes on instead of racing a delay.
     """
 
     model_name: str = "fake-model"
@@ -72,6 +75,8 @@ class FakeEngine:
     retry_after_s: float = 1.5
     fail_after_tokens: int | None = None
     reject_prompts_longer_than: int | None = None
+    gate: threading.Event | None = None
+    gate_at_token: int = 0
     tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
     active_ids: list[str] = field(default_factory=list)
     aborted_ids: list[str] = field(default_factory=list)
@@ -118,6 +123,8 @@ class FakeEngine:
                 break
             if num_output and self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+            if self.gate is not None and num_output == self.gate_at_token:
+                await _opened(self.gate)
             if self.fail_after_tokens is not None and num_output >= self.fail_after_tokens:
                 raise RuntimeError("fake engine failure")
             token_id, finish_reason = self._next_token(num_output, params)
@@ -165,6 +172,16 @@ class FakeEngine:
 
     def health(self) -> EngineHealth:
         return EngineHealth(self.death is None, self.seconds_since_tick, self.death)
+
+
+async def _opened(gate: threading.Event, timeout_s: float = 120.0) -> None:
+    """Wait until another thread sets `gate`; the timeout only turns a hang into an error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not gate.is_set():
+        if loop.time() > deadline:
+            raise RuntimeError("the test never opened the gate")
+        await asyncio.sleep(0.005)
 
 
 class _TextStream:

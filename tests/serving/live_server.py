@@ -13,8 +13,9 @@ from fastapi import FastAPI
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, *, startup_timeout_s: float = 10.0) -> Iterator[str]:
-    """Yield the server's base URL (no trailing slash); stop it on exit."""
+def serve_in_thread(app: FastAPI, *, startup_timeout_s: float = 60.0) -> Iterator[str]:
+    """Yield the server's base URL (no trailing slash); stop it on exit.  The timeout only
+    turns a hang into an error: it is no bound on how fast a machine starts a server."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -36,8 +37,9 @@ def serve_in_thread(app: FastAPI, *, startup_timeout_s: float = 10.0) -> Iterato
         sock.close()
 
 
-def wait_until(predicate: Callable[[], object], timeout_s: float = 5.0) -> bool:
-    """Poll `predicate()` until true or the timeout passes; returns its last value."""
+def wait_until(predicate: Callable[[], object], timeout_s: float = 60.0) -> bool:
+    """Poll `predicate()` until true or the timeout passes; returns its last value.  The
+    timeout is a hang guard, generous on any machine: a true predicate returns at once."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

@@ -1,9 +1,13 @@
 """Accepted streams send their headers at once and `: keep-alive` comments while they wait;
-refusals stay real status codes; the official `openai` client parses such streams unchanged."""
+refusals stay real status codes; the official `openai` client parses such streams unchanged.
+
+The fake engine holds a stream's token at a gate that the client opens only once it has read
+the keep-alives it expects, so the tests wait on what the server sent, never on a delay."""
 
 from __future__ import annotations
 
-import time
+import threading
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -12,27 +16,68 @@ from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
 from tokenflow.serving.app import build_app
 from tokenflow.serving.config import ServerConfig
+from tokenflow.serving.formatting import KEEPALIVE_FRAME
 
 KEEPALIVE = ServerConfig(keepalive_s=0.05)
+TIMEOUT_S = 60  # a hang guard: each read returns within one keep-alive interval
+
+
+class _Watched(httpx.SyncByteStream):
+    """A response body that opens `gate` once `count` keep-alives followed the last data frame."""
+
+    def __init__(self, inner: httpx.SyncByteStream, gate: threading.Event, count: int) -> None:
+        self._inner, self._gate, self._count = inner, gate, count
+        self._seen = b""
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._seen += chunk
+            since_data = self._seen.rpartition(b"data: ")[2]
+            if since_data.count(KEEPALIVE_FRAME.encode()) >= self._count:
+                self._gate.set()
+            yield chunk
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class OpenAfterKeepalives(httpx.BaseTransport):
+    """HTTP transport whose responses open `gate` after `count` keep-alives in a row."""
+
+    def __init__(self, gate: threading.Event, count: int) -> None:
+        self._inner = httpx.HTTPTransport()
+        self._gate, self._count = gate, count
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self._inner.handle_request(request)
+        assert isinstance(response.stream, httpx.SyncByteStream)
+        body = _Watched(response.stream, self._gate, self._count)
+        return httpx.Response(response.status_code, headers=response.headers, stream=body)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def gated_client(gate: threading.Event, count: int) -> httpx.Client:
+    return httpx.Client(transport=OpenAfterKeepalives(gate, count), timeout=TIMEOUT_S)
 
 
 def test_headers_at_once_then_keepalives_until_the_first_token() -> None:
-    engine = FakeEngine(first_token_delay_s=0.4)
-    with serve_in_thread(build_app(engine, KEEPALIVE)) as url:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)  # no token until the client has read 3 keep-alives
+    with serve_in_thread(build_app(engine, KEEPALIVE)) as url, gated_client(gate, 3) as http:
         body = {"prompt": "x", "max_tokens": 2, "stream": True}
-        started = time.monotonic()
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=10) as response:
-            headers_s = time.monotonic() - started
+        with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             assert response.status_code == 200
+            assert not gate.is_set()  # the headers came while no token existed
             text = "".join(response.iter_text())
-    assert headers_s < 0.3
     head, _, rest = text.partition("data: ")
-    assert head.count(": keep-alive\n\n") >= 3 and head.replace(": keep-alive\n\n", "") == ""
+    assert head.count(KEEPALIVE_FRAME) >= 3 and head.replace(KEEPALIVE_FRAME, "") == ""
     assert rest.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in rest
 
 
 def test_refusals_stay_status_codes_for_streams() -> None:
-    engine = FakeEngine(max_num_requests=0, first_token_delay_s=5)
+    engine = FakeEngine(max_num_requests=0)
     with serve_in_thread(build_app(engine, KEEPALIVE)) as url:
         body = {"prompt": "x", "max_tokens": 2, "stream": True}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=10).status_code == 429
@@ -41,24 +86,27 @@ def test_refusals_stay_status_codes_for_streams() -> None:
 
 
 def test_official_client_parses_streams_with_keepalives() -> None:
-    engine = FakeEngine(first_token_delay_s=0.2, token_delay_s=0.1, eos_after=3)
-    with serve_in_thread(build_app(engine, KEEPALIVE)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, eos_after=3)
+    with serve_in_thread(build_app(engine, KEEPALIVE)) as url, gated_client(gate, 2) as http:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=http)
         chat = client.chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True
         )
         chunks = list(chat)
+    assert gate.is_set()  # the client read two keep-alives before the first token
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == " t0 t1 t2"
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_keepalives_fill_a_pause_between_tokens() -> None:
     # A stream paused by preemption looks like this to the server: no delta for a while.
-    engine = FakeEngine(token_delay_s=0.3)
-    with serve_in_thread(build_app(engine, KEEPALIVE)) as url:
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, gate_at_token=1)
+    with serve_in_thread(build_app(engine, KEEPALIVE)) as url, gated_client(gate, 2) as http:
         body = {"prompt": "x", "max_tokens": 2, "stream": True}
-        text = httpx.post(f"{url}/v1/completions", json=body, timeout=10).text
+        text = http.post(f"{url}/v1/completions", json=body).text
     _, _, rest = text.partition('"finish_reason":null')
     between, _, _ = rest.partition('"finish_reason":"length"')
-    assert between.count(": keep-alive\n\n") >= 2
+    assert between.count(KEEPALIVE_FRAME) >= 2
     assert text.endswith("data: [DONE]\n\n")

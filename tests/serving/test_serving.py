@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -22,6 +23,13 @@ def make_serving(engine: FakeEngine) -> OpenAIServing:
 
 async def never_disconnects() -> None:
     await asyncio.Event().wait()
+
+
+async def until(predicate: Callable[[], object], timeout_s: float = 60.0) -> None:
+    """Yield to the event loop until `predicate()` holds; the timeout only guards a hang."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.001)
 
 
 async def start_stream(serving: OpenAIServing, max_tokens: int = 5) -> SseStream:
@@ -53,15 +61,16 @@ async def test_closed_mid_stream_aborts_once() -> None:
 
 
 async def test_cancelled_consumer_aborts() -> None:
-    engine = FakeEngine(token_delay_s=0.05)
+    engine = FakeEngine(token_delay_s=60.0)  # the consumer waits for token 1 when cancelled
     stream = await start_stream(make_serving(engine), max_tokens=50)
+    frames: list[str] = []
 
     async def consume() -> None:
-        async for _ in stream:
-            pass
+        async for frame in stream:
+            frames.append(frame)
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.12)
+    await until(lambda: frames)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -88,8 +97,8 @@ async def test_disconnect_while_waiting_for_first_token() -> None:
 
     body = CompletionRequest(prompt="a", max_tokens=5)
     task = asyncio.create_task(serving.create_completion(body, None, wait_for_disconnect))
-    await asyncio.sleep(0.05)
-    assert engine.active_ids == ["cmpl-0"]
+    await until(lambda: engine.active_ids)
+    assert engine.active_ids == ["cmpl-0"] and not task.done()
     gone.set()
     with pytest.raises(ClientDisconnected):
         await task
