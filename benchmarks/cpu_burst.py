@@ -10,15 +10,15 @@ bench table and the ratios of each TokenFlow headline metric to vLLM's and to ou
 
     .venv/bin/python benchmarks/cpu_burst.py [--json out.json]
 
-This machine's speed drifts between runs by more than most settings change (docs/overload.md),
+This machine's speed drifts between runs by more than most settings change (docs/results.md),
 so compare settings within rounds: `--repeats N` runs every server once per round, N rounds,
 and ends with each server's median [min-max] and the per-round ratios' spread; `--variant
 NAME="OPTIONS"` adds a TokenFlow server with extra `serve` options to every round, e.g.
 `--skip-vllm --repeats 3 --variant q115="--queue-headroom 1.15"`.
 
-Defaults: the issue's burst - 32 streams, prompt 128, output 256, readers 4-8 tok/s - with a
-device tier of 128 blocks of 32 tokens (4,096 tokens: about a third of the streams at their
-full length).
+Defaults: the reading burst of docs/results.md - 32 streams, prompt 128, output 256, readers
+4-8 tok/s - with a device tier of 128 blocks of 32 tokens (4,096 tokens: about a third of the
+streams at their full length).
 """
 
 from __future__ import annotations

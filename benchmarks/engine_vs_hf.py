@@ -77,38 +77,44 @@ class OurRunner:
 
     def _execute(self, chunks: list[ScheduledChunk]) -> list[int]:
         self.step += 1
-        result = self.executor.execute(StepPlan(self.step, tuple(chunks), (), (), ()))
+        plan = StepPlan(
+            step_index=self.step,
+            chunks=tuple(chunks),
+            device_to_host=(),
+            host_to_device=(),
+            released_request_ids=(),
+        )
+        result = self.executor.execute(plan)
         return [s.token_id for s in result.sampled]
 
     def _table(self, index: int) -> tuple[int, ...]:
         first = index * self.blocks_per_seq
         return tuple(range(first, first + self.blocks_per_seq))
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timing:
-        """Greedy-generate `new_tokens` per prompt, timing the prefill and every decode step."""
-        stamps = [time.perf_counter()]
-        last = self._execute(
-            [
-                ScheduledChunk(f"r{i}", tuple(p), 0, self._table(i), 0, True, self.params, 0)
-                for i, p in enumerate(prompts)
-            ]
+    def _chunk(
+        self, index: int, token_ids: tuple[int, ...], start: int, num_out: int
+    ) -> ScheduledChunk:
+        """Request `index`'s chunk at `start`, with its whole block table again each step (the
+        executor replaces its copy); built by field name, so a changed plan type fails here."""
+        return ScheduledChunk(
+            request_id=f"r{index}",
+            token_ids=token_ids,
+            start_position=start,
+            new_block_ids=self._table(index),
+            block_table_start=0,
+            samples_token=True,
+            sampling_params=self.params,
+            num_output_tokens=num_out,
         )
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timing:
+        """Generate `new_tokens` per prompt, timing the prefill and every decode step."""
+        stamps = [time.perf_counter()]
+        last = self._execute([self._chunk(i, tuple(p), 0, 0) for i, p in enumerate(prompts)])
         stamps.append(time.perf_counter())
         for step in range(1, new_tokens):
             last = self._execute(
-                [
-                    ScheduledChunk(
-                        f"r{i}",
-                        (last[i],),
-                        len(p) + step - 1,
-                        self._table(i),
-                        0,  # (the whole table again: the executor replaces its copy)
-                        True,
-                        self.params,
-                        step,
-                    )
-                    for i, p in enumerate(prompts)
-                ]
+                [self._chunk(i, (last[i],), len(p) + step - 1, step) for i, p in enumerate(prompts)]
             )
             stamps.append(time.perf_counter())
         return _timing(stamps)

@@ -13,7 +13,7 @@ the ratios ours / default for the headline metrics.
 The default burst is a reading burst like `cpu_burst.py`'s: 32 requests at once, prompts of 128
 tokens, 256 output tokens, readers at 4 or 8 tok/s (half each), a KV pool of 128 usable blocks
 of 32 tokens (about 14 of the 32 streams at full length), bfloat16 (vLLM's faster dtype here).
-`--tiny` is the earlier burst: 24 requests of 32 + 32 tokens, readers at 0.15 or 0.25 tok/s, 16
+`--tiny` is a small burst: 24 requests of 32 + 32 tokens, readers at 0.15 or 0.25 tok/s, 16
 usable blocks, float32; there a reader consumes one or two tokens during the whole run, so every
 stream's weighted tokens are the same under any order and effective throughput is a ratio of
 makespans.

@@ -68,10 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["serve"] and not _runs_llamacpp(argv):
         # OpenMP workers that sleep instead of spinning between parallel regions: with two
         # threads on a shared 2-core CPU, spinning made decode steps up to 20x slower whenever
-        # another process held a core (benchmarks/threads.py).  Read when torch loads, so set
+        # another process held a core (docs/design.md).  Read when torch loads, so set
         # before any import of it; a value in the environment wins.  Not for llama.cpp: its
         # OpenMP build syncs every graph node at a barrier, and passive waits made its batch-1
-        # step 2.9x slower (7.5 -> 21.7 ms, docs/results.md).
+        # step 2.9x slower (7.5 -> 21.7 ms).
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
         _serve_vllm(argv[1:])
