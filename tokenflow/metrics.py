@@ -1,4 +1,4 @@
-"""Serving metrics shared by the simulator and the HTTP benchmark client (SPEC section 5).
+"""Serving metrics shared by the simulator and the HTTP benchmark client (paper §3.2, §7.1.3).
 
 Both producers hand over one `RequestTrace` per request, so simulated and measured runs are
 scored by the same code and compare directly.
@@ -85,8 +85,8 @@ class MetricsConfig:
     effective_full_fraction: float = 0.10  # weight 1 while buffer <= 0.10 * L
     effective_zero_fraction: float = 0.20  # weight 0 from 0.20 * L on, linear in between
     ttft_target_s: float = 1.0  # Andes QoE: ideal consumption of token j at arrival+target+(j-1)/r
-    qos_ttft_weight: float = 1.0  # lambda in SPEC Eq. 2
-    qos_rebuffer_weight: float = 1.0  # mu in SPEC Eq. 2
+    qos_ttft_weight: float = 1.0  # lambda in the paper's QoS (Eq. 2)
+    qos_rebuffer_weight: float = 1.0  # mu in the paper's QoS (Eq. 2)
     slo_ttft_s: float = 2.0  # goodput SLOs: a request is good if it meets all of them
     slo_tpot_s: float = 0.2
 
