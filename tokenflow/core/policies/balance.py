@@ -31,12 +31,14 @@ def utility_order(m: Member) -> tuple:
     r = m.request
     is_newcomer = not r.output_token_ids
     tie = r.arrival_s if is_newcomer else -r.rate_tps
-    return (not m.is_pinned, not m.is_overdue, -m.utility, is_newcomer, tie, *r.sort_key)
+    key = (not m.is_pinned, not m.is_overdue, -m.utility, is_newcomer, tie)
+    return (*key, r.arrival_s, r.arrival_index)
 
 
 def arrival_order(m: Member) -> tuple:
     """The balancer's rank of `m` when degraded to first come, first served."""
-    return (not m.is_pinned, not m.is_overdue, not m.is_urgent, *m.request.sort_key)
+    r = m.request
+    return (not m.is_pinned, not m.is_overdue, not m.is_urgent, r.arrival_s, r.arrival_index)
 
 
 def select(

@@ -91,13 +91,14 @@ class SchedulingView:
 
     def reserve_blocks(self, request: Request) -> int:
         """Blocks kept free for a request's future tokens (SGLang's new-token ratio)."""
-        remaining = request.sampling_params.max_tokens - request.num_output_tokens
+        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
         return self.kv.blocks_for(int(remaining * self.new_token_ratio))
 
     def running_reserve_blocks(self) -> int:
         """Blocks kept free for the residents' future tokens: the new-token ratio of their
         remaining max_tokens, summed in tokens (as SGLang does) and then rounded up to blocks."""
-        remaining = sum(r.sampling_params.max_tokens - r.num_output_tokens for r in self.running)
+        running = self.running
+        remaining = sum(r.sampling_params.max_tokens - len(r.output_token_ids) for r in running)
         return self.kv.blocks_for(int(remaining * self.new_token_ratio))
 
 

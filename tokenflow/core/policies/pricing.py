@@ -133,7 +133,12 @@ def unsynced_blocks(kv: KVState, r: Request) -> int:
 def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices) -> bool:
     """A running, decoding stream whose buffer covers `pause_threshold_s`, and whose unsynced
     tail finds host room (else the pause would drop its KV and cost a recompute)."""
-    buffered_s = r.buffered_s(view.now_s)
+    return _is_pausable(config, view, r, r.buffered_s(view.now_s), prices)
+
+
+def _is_pausable(
+    config: TokenFlowConfig, view: SchedulingView, r: Request, buffered_s: float, prices: Prices
+) -> bool:
     if r.state is not RequestState.RUNNING or buffered_s < prices.least_pause_threshold_s:
         return False  # (the threshold only grows with the stream's blocks)
     if r.is_prefilling:
@@ -157,13 +162,13 @@ def member(
     now, state = view.now_s, r.state
     resident = state is RequestState.RUNNING or state is RequestState.LOADING
     started = bool(r.output_token_ids)
-    slack_s = r.slack_s(now)
+    slack_s, buffered_s = r.slack_s(now), r.buffered_s(now)
     return Member(
         request=r,
-        utility=utility(config, r.buffered_s(now), resident),
+        utility=utility(config, buffered_s, resident),
         footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size),
         is_resident=resident,
-        is_pausable=is_pausable(config, view, r, prices),
+        is_pausable=_is_pausable(config, view, r, buffered_s, prices),
         is_urgent=started and slack_s < config.critical_slack_s,
         is_overdue=started and slack_s <= -config.max_stall_s,
         resume_s=prices.resume_s[r.request_id] if state is RequestState.PREEMPTED else 0.0,
