@@ -308,7 +308,15 @@ def _random_traces(num_streams: int, num_tokens: int) -> list[RequestTrace]:
     for i in range(num_streams):
         gaps = rng.choice([0.0, 0.01, 0.03, 0.5], size=num_tokens, p=[0.3, 0.4, 0.28, 0.02])
         times = tuple((rng.uniform(0, 60) + 1.0 + np.cumsum(gaps)).tolist())
-        traces.append(RequestTrace(f"r{i}", 0.0, 20.0, 512, times, finish_reason="stop"))
+        trace = RequestTrace(
+            request_id=f"r{i}",
+            arrival_s=0.0,
+            rate_tps=20.0,
+            num_prompt_tokens=512,
+            token_times_s=times,
+            finish_reason="stop",
+        )
+        traces.append(trace)
     return traces
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
-from tests.serving.live_server import serve_in_thread
+from tests.serving.live_server import serve_in_thread, wait_until
 from tokenflow.bench.cli import BenchTarget, benchmark, report_runs
 from tokenflow.bench.client import (
     ClientConfig,
@@ -82,8 +83,16 @@ def test_multi_token_chunks_without_continuous_usage_settle_on_the_usage_chunk()
 
 
 def test_errors_are_counted_not_raised() -> None:
-    # One request at a time: the rest of the burst is refused with 429.
-    engine = FakeEngine(first_token_delay_s=0.3, max_num_requests=1, max_model_len=1024)
+    # One request at a time: the one admitted holds its first token until the other three
+    # were refused with 429, however the machine schedules the burst.
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, max_num_requests=1, max_model_len=1024)
+
+    def open_gate_once_all_others_are_refused() -> None:
+        if wait_until(lambda: engine.num_refused == 3):
+            gate.set()
+
+    threading.Thread(target=open_gate_once_all_others_are_refused, daemon=True).start()
     with serve_in_thread(build_app(engine)) as url:
         run = asyncio.run(run_workload(burst(4, output_tokens=20), config(url)))
     assert run.num_failed == 3

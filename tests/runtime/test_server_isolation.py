@@ -4,7 +4,7 @@ a shutdown with streams in flight; every request ends in tokens or its own expli
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import httpx
 import pytest
@@ -91,16 +91,23 @@ def test_a_request_failing_in_the_engine_fails_alone(served, solo, monkeypatch):
     assert wait_until(lambda: engine.stats().num_running == 0)
 
 
-def slow_down(engine: AsyncEngine, step_s: float = 0.02) -> None:
-    """Make each engine step last at least `step_s`: 100 tokens then take >= 2 s, so streams
-    are still live half a second in, however fast the machine is."""
+def hold_steps(engine: AsyncEngine, num_streams: int) -> threading.Event:
+    """Once `num_streams` requests have tokens, each engine step waits for the returned event,
+    which the test sets when it has acted: the streams are still live when the action comes,
+    however fast or slow the machine.  The wait's timeout only turns a hang into an error."""
+    acted = threading.Event()
     step = engine.engine.step
+    started: set[str] = set()
 
-    def slow_step():
-        time.sleep(step_s)
-        return step()
+    def held_step():
+        if len(started) >= num_streams and not acted.wait(timeout=120):
+            raise RuntimeError("the test never acted")
+        ran, deltas = step()
+        started.update(delta.request_id for delta in deltas)
+        return ran, deltas
 
-    engine.engine.step = slow_step  # type: ignore[method-assign]
+    engine.engine.step = held_step  # type: ignore[method-assign]
+    return acted
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -115,18 +122,23 @@ def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model
         return original()
 
     engine.engine.stats = stats  # type: ignore[method-assign]
-    slow_down(engine)
+    acted = hold_steps(engine, 1)
     slow = {**INNOCENT, "max_tokens": 100, "stream_rate": 1}
+
+    def break_stats() -> None:
+        broken["on"] = True
+        acted.set()
+
     try:
         with serve_in_thread(build_app(engine)) as url:
 
             async def go():
                 async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-                    return await stream_and_act(http, slow, lambda: broken.update(on=True))
+                    return await stream_and_act(http, slow, break_stats)
 
             frames = asyncio.run(go())
             assert frames[-1] == "[DONE]" and "engine loop died" in frames[-2]
-            assert wait_until(lambda: not engine.health().is_alive, timeout_s=10)
+            assert wait_until(lambda: not engine.health().is_alive)
             health = httpx.get(f"{url}/health")
             assert health.status_code == 503 and health.json()["status"] == "dead"
             late = httpx.post(f"{url}/v1/completions", json=slow, timeout=10)
@@ -137,8 +149,13 @@ def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model
 
 def test_shutdown_ends_live_streams_with_an_error_frame(tiny_model_dir):
     engine = AsyncEngine(EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=128))
-    slow_down(engine)
+    acted = hold_steps(engine, 3)
     slow = {**INNOCENT, "max_tokens": 100, "stream_rate": 1}
+
+    def stop() -> None:
+        engine.stop()
+        acted.set()
+
     try:
         with serve_in_thread(build_app(engine)) as url:
 
@@ -148,7 +165,7 @@ def test_shutdown_ends_live_streams_with_an_error_frame(tiny_model_dir):
                         asyncio.ensure_future(read_stream(http, "/v1/completions", slow))
                         for _ in range(2)
                     ]
-                    first = await stream_and_act(http, slow, engine.stop)
+                    first = await stream_and_act(http, slow, stop)
                     return first, await asyncio.gather(*others)
 
             first, others = asyncio.run(go())

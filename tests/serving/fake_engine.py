@@ -82,6 +82,7 @@ class FakeEngine:
     aborted_ids: list[str] = field(default_factory=list)
     submitted: list[tuple[str, SamplingParams, float]] = field(default_factory=list)
     num_finished: int = 0
+    num_refused: int = 0  # generate() calls refused with EngineOverloaded
     death: str | None = None  # health() reports the loop dead, generate() raises EngineDead
     seconds_since_tick: float = 0.0
 
@@ -95,6 +96,7 @@ class FakeEngine:
         if self.death is not None:
             raise EngineDead(self.death)
         if self.max_num_requests is not None and len(self.active_ids) >= self.max_num_requests:
+            self.num_refused += 1
             raise EngineOverloaded("too many requests waiting", retry_after_s=self.retry_after_s)
         limit = self.reject_prompts_longer_than
         if limit is not None and len(prompt_token_ids) > limit:
