@@ -50,7 +50,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class TokenFlowConfig:
-    """Parameters of the buffer-aware policy (SPEC section 3)."""
+    """Parameters of the buffer-aware policy (paper §4)."""
 
     schedule_interval_s: float = 0.5  # delta-t between scheduling decisions under stress
     # mu: pause j only if its buffer covers mu x (evict + load + one interval), plus the critical
@@ -65,14 +65,14 @@ class TokenFlowConfig:
     capacity_headroom: float = 1.0  # admit only while reading rates stay <= this share of Gamma
     # ... or while they stay <= this share when the whole queue fits in it: a small deficit is
     # spread as short stalls, not one long wait for the last requests (<= capacity_headroom: off;
-    # docs/overload.md has why it is off by default)
+    # docs/design.md has why it is off by default)
     queue_headroom: float = 1.0
     capacity_window_s: float = 1.0  # admission uses the lower median Gamma of this window
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
     # Admission's reserve for the residents' future tokens starts at this share of their
     # remaining output, or the scheduler's init_new_token_ratio if lower.  SGLang's 0.7 by
-    # default; `tokenflow serve` uses less on the CPU (docs/overload.md)
+    # default; `tokenflow serve` uses less on the CPU (docs/design.md)
     init_new_token_ratio: float = 0.7
 
     def __post_init__(self) -> None:

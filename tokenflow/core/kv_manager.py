@@ -28,7 +28,7 @@ class KVConfig:
     num_host_blocks: int
     block_size: int = 16
     block_bytes: int = 1  # bytes of one block, all layers, K and V (copy budgets are in bytes)
-    # Mechanism switches (ablations of SPEC section 4; the defaults are the paper's design):
+    # Mechanism switches (ablations of the paper's §5-6; the defaults are the paper's design):
     offload: bool = True  # False: an eviction drops the KV (recompute) and nothing is written
     free_synced_on_evict: bool = True  # False: a victim's blocks wait for its whole eviction
 

@@ -19,7 +19,7 @@ from tokenflow.core.policies import POLICY_NAMES
 # residents' remaining output instead of SGLang's 0.7 (TokenFlow pauses a stream short of
 # memory instead of retracting it), took the CPU reading burst's P99 TTFT from 13-17 s to
 # 11-12 s.  In the GPU simulator the same values raised overload stalls, so the core's
-# defaults keep 2 s and 0.7 (docs/overload.md).
+# defaults keep 2 s and 0.7 (docs/design.md).
 SERVE_TOKENFLOW = TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
 EXECUTORS = ("torch", "llama-cpp")
 # CPU steps of fewer tokens run on one thread (tokenflow/engine/threads.py has the numbers).
@@ -53,6 +53,7 @@ class EngineArgs:
     serial_below_tokens: int = SERIAL_BELOW_TOKENS  # smaller CPU steps run on one thread
     compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
     executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
+    llama_cpp_repack: bool = False  # llama-cpp: let ggml repack weights for AMX/AVX kernels
     tokenflow: TokenFlowConfig = SERVE_TOKENFLOW
 
     def __post_init__(self) -> None:
@@ -84,6 +85,8 @@ class EngineArgs:
             raise ValueError("default_rate_tps must be a finite number > 0")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.llama_cpp_repack and self.executor != "llama-cpp":
+            raise ValueError("llama_cpp_repack applies to the llama-cpp executor only")
         allowed = ("auto", "q8_0") if self.executor == "llama-cpp" else ("auto", "int4", "dense")
         if self.weights not in allowed:
             raise ValueError(
@@ -117,7 +120,7 @@ _POLICY_OPTIONS = {
     "mu": ("buffer_conservativeness", None),
     "critical_slack": (
         "critical_slack_s",
-        "seconds of buffer that mean stress, and a pause's margin (docs/overload.md)",
+        "seconds of buffer that mean stress, and a pause's margin (docs/design.md)",
     ),
     "new_token_ratio": (
         "init_new_token_ratio",
@@ -125,12 +128,12 @@ _POLICY_OPTIONS = {
     ),
     "capacity_headroom": (
         "capacity_headroom",
-        "admit while reading rates stay <= this share of capacity (docs/overload.md)",
+        "admit while reading rates stay <= this share of capacity (docs/usage.md)",
     ),
     "queue_headroom": (
         "queue_headroom",
         "admit the whole queue while its reading rates stay <= this share of capacity "
-        "(e.g. 1.15: shorter P99 TTFT, longer stalls; docs/overload.md)",
+        "(e.g. 1.15: shorter P99 TTFT, longer stalls; docs/usage.md)",
     ),
     "max_stall_s": ("max_stall_s", "a stream stalled this long goes on the device first"),
 }
@@ -198,6 +201,13 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
         choices=EXECUTORS,
         help="torch: our PyTorch model; llama-cpp: the GGUF through llama.cpp (needs the "
         "llamacpp extra; fastest at 1-8 streams on CPU, docs/results.md)",
+    )
+    group.add_argument(
+        "--llama-cpp-repack",
+        action="store_true",
+        help="llama-cpp executor: let ggml repack weights into its CPU-specific layouts (AMX; "
+        "AVX2/AVX-512 for Q4_0, Q4_K, IQ4_NL).  Off by default: it crashed on a CPU reporting "
+        "AMX, and on x86 without AMX it leaves the shipped Q4_1 model's weights as they are",
     )
     group.add_argument(
         "--default-rate",

@@ -101,7 +101,7 @@ class Projection(nn.Module):
     With `set_int4` the weight is also held as packed 4-bit groups (CPU kernel), used for inputs
     of at most `INT4_MAX_ROWS` rows: decode steps, where reading the weight dominates.  Larger
     inputs (big decode batches, prefill) are compute-bound and use the dense copy, whose GEMM
-    ran about 2x faster than the int4 kernel at 32 rows here (benchmarks/quant_kernels.py), as
+    ran about 2x faster than the int4 kernel at 32 rows here (docs/design.md), as
     llama.cpp switches to BLAS on dequantized weights for large batches.
     """
 
@@ -145,7 +145,7 @@ class LMHead(nn.Module):
 
     Unlike the layers' projections, this one wide output runs faster as nn.Linear's transposed
     (NT) GEMM on CPU: 3.4 against 5.4 ms for one row, 4.3 against 6.3 for 8, 7.4 against 9.3
-    for 32 (SmolLM2's [49152, 576] in bfloat16, 2 threads, benchmarks/quant_kernels.py).  A
+    for 32 (SmolLM2's [49152, 576] in bfloat16, 2 threads).  A
     tied embedding reads its rows.
     """
 

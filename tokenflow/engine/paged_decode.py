@@ -5,7 +5,7 @@ The eager path (attention.py) copies every decoding sequence's blocks into a den
 written as gathers feeding elementwise products and reductions, which the compiler (inductor)
 fuses into one loop nest: each key and value row is loaded from its cache block where it lies,
 and nothing of size B x D x S is written.  On this project's 2-core CPU one layer ran 1.2-2.8x
-faster than gather + SDPA at 8-32 sequences and 1k-4k context (benchmarks/attention_paths.py).
+faster than gather + SDPA at 8-32 sequences and 1k-4k context (docs/design.md).
 
 Shapes are compiled once as dynamic (batch, blocks per sequence, cache blocks).  Blocks per
 sequence are padded to at least 2 so that the compiler's special-casing of size 1 does not cost

@@ -9,7 +9,7 @@ and zeros are rounded to the activation dtype (bfloat16) by the kernel's contrac
 4-bit K-quants (Q4_K, Q5_K is not 4-bit and stays dense) are dequantized by `gguf` and
 requantized to this format (min/max per group of 32): a second, documented quantization.
 Q8_0 and 6-bit tensors stay dense (bfloat16): `_weight_int8pack_mm` measured slower than a
-bf16 GEMM from batch 8 on here (benchmarks/quant_kernels.py), and it only has per-row scales.
+bf16 GEMM from batch 8 on here (docs/design.md), and it only has per-row scales.
 
 The packed kernel exists on CPU only; on CUDA the loader dequantizes (a bf16/fp16 dense path).
 """

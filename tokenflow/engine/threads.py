@@ -4,9 +4,9 @@ On a CPU every torch op of a step is an OpenMP parallel region.  `tokenflow serv
 OpenMP's idle workers sleep (passive waits) so that the HTTP thread keeps a core; the price is
 a worker wake-up per region.  A decode step of a few streams is a few hundred small regions,
 and there waking the workers costs more than they add: on the project's 2-core machine
-(`benchmarks/threads.py`, passive waits, steps alternated) one thread decoded 1 / 2 / 4
-streams at 42 / 70 / 112 tok/s against 28 / 52 / 80 on two, 6 and 8 streams were even, and two
-threads won from 12 streams on and in prefill (docs/results.md).
+(passive waits, steps alternated) one thread decoded 1 / 2 / 4 streams at 42 / 70 / 112 tok/s
+against 28 / 52 / 80 on two, 6 and 8 streams were even, and two threads won from 12 streams on
+and in prefill (docs/design.md).
 """
 
 from __future__ import annotations

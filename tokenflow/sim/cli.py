@@ -54,7 +54,7 @@ def _add_policy_arguments(tf: argparse._ArgumentGroup) -> None:
         "--capacity-headroom",
         type=float,
         default=TokenFlowConfig.capacity_headroom,
-        help="admit while reading rates stay <= this share of capacity (docs/overload.md)",
+        help="admit while reading rates stay <= this share of capacity (docs/usage.md)",
     )
     tf.add_argument(
         "--queue-headroom",

@@ -34,7 +34,7 @@ class SimulationStalled(RuntimeError):
 class SimConfig:
     """One simulated deployment: hardware, memory split, costs, ablations and policy parameters.
 
-    Ablations (SPEC section 4), each off by default:
+    Ablations (paper §5-6), each off by default:
     - `offload=False`: preemption by recompute only (no host copy is ever made or loaded);
     - `write_through=False`: write-back, the preempting step waits for its whole eviction;
     - `overlap_load_evict=False`: a victim's device memory (synced blocks included) is not

@@ -1,4 +1,4 @@
-"""The paper's experimental setups (SPEC section 7, Table 1) as simulator presets.
+"""The paper's experimental setups (paper §7, Table 1) as simulator presets.
 
 Lengths are normal with std = 25% of the mean (the paper states only means), clipped to
 [16, 2 x mean].  S/L: RTX 4090 inputs 512 / 1024, outputs 1024 / 2048; the H200 doubles the
