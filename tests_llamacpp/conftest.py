@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import llama_cpp
 import numpy as np
 import pytest
 from llama_cpp import Llama
@@ -36,12 +37,24 @@ def make_executor(gguf, num_ctx_tokens: int = 2048, num_seqs: int = 8) -> LlamaC
     return LlamaCppExecutor(path, spec, config.eos_token_ids)
 
 
+_default_model_params = llama_cpp.llama_cpp.llama_model_default_params
+
+
+def _without_repacking() -> llama_cpp.llama_model_params:
+    """llama.cpp's default model parameters with weight repacking off, as the executor runs."""
+    params = _default_model_params()
+    params.use_extra_bufts = False
+    return params
+
+
 @pytest.fixture(scope="session")
 def oracle(gguf):
     """Greedy continuation (EOS masked) of one prompt alone, through llama-cpp-python's own
-    `Llama` class: another code path over the same library."""
+    `Llama` class: another code path over the same library (repacking off, as ours)."""
     path, config, _ = gguf
-    llm = Llama(str(path), n_ctx=512, n_threads=2, logits_all=True, verbose=False)
+    with pytest.MonkeyPatch.context() as patch:  # `Llama` has no option for it
+        patch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", _without_repacking)
+        llm = Llama(str(path), n_ctx=512, n_threads=2, logits_all=True, verbose=False)
     cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
 
     def greedy_with_margins(prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:

@@ -53,6 +53,13 @@ def test_executor_and_its_weight_formats():
         EngineArgs(executor="onnx")
 
 
+def test_llamacpp_repacking_is_off_unless_asked():
+    assert not parse("--executor", "llama-cpp").llama_cpp_repack
+    assert parse("--executor", "llama-cpp", "--llama-cpp-repack").llama_cpp_repack
+    with pytest.raises(ValueError, match="llama_cpp_repack"):
+        parse("--llama-cpp-repack")  # the torch executor has nothing to repack
+
+
 def test_the_llamacpp_executor_says_what_is_missing_when_not_installed(monkeypatch):
     import sys
 

@@ -29,6 +29,7 @@ def build_executor(path: Path, config: ModelConfig, args: EngineArgs, pool_token
         max_batch_tokens=args.max_prefill_tokens + args.max_num_seqs,
         num_seqs=min(256, 4 * args.max_num_seqs),
         num_threads=args.num_threads or os.cpu_count() or 1,
+        repack_weights=args.llama_cpp_repack,
     )
     if args.weights == "q8_0":
         path = as_q8_0(path)

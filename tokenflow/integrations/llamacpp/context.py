@@ -27,6 +27,12 @@ class ContextSpec:
     max_batch_tokens: int  # tokens in one decode call
     num_seqs: int  # distinct sequence ids
     num_threads: int
+    # ggml's "extra buffer types": weights repacked at load into a CPU-specific layout for its
+    # AMX kernels or its AVX2/AVX-512 ones (Q4_0, Q4_K, IQ4_NL, ...), llama.cpp's default
+    # (--repack).  Off, every weight stays in ggml's plain layout and kernels, which run on any
+    # x86 CPU: on one reporting AMX the AMX path crashed at start-up (SIGSEGV, SIGILL with one
+    # thread; as llama-server did unless given --no-repack; llama.cpp issue 20824).
+    repack_weights: bool = False
 
 
 class DecodeFailed(RuntimeError):
@@ -52,15 +58,20 @@ def _init_backend() -> None:
     llama.llama_backend_init()
 
 
+def model_params(spec: ContextSpec) -> llama.llama_model_params:
+    """llama.cpp's model parameters for `spec`: its defaults, repacking as the spec says."""
+    params = llama.llama_model_default_params()
+    params.use_extra_bufts = spec.repack_weights
+    return params
+
+
 class LlamaContext:
     """One model and one context; the batch buffer is reused across calls."""
 
     def __init__(self, model_path: Path, spec: ContextSpec) -> None:
         _init_backend()
         self.spec = spec
-        self._model = llama.llama_model_load_from_file(
-            str(model_path).encode(), llama.llama_model_default_params()
-        )
+        self._model = llama.llama_model_load_from_file(str(model_path).encode(), model_params(spec))
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {model_path}")
         params = llama.llama_context_default_params()
