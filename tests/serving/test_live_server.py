@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import openai
 import pytest
@@ -13,7 +15,7 @@ from tokenflow.serving.app import build_app
 
 
 def test_disconnect_mid_stream_aborts_in_engine() -> None:
-    engine = FakeEngine(token_delay_s=0.02)
+    engine = FakeEngine(gate=threading.Event(), gate_at_token=1)  # never opened: no token 1
     with serve_in_thread(build_app(engine)) as url, httpx.Client(base_url=url, timeout=10) as http:
         body = {"prompt": "x", "max_tokens": 200, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as response:
@@ -21,7 +23,7 @@ def test_disconnect_mid_stream_aborts_in_engine() -> None:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert '"text":" t0"' in first
-        # Closing the response drops the connection after a few of the 200 tokens.
+        # Closing the response drops the connection while the stream waits for token 1.
         assert wait_until(lambda: len(engine.aborted_ids) == 1)
         assert engine.aborted_ids[0].startswith("cmpl-")
         assert wait_until(lambda: not engine.active_ids)
