@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from operator import attrgetter
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
@@ -62,6 +63,7 @@ from tokenflow.core.policies.resume import queued_io_blocks, resume_start
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _OFF_DEVICE = (RequestState.WAITING, RequestState.PREEMPTED)
+_DRY_THEN_ARRIVAL = attrgetter("dry_s", "arrival_s", "arrival_index")
 
 
 class TokenFlowPolicy(Policy):
@@ -189,7 +191,7 @@ class TokenFlowPolicy(Policy):
         if view.kv.num_free_device_blocks == 0:
             return []
         # (a paused stream gains no tokens: by when its reader runs dry is by slack)
-        preempted = sorted(view.preempted, key=lambda r: (r.dry_s, *r.sort_key))
+        preempted = sorted(view.preempted, key=_DRY_THEN_ARRIVAL)
         has_other_work = bool(view.running or preempted)
         waiting = waiting_within_budget(
             view, self._spare_rate_tps, self._prefill_budget_s, self._demand_tps, has_other_work
@@ -220,4 +222,4 @@ class TokenFlowPolicy(Policy):
             return []
         now = view.now_s
         running = [r for r in pending if r.state is RequestState.RUNNING]
-        return sorted(running, key=lambda r: (-r.slack_s(now), r.sort_key))
+        return sorted(running, key=lambda r: (-r.slack_s(now), r.arrival_s, r.arrival_index))
