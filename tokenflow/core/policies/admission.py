@@ -53,22 +53,25 @@ class Admission:
 
 class _PauseQueue:
     """Pauses that free device memory for admission, least utility first (they lose least);
-    each needs host room for its unsynced tail, or it frees nothing."""
+    each needs host room for its unsynced tail, or it frees nothing.  Ordered when first
+    asked (most admissions need no pause)."""
 
     def __init__(self, members: Sequence[Member], view: SchedulingView) -> None:
-        pausable = sorted(
-            (m for m in members if m.is_pausable), key=lambda m: (m.utility, m.request.sort_key)
-        )
-        self._pending = [m.request for m in pausable]
+        self._members = members
+        self._pending: list[Request] | None = None  # still to take, the next one last
         self._host_room = view.kv.num_free_host_blocks
         self._view = view
 
     def free_blocks(self, shortfall_blocks: int) -> int:
         """Take pauses until they free `shortfall_blocks` device blocks or none is left;
         returns the blocks freed (its device blocks, plus the reserve it no longer needs)."""
+        if self._pending is None:
+            pausable = [m for m in self._members if m.is_pausable]
+            pausable.sort(key=lambda m: (m.utility, m.request.sort_key), reverse=True)
+            self._pending = [m.request for m in pausable]
         kv, freed = self._view.kv, 0
         while freed < shortfall_blocks and self._pending:
-            paused = self._pending.pop(0)
+            paused = self._pending.pop()
             tail_blocks = unsynced_blocks(kv, paused)
             if tail_blocks <= self._host_room:
                 self._host_room -= tail_blocks
