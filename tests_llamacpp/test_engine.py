@@ -7,10 +7,11 @@ import openai
 
 from tests.serving.live_server import serve_in_thread
 from tests_llamacpp.conftest import agrees_but_at_a_near_tie
+from tokenflow import LLM
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.async_engine import AsyncEngine
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.engine.llm import LLM
+from tokenflow.executors import executor_factory
 from tokenflow.serving.app import build_app
 
 NUM_NEW = 24
@@ -45,7 +46,7 @@ def test_preempted_streams_keep_their_tokens(gguf, oracle):
 
 def test_openai_client_streams_from_llamacpp():
     args = EngineArgs(executor="llama-cpp", device="cpu", num_threads=2, device_kv_tokens=1024)
-    engine = AsyncEngine(args)
+    engine = AsyncEngine(args, build_executor=executor_factory(args.executor))
     try:
         with serve_in_thread(build_app(engine)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)

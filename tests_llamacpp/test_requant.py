@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
+from tokenflow import LLM
 from tokenflow.core.request import SamplingParams
-from tokenflow.engine.llm import LLM
 from tokenflow.integrations.llamacpp.requant import as_q8_0
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0

@@ -5,8 +5,9 @@ innocent stream beside them produces exactly its solo greedy tokens."""
 import pytest
 
 from tokenflow.core.request import SamplingParams
+from tokenflow.engine.build import context_length
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.engine.llm_engine import LLMEngine, context_length
+from tokenflow.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

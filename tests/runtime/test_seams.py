@@ -45,3 +45,10 @@ def test_serving_modules_form_no_cycle():
 
     for module in graph:
         visit(module, ())
+
+
+def test_the_engine_imports_no_integration():
+    # Executors outside the engine are handed to it as factories (tokenflow.executors).
+    for path in (PACKAGE / "engine").glob("*.py"):
+        bad = {m for m in imported_modules(path) if m.startswith("tokenflow.integrations")}
+        assert not bad, f"{path.name} imports {bad}"

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from tokenflow.core.request import SamplingParams
+from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import (
     EngineDead,
     EngineHealth,
@@ -105,8 +106,13 @@ class AsyncEngine:
     parallel regions, and a step loop in another thread measured about half as fast on CPU.
     """
 
-    def __init__(self, args: EngineArgs, start_thread: bool = True) -> None:
-        self.engine = LLMEngine(args)
+    def __init__(
+        self,
+        args: EngineArgs,
+        start_thread: bool = True,
+        build_executor: ExecutorFactory = build_torch_executor,
+    ) -> None:
+        self.engine = LLMEngine(args, build_executor)
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.model_config.vocab_size

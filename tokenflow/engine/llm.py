@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenflow.core.request import SamplingParams
+from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
 
@@ -30,8 +31,14 @@ class CompletionOutput:
 class LLM:
     """A real engine for batch generation; `LLM()` uses the embedded SmolLM2."""
 
-    def __init__(self, model: str | None = None, policy: str = "tokenflow", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, policy=policy, **kwargs))
+    def __init__(
+        self,
+        model: str | None = None,
+        policy: str = "tokenflow",
+        build_executor: ExecutorFactory = build_torch_executor,
+        **kwargs: Any,
+    ) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, policy=policy, **kwargs), build_executor)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

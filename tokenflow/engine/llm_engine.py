@@ -26,12 +26,9 @@ from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import Scheduler
+from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import EngineStats, GenerationDelta
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.engine.executor import ModelExecutor
-from tokenflow.engine.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
-from tokenflow.engine.loader import load_model, read_gguf_header
-from tokenflow.engine.model_config import ModelLoadError
 from tokenflow.engine.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
@@ -39,8 +36,6 @@ logger = logging.getLogger(__name__)
 # Below this a prefill chunk's fixed cost (one pass over the weights) dominates its step: smaller
 # chunks would multiply the steps a long prompt takes without shortening any step much.
 _MIN_PREFILL_CHUNK_TOKENS = 128
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,17 +65,27 @@ def measure_copy_bytes_per_s(device: torch.device, num_bytes: int = 32 << 20) ->
 
 
 class LLMEngine:
-    """Add requests, step, read deltas.  Not thread-safe: one thread drives it."""
+    """Add requests, step, read deltas.  Not thread-safe: one thread drives it.
 
-    def __init__(self, args: EngineArgs) -> None:
+    `build_executor` makes the executor (the PyTorch one by default; `tokenflow.executors`
+    maps the names `EngineArgs.executor` takes to factories)."""
+
+    def __init__(
+        self, args: EngineArgs, build_executor: ExecutorFactory = build_torch_executor
+    ) -> None:
+        if args.executor != "torch" and build_executor is build_torch_executor:
+            raise ValueError(
+                f"the {args.executor} executor needs its factory: "
+                f"tokenflow.executors.executor_factory({args.executor!r})"
+            )
         self.args = args
         self.device = resolve_device(args.device)
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
-        if args.executor == "llama-cpp":
-            block_bytes, num_device_blocks = self._build_llamacpp(args)
-        else:
-            block_bytes, num_device_blocks = self._build_torch(args)
+        built = build_executor(args, self.device)
+        self.executor = built.executor
+        self.model_config, self.tokenizer = built.model_config, built.tokenizer
+        self.max_model_len = built.max_model_len
         self.model_name = args.model or "SmolLM2-135M-Instruct"
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -92,7 +97,9 @@ class LLMEngine:
             initial_prefill_token_s=1e-3 if self.device.type == "cpu" else 1e-5,
         )
         num_host_blocks = args.host_kv_tokens // args.block_size
-        kv_config = KVConfig(num_device_blocks, num_host_blocks, args.block_size, block_bytes)
+        kv_config = KVConfig(
+            built.num_device_blocks, num_host_blocks, args.block_size, built.block_bytes
+        )
         policy = make_policy(args.policy, scheduler_config, args.tokenflow)
         self.scheduler = Scheduler(scheduler_config, kv_config, policy)
         self.core = EngineCore(
@@ -100,63 +107,6 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._plan: StepPlan | None = None
-
-    def _build_torch(self, args: EngineArgs) -> tuple[int, int]:
-        """The PyTorch model and tiered KV cache; (bytes per block, device blocks)."""
-        dtype = _DTYPES[args.dtype] if args.dtype else None
-        model, config, tokenizer = load_model(args.model, self.device, dtype, args.weights)
-        if tokenizer is None:
-            raise ModelLoadError(f"model {args.model} has no tokenizer (tokenizer.json) beside it")
-        self.model_config, self.tokenizer = config, tokenizer
-        dtype = next(model.parameters()).dtype
-        block_bytes = bytes_per_block(config, args.block_size, dtype)
-        num_device_blocks = self._size_device_tier(block_bytes)
-        kv_cache = TieredKVCache(
-            config,
-            num_device_blocks,
-            args.host_kv_tokens // args.block_size,
-            args.block_size,
-            self.device,
-            dtype,
-        )
-        self.executor = ModelExecutor(
-            model,
-            config,
-            kv_cache,
-            self.device,
-            args.seed,
-            args.compile_decode,
-            args.serial_below_tokens,
-        )
-        return block_bytes, num_device_blocks
-
-    def _build_llamacpp(self, args: EngineArgs) -> tuple[int, int]:
-        """llama.cpp on the GGUF file, its pool of KV cells sized like the device tier."""
-        if self.device.type != "cpu":
-            raise ValueError("the llama-cpp executor runs on CPU (--device cpu)")
-        from tokenflow.integrations.llamacpp import build_executor  # optional dependency
-
-        path, config, tokenizer = read_gguf_header(args.model)
-        self.model_config, self.tokenizer = config, tokenizer
-        block_bytes = bytes_per_block(config, args.block_size, torch.float16)  # llama.cpp's KV
-        num_device_blocks = self._size_device_tier(block_bytes)
-        self.executor = build_executor(path, config, args, num_device_blocks * args.block_size)
-        return block_bytes, num_device_blocks
-
-    def _size_device_tier(self, block_bytes: int) -> int:
-        """The device tier's blocks; sets the served context length (what the tier holds)."""
-        args = self.args
-        if args.device_kv_fraction is not None:
-            free = available_memory_bytes(self.device)
-            num_blocks = max(1, int(free * args.device_kv_fraction) // block_bytes)
-        else:
-            num_blocks = max(1, args.device_kv_tokens // args.block_size)
-        self.max_model_len = context_length(
-            args.max_model_len,
-            self.model_config.max_position_embeddings,
-            num_blocks * args.block_size,
-        )
-        return num_blocks
 
     # -- requests ---------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -296,16 +246,3 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the executor (its copy worker, or llama.cpp's context)."""
         self.executor.close()
-
-
-def context_length(requested: int | None, model_limit: int, device_pool_tokens: int) -> int:
-    """The served context (prompt + output): the request, else the model's capped at 8192 and at
-    what the device KV tier holds; an explicit request the tier cannot hold is refused."""
-    if requested is not None:
-        if requested > device_pool_tokens:
-            raise ValueError(
-                f"max_model_len {requested} does not fit the device KV tier "
-                f"({device_pool_tokens} tokens): raise --device-kv-tokens or lower --max-model-len"
-            )
-        return min(requested, model_limit)
-    return min(8192, model_limit, device_pool_tokens)

@@ -91,12 +91,14 @@ def _serve(sock: socket.socket, config: object, engine_args: object) -> int:
 
     from tokenflow.engine.async_engine import AsyncEngine
     from tokenflow.engine.model_config import ModelLoadError
+    from tokenflow.executors import executor_factory
     from tokenflow.serving.app import build_app
     from tokenflow.serving.config import ServerConfig
 
     assert isinstance(config, ServerConfig)
     try:
-        engine = AsyncEngine(engine_args, start_thread=False)  # type: ignore[arg-type]
+        build_executor = executor_factory(engine_args.executor)  # type: ignore[attr-defined]
+        engine = AsyncEngine(engine_args, False, build_executor)  # type: ignore[arg-type]
     except (ModelLoadError, ValueError, OSError) as err:
         return _fail(str(err), 2)
     kv = engine.engine.scheduler.kv.config

@@ -9,8 +9,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
+from tokenflow.engine.build import BuiltExecutor, size_device_tier
 from tokenflow.engine.engine_args import EngineArgs
+from tokenflow.engine.kv_cache import bytes_per_block
+from tokenflow.engine.loader import read_gguf_header
 from tokenflow.engine.model_config import ModelConfig
+
+
+def build_llamacpp_executor(args: EngineArgs, device: torch.device) -> BuiltExecutor:
+    """The engine's executor factory for `--executor llama-cpp`: llama.cpp on the GGUF file,
+    its pool of KV cells sized like the device tier (llama.cpp keeps float16 KV)."""
+    if device.type != "cpu":
+        raise ValueError("the llama-cpp executor runs on CPU (--device cpu)")
+    path, config, tokenizer = read_gguf_header(args.model)
+    block_bytes = bytes_per_block(config, args.block_size, torch.float16)
+    num_device_blocks, max_model_len = size_device_tier(args, device, block_bytes, config)
+    executor = build_executor(path, config, args, num_device_blocks * args.block_size)
+    return BuiltExecutor(executor, config, tokenizer, block_bytes, num_device_blocks, max_model_len)
 
 
 def build_executor(path: Path, config: ModelConfig, args: EngineArgs, pool_tokens: int):
