@@ -7,7 +7,7 @@ from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import SampledToken, StepPlan, StepResult
 from tokenflow.core.policies import make_policy
-from tokenflow.core.request import Request, SamplingParams
+from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
 
 
@@ -53,6 +53,7 @@ def make_request(
     max_tokens: int = 10,
     rate: float = 20.0,
     arrival: float = 0.0,
+    consumption: Consumption = Consumption.READER,
     **sampling: object,
 ) -> Request:
     return Request(
@@ -62,6 +63,7 @@ def make_request(
         rate_tps=rate,
         arrival_s=arrival,
         eos_token_ids=(2,),
+        consumption=consumption,
     )
 
 

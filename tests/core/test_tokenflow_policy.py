@@ -1,6 +1,9 @@
 """TokenFlow's decisions, judged by the moves it makes on small hand-built states."""
 
+import math
 from dataclasses import replace
+
+import pytest
 
 from tests.core.helpers import make_core, make_request
 from tests.core.tokenflow_states import OPTIMISTIC, three_streams
@@ -8,8 +11,10 @@ from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.plan import CopyKind
 from tokenflow.core.policies import tokenflow as tokenflow_policy
 from tokenflow.core.policies.balance import select
+from tokenflow.core.policies.capacity import measure_capacity
+from tokenflow.core.policies.pricing import Prices, is_pausable
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
-from tokenflow.core.request import PreemptMode, RequestState
+from tokenflow.core.request import Consumption, PreemptMode, RequestState
 
 
 def test_big_buffer_stream_is_offloaded_so_the_newcomer_starts():
@@ -197,3 +202,26 @@ def test_a_request_arriving_between_decisions_starts_within_the_rate_left_spare(
     core.add_request(late)
     core.step()
     assert late.state is RequestState.RUNNING and policy.num_decisions == 2
+
+
+@pytest.mark.parametrize("consumption", [Consumption.EAGER, Consumption.BATCH])
+def test_an_eager_or_batch_stream_is_never_paused_for_its_buffer(consumption):
+    # R1 reads slowly and is paused for the newcomer; the same stream consumed at once is not
+    # (even with the most aggressive pause rule), so the newcomer waits instead.
+    core, clock, (r1, r2, r3) = three_streams()
+    assert core.step()[0].device_to_host and r1.state is RequestState.PREEMPTED
+    agile = TokenFlowConfig(buffer_conservativeness=1.0, critical_slack_s=0.0)
+    core, clock, (r1, r2, r3) = three_streams(agile, consumption=consumption)
+    assert r1.rate_tps == math.inf and r1.buffered_s(clock.t) == 0.0
+    view = core.scheduler.view(clock.t)
+    assert not is_pausable(agile, view, r1, Prices.of(agile, view))
+    while not r1.is_finished:
+        core.step()
+        assert r1.state is not RequestState.PREEMPTED and clock.t < 30
+    assert r1.num_preemptions == 0 and r1.num_output_tokens == 60
+
+
+def test_an_eager_reader_asks_one_streams_share_of_gamma():
+    core, clock, (r1, r2, r3) = three_streams(consumption=Consumption.EAGER)
+    capacity = measure_capacity(core.scheduler.view(clock.t))
+    assert capacity.demand_tps([r1]) == capacity.rate_cap_tps < math.inf

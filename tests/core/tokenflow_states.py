@@ -9,6 +9,7 @@ from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.pricing import Member
+from tokenflow.core.request import Consumption
 
 OPTIMISTIC = SchedulerConfig(
     init_new_token_ratio=0.01,
@@ -18,9 +19,13 @@ OPTIMISTIC = SchedulerConfig(
 )
 
 
-def three_streams(tokenflow_config: TokenFlowConfig | None = None):
-    """R1 reads slowly (big buffer), R2 about as fast as it is generated, R3 arrives at 1 s.
-    The device holds 24 blocks of 4 tokens: R1 and R2 fill 20, R3 needs 5 more."""
+def three_streams(
+    tokenflow_config: TokenFlowConfig | None = None,
+    consumption: Consumption = Consumption.READER,
+):
+    """R1 reads slowly (big buffer; or is consumed as `consumption` says), R2 about as fast as
+    it is generated, R3 arrives at 1 s.  The device holds 24 blocks of 4 tokens: R1 and R2
+    fill 20, R3 needs 5 more."""
     core, clock, _ = make_core(
         "tokenflow",
         num_device_blocks=24,
@@ -28,7 +33,7 @@ def three_streams(tokenflow_config: TokenFlowConfig | None = None):
         scheduler_config=OPTIMISTIC,
         tokenflow_config=tokenflow_config,
     )
-    r1 = make_request("R1", num_prompt=20, max_tokens=60, rate=2.0)
+    r1 = make_request("R1", num_prompt=20, max_tokens=60, rate=2.0, consumption=consumption)
     r2 = make_request("R2", num_prompt=20, max_tokens=60, rate=15.0)
     core.add_request(r1)
     core.add_request(r2)

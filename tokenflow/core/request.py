@@ -37,6 +37,14 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # cancelled by the client or the server
 
 
+class Consumption(enum.Enum):
+    """How a request's tokens are consumed, which decides what a pause costs it."""
+
+    READER = "reader"  # streamed to a reader at `rate_tps` (a person, a voice)
+    EAGER = "eager"  # streamed and used the moment it arrives (an agent, a benchmark client)
+    BATCH = "batch"  # not streamed: the whole answer is used at the end (`stream: false`)
+
+
 class PreemptMode(enum.Enum):
     OFFLOAD = "offload"  # keep the KV in the host tier and load it back later
     RECOMPUTE = "recompute"  # drop the KV; prefill prompt + outputs again on resume
@@ -78,6 +86,8 @@ class Request:
     """One stream: its tokens, where its KV lives, and its reader's buffer.
 
     `arrival_index` breaks ties between equal arrival times, so every order is deterministic.
+    An eager or batch request reads each token at once: its rate is infinite (whatever was
+    given), so its buffer is always empty and its reader always wants the next token.
     """
 
     request_id: str
@@ -87,6 +97,7 @@ class Request:
     arrival_s: float
     arrival_index: int = 0
     eos_token_ids: tuple[int, ...] = ()  # the model's end-of-sequence ids
+    consumption: Consumption = Consumption.READER
     state: RequestState = RequestState.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
@@ -104,7 +115,9 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
-        if not math.isfinite(self.rate_tps) or self.rate_tps <= 0:
+        if self.consumption is not Consumption.READER:
+            self.rate_tps = math.inf
+        elif not math.isfinite(self.rate_tps) or self.rate_tps <= 0:
             raise ValueError(
                 f"request {self.request_id}: rate must be a finite number > 0 tokens/s, "
                 f"got {self.rate_tps!r}"
