@@ -24,10 +24,9 @@ whole queue fits in `queue_headroom` x Gamma (off by default), when it may all j
 small deficit is spread as short stalls.  Admission trusts the lower median of recent Gammas
 (`capacity.CapacityFloor`), so one high estimate does not admit a burst.
 
-Eager and batch requests (`Consumption`: an agent reads each token at once; a non-streamed
-answer is used at the end, so a pause only delays it) have an infinite reading rate: their
-buffer is always empty, so they are never paused for it, they rank as readers about to run dry,
-and each asks one stream's share of Gamma; admission takes them in arrival order like any.
+Eager and batch requests (`Consumption`: an agent reads each token at once; a pause only
+delays a non-streamed answer) read at an infinite rate: their buffer is always empty, so they
+are never paused for it, rank as readers about to run dry, and ask one stream's share of Gamma.
 
 Between decisions the decided starts are carried out as memory frees; free memory then goes to
 the paused streams nearest to running dry, then to waiting requests within the rate and prefill
