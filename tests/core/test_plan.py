@@ -104,13 +104,15 @@ def test_queues_are_empty_after_aborts_and_finishes():
     core, clock, _ = make_core("tokenflow", num_device_blocks=24, block_size=4)
     for i in range(8):
         core.add_request(make_request(f"r{i}", num_prompt=9, max_tokens=40, rate=5.0))
+    queues = core.scheduler.queues
     for _ in range(30):
         core.step()
         clock.t += 0.01
+        remaining = [r.sampling_params.max_tokens - r.num_output_tokens for r in queues.running]
+        assert queues.remaining_output_tokens == sum(remaining)  # (the admission reserve's)
     for request_id in ("r1", "r4", "r7"):
         core.abort(request_id)
     run_to_completion(core, clock)
-    scheduler = core.scheduler
-    queues = scheduler.queues
+    assert queues.remaining_output_tokens == 0
     assert not (queues.running or queues.preempted or queues.waiting or queues.loading)
     assert not queues.write_candidates and not queues.unsettled

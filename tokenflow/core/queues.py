@@ -1,8 +1,9 @@
-"""Where every unfinished request is, with the orders the per-step paths read.
+"""Where every unfinished request is, with the orders and the sum the per-step paths read.
 
 The scheduler moves requests between the queues through these methods only, so the derived
 structures (loads in flight, the streams with KV to write through, the residents that may not
-be decoding) stay exact without any step rescanning every request.
+be decoding, the residents' remaining output) stay exact without any step rescanning every
+request.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ def _arrival(request: Request) -> tuple[float, int]:
     return (request.arrival_s, request.arrival_index)
 
 
+def _remaining(request: Request) -> int:
+    return request.sampling_params.max_tokens - len(request.output_token_ids)
+
+
 class RequestQueues:
     """Waiting, resident and paused requests (all in first-come-first-served order)."""
 
@@ -24,6 +29,7 @@ class RequestQueues:
         self.running: list[Request] = []  # resident (RUNNING or LOADING), in order of start
         self.preempted: list[Request] = []  # started once, now off the device, by arrival
         self.loading: list[Request] = []  # residents whose KV is still being loaded
+        self.remaining_output_tokens = 0  # max_tokens - generated, summed over the residents
         # Residents that may have a full block without a host copy (a superset: a stream joins
         # when a step fills one of its blocks and leaves once write-through has caught up).
         self.write_candidates: dict[str, Request] = {}
@@ -48,6 +54,7 @@ class RequestQueues:
             self.preempted.remove(request)
         request.state = state
         self.running.append(request)
+        self.remaining_output_tokens += _remaining(request)
         self.unsettled[request.request_id] = request
         if state is RequestState.LOADING:
             self.loading.append(request)
@@ -83,6 +90,7 @@ class RequestQueues:
 
     def _leave_device(self, request: Request) -> None:
         self.running.remove(request)
+        self.remaining_output_tokens -= _remaining(request)
         if request.state is RequestState.LOADING:
             self.loading.remove(request)
         self.write_candidates.pop(request.request_id, None)

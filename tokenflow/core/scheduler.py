@@ -133,6 +133,9 @@ class Scheduler:
             estimator=self.estimator,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
+            num_reserved_blocks=self.kv.blocks_for(
+                int(self.queues.remaining_output_tokens * self.new_token_ratio)
+            ),
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
         )
@@ -303,6 +306,8 @@ class Scheduler:
             outputs += self._appender.append_prefills(
                 prefills, prefilling, sampled[num_decodes:], now_s
             )
+        # (a finished request left with its own remaining count: subtracting after is exact)
+        self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
         self._decay_new_token_ratio()
         return outputs
 

@@ -91,7 +91,7 @@ def admit(
     """Waiting requests that join (see the module docstring).  An empty working set always
     takes the head, whatever its rate; the first newcomer always fits the prefill budget."""
     size = len(members)
-    free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
+    free = view.kv.num_free_device_blocks - view.num_reserved_blocks
     pauses = _PauseQueue(members, view)
     admitted: list[Request] = []
     rate = tokens = 0

@@ -74,6 +74,7 @@ class SchedulingView:
     estimator: StepTimeEstimator
     config: SchedulerConfig
     new_token_ratio: float  # the admission reserve's share of each request's remaining output
+    num_reserved_blocks: int  # kept free for the residents' future tokens (`reserve_blocks`)
     num_preemptions_total: int
     num_requests_seen: int
 
@@ -90,15 +91,10 @@ class SchedulingView:
         return self.kv.blocks_for(computed if by_load else request.num_tokens)
 
     def reserve_blocks(self, request: Request) -> int:
-        """Blocks kept free for a request's future tokens (SGLang's new-token ratio)."""
+        """Blocks kept free for a request's future tokens (SGLang's new-token ratio); the
+        scheduler keeps the residents' reserve as `num_reserved_blocks` (their remaining
+        max_tokens summed in tokens, then rounded up to blocks, as SGLang does)."""
         remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
-        return self.kv.blocks_for(int(remaining * self.new_token_ratio))
-
-    def running_reserve_blocks(self) -> int:
-        """Blocks kept free for the residents' future tokens: the new-token ratio of their
-        remaining max_tokens, summed in tokens (as SGLang does) and then rounded up to blocks."""
-        running = self.running
-        remaining = sum(r.sampling_params.max_tokens - len(r.output_token_ids) for r in running)
         return self.kv.blocks_for(int(remaining * self.new_token_ratio))
 
 
@@ -164,7 +160,7 @@ def fcfs_starts(
                 candidates = view.waiting
     if not candidates or view.start_blocks(candidates[0]) > view.kv.num_free_device_blocks:
         return []  # cheap exit before summing the reserve: the head does not fit anyway
-    free = view.kv.num_free_device_blocks - view.running_reserve_blocks()
+    free = view.kv.num_free_device_blocks - view.num_reserved_blocks
     num_resident = len(view.running)
     prefill_tokens = 0
     starts: list[Start] = []

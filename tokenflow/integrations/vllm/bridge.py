@@ -162,6 +162,9 @@ class PolicyBridge:
             self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         preempted = sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs)
+        remaining = sum(
+            r.sampling_params.max_tokens - r.num_output_tokens for r in mirrored_running
+        )
         return SchedulingView(
             now_s=now_s,
             running=sorted(mirrored_running, key=_fcfs),
@@ -171,6 +174,7 @@ class PolicyBridge:
             estimator=self.estimator,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
+            num_reserved_blocks=self.kv.blocks_for(int(remaining * self.new_token_ratio)),
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
         )
