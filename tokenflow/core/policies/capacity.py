@@ -53,9 +53,9 @@ def mean_lifetime_blocks(view: SchedulingView) -> float:
     return max(total / len(members), 1.0)
 
 
-def measure_capacity(view: SchedulingView) -> Capacity:
-    """Gamma at the feasible batch (see the module docstring)."""
-    beta = mean_lifetime_blocks(view)
+def measure_capacity(view: SchedulingView, beta: float | None = None) -> Capacity:
+    """Gamma at the feasible batch (module docstring); at footprint `beta` blocks if given."""
+    beta = mean_lifetime_blocks(view) if beta is None else beta
     fit = int(view.kv.config.num_device_blocks / beta)
     batch = max(1, min(view.config.max_num_seqs, fit))
     gamma = view.estimator.capacity_tps(batch, beta * view.kv.block_size)

@@ -1,0 +1,264 @@
+"""Routing new requests across engine replicas: each replica's load report, and the rules.
+
+A replica reports its load every period (`load_report`, built from its `SchedulingView`); a
+router picks a replica for each new request from the latest reports.  Reports are a period old
+when they are read, so every rule also counts what it routed to a replica since that replica's
+last report (`Router.routed_since`): a burst that arrives between two reports is spread, not
+sent to the replica that looked idlest.
+
+Rules, by name (`make_router`):
+- `round-robin`: replicas in turn;
+- `least-outstanding`: fewest unfinished requests (Ray Serve's default router, power of two
+  choices over probed queue lengths, approximates it);
+- `tokenflow`: the replica whose readers would ask the smallest share of its capacity Gamma
+  once the request joins, among those whose KV tiers still hold it (paper section 4.3's
+  schedulability, across replicas).  Gamma is read at the footprint the replica would hold, so
+  a cold replica is not credited with the capacity of tiny requests.
+
+Ties go to the replica listed first (`Router.replica_ids` order), never to dict order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tokenflow.core.policies.base import SchedulingView
+from tokenflow.core.policies.capacity import measure_capacity
+from tokenflow.core.policies.pricing import lifetime_blocks
+from tokenflow.core.request import Request
+
+_LADDER_STEP = 2**0.25  # footprints at which a report samples Gamma, ~19% apart
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a router knows of a new request."""
+
+    request_id: str
+    rate_tps: float  # the reader's rate (inf for an eager or batch request)
+    lifetime_tokens: int  # prompt + half the output budget: its mean footprint over its life
+    end_tokens: int  # prompt + max_tokens: the most it can hold
+
+    @classmethod
+    def of(cls, request: Request) -> RouteRequest:
+        """The routing facts of a core request."""
+        return cls(
+            request.request_id, request.rate_tps, request.lifetime_tokens, request.end_tokens
+        )
+
+
+@dataclass(frozen=True)
+class CapacityPoint:
+    """Gamma at one mean lifetime footprint."""
+
+    beta_blocks: float
+    gamma_tps: float
+    batch: int  # the feasible batch at that footprint
+
+    @property
+    def rate_cap_tps(self) -> float:
+        """One stream's share of Gamma: the most a single reader's rate counts for."""
+        return self.gamma_tps / self.batch
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A replica's load at `now_s`, as the TokenFlow policy measures it."""
+
+    now_s: float
+    gamma_tps: float  # capacity at the members' footprint (what its policy admits against)
+    working_demand_tps: float  # the started streams' reading demand (running + paused)
+    waiting_demand_tps: float  # the waiting requests' reading demand
+    num_running: int
+    num_preempted: int
+    num_waiting: int
+    num_free_device_blocks: int
+    num_free_host_blocks: int
+    num_lifetime_blocks: int  # all unfinished requests' lifetime footprints, summed
+    block_size: int
+    capacity_points: tuple[CapacityPoint, ...]  # Gamma at growing footprints (ascending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_running + self.num_preempted + self.num_waiting
+
+    def capacity_at(self, beta_blocks: float) -> CapacityPoint:
+        """Gamma at the smallest sampled footprint >= `beta_blocks` (the largest past them)."""
+        for point in self.capacity_points:
+            if point.beta_blocks >= beta_blocks:
+                return point
+        return self.capacity_points[-1]
+
+
+def load_report(view: SchedulingView) -> LoadReport:
+    """A replica's report, from the view its policy decides on."""
+    capacity = measure_capacity(view)
+    started = [*view.running, *view.preempted]
+    block_size = view.kv.block_size
+    everyone = [*started, *view.waiting]
+    return LoadReport(
+        now_s=view.now_s,
+        gamma_tps=capacity.gamma_tps,
+        working_demand_tps=capacity.demand_tps(started),
+        waiting_demand_tps=capacity.demand_tps(view.waiting),
+        num_running=len(view.running),
+        num_preempted=len(view.preempted),
+        num_waiting=len(view.waiting),
+        num_free_device_blocks=view.kv.num_free_device_blocks,
+        num_free_host_blocks=view.kv.num_free_host_blocks,
+        num_lifetime_blocks=sum(lifetime_blocks(r, block_size) for r in everyone),
+        block_size=block_size,
+        capacity_points=_capacity_points(view),
+    )
+
+
+def _capacity_points(view: SchedulingView) -> tuple[CapacityPoint, ...]:
+    """Gamma from one block per stream up to the whole device tier, ~19% apart."""
+    points = []
+    beta = 1.0
+    while True:
+        capacity = measure_capacity(view, beta)
+        points.append(CapacityPoint(beta, capacity.gamma_tps, capacity.batch))
+        if beta >= view.kv.config.num_device_blocks:
+            return tuple(points)
+        beta *= _LADDER_STEP
+
+
+@dataclass
+class Router:
+    """Picks a replica per request from the latest reports (see the module docstring).
+
+    Subclasses give `_key`: the replica with the smallest key wins."""
+
+    replica_ids: list[str]
+    name: str = "base"
+    reports: dict[str, LoadReport] = field(default_factory=dict)
+    routed_since: dict[str, list[RouteRequest]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.replica_ids:
+            raise ValueError("a router needs at least one replica")
+        for replica_id in self.replica_ids:
+            self.routed_since.setdefault(replica_id, [])
+
+    def report(self, replica_id: str, report: LoadReport) -> None:
+        """A replica's new report: what was routed to it before is in it now."""
+        self.reports[replica_id] = report
+        self.routed_since[replica_id] = []
+
+    def remove(self, replica_id: str) -> None:
+        """A replica left (died or was scaled down): nothing goes to it any more."""
+        self.replica_ids = [r for r in self.replica_ids if r != replica_id]
+        self.reports.pop(replica_id, None)
+        self.routed_since.pop(replica_id, None)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[str] | None = None) -> str:
+        """The replica for `request` (among `candidates`, default all), recorded as routed."""
+        ids = [r for r in self.replica_ids if candidates is None or r in candidates]
+        if not ids:
+            raise ValueError("no replica to route to")
+        keys = [(self._key(replica_id, request), index) for index, replica_id in enumerate(ids)]
+        chosen = ids[min(keys)[1]]
+        self.routed_since[chosen].append(request)
+        return chosen
+
+    def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
+        raise NotImplementedError
+
+
+@dataclass
+class RoundRobinRouter(Router):
+    """Replicas in turn."""
+
+    name: str = "round-robin"
+    num_routed: int = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[str] | None = None) -> str:
+        """The next replica in turn (among `candidates`)."""
+        ids = [r for r in self.replica_ids if candidates is None or r in candidates]
+        if not ids:
+            raise ValueError("no replica to route to")
+        chosen = ids[self.num_routed % len(ids)]
+        self.num_routed += 1
+        self.routed_since[chosen].append(request)
+        return chosen
+
+
+@dataclass
+class LeastOutstandingRouter(Router):
+    """Fewest unfinished requests: the last report's plus those routed since."""
+
+    name: str = "least-outstanding"
+
+    def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
+        report = self.reports.get(replica_id)
+        reported = report.num_unfinished if report else 0
+        return (reported + len(self.routed_since[replica_id]),)
+
+
+@dataclass
+class TokenFlowRouter(Router):
+    """The smallest share of Gamma asked once the request joins, where memory holds it."""
+
+    name: str = "tokenflow"
+
+    def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
+        report = self.reports.get(replica_id)
+        if report is None:  # (never reported: unknown, last resort)
+            return (2.0, 0.0, float(len(self.routed_since[replica_id])))
+        projection = project(report, [*self.routed_since[replica_id], request])
+        fits = projection.load <= 1.0 and projection.num_spare_blocks >= 0
+        return (0.0 if fits else 1.0, projection.load, 0.0)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A replica's load once some requests join it."""
+
+    load: float  # reading demand / Gamma at the footprint it would hold
+    num_spare_blocks: int  # device + host blocks left once the requests hold their longest
+
+
+def project(report: LoadReport, joining: Sequence[RouteRequest]) -> Projection:
+    """`report`'s replica once `joining` (routed since the report, and a candidate) join it."""
+    block_size = report.block_size
+    num_requests = report.num_unfinished + len(joining)
+    blocks = report.num_lifetime_blocks + sum(
+        _blocks(r.lifetime_tokens, block_size) for r in joining
+    )
+    point = report.capacity_at(blocks / num_requests if num_requests else 1.0)
+    cap_tps = point.rate_cap_tps
+    demand_tps = report.working_demand_tps + report.waiting_demand_tps
+    demand_tps += sum(min(r.rate_tps, cap_tps) for r in joining)
+    needed = sum(_blocks(r.end_tokens, block_size) for r in joining)
+    spare = report.num_free_device_blocks + report.num_free_host_blocks - needed
+    return Projection(load=demand_tps / point.gamma_tps, num_spare_blocks=spare)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+ROUTER_NAMES = ("round-robin", "least-outstanding", "tokenflow")
+
+
+def make_router(name: str, replica_ids: Sequence[str]) -> Router:
+    """A router by name over `replica_ids`; ValueError names the valid ones."""
+    routers: dict[str, type[Router]] = {
+        "round-robin": RoundRobinRouter,
+        "least-outstanding": LeastOutstandingRouter,
+        "tokenflow": TokenFlowRouter,
+    }
+    if name not in routers:
+        raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
+    return routers[name](list(replica_ids))
+
+
+def parse_router_names(text: str) -> list[str]:
+    """ "round-robin,tokenflow" -> ["round-robin", "tokenflow"]; ValueError naming unknown ones."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ROUTER_NAMES]
+    if unknown or not names:
+        raise ValueError(f"unknown router {unknown}; choose from {', '.join(ROUTER_NAMES)}")
+    return names
