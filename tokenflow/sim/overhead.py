@@ -9,11 +9,10 @@ policies' decisions scan them all.
 Calibration: `python benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800` times
 `schedule()` + `update()` of whole steps (full decisions included at their natural frequency)
 while each policy serves a burst on a simulated H200, and fits the line by least squares.  On
-the development machine (a 2-core VM, shared, Python 3.11; figures in docs/results.md),
-TokenFlow's default is the mean of two such fits, the baselines' a fit to the per-size medians
-of six runs (see the comments below).  A server CPU is faster; the charge is still small
-beside a GPU step (~0.16 ms for FCFS, ~0.30 ms for TokenFlow at 500 active requests, against
-steps of 20-60 ms), but no longer zero.
+the development machine (a 2-core VM, shared, Python 3.11), each default is a fit to the
+per-size medians of several runs (see the comments below).  A server CPU is faster; the charge
+is still small beside a GPU step (~0.28 ms for FCFS, ~0.39 ms for TokenFlow at 500 active
+requests, against steps of 20-60 ms), but no longer zero.
 """
 
 from __future__ import annotations
@@ -47,20 +46,15 @@ class SchedulerOverhead:
 def default_overhead(policy: str) -> SchedulerOverhead:
     """The calibrated per-step charge of `policy` (see the module docstring)."""
     calibrated = {
-        # benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800 --steps 200, twice,
-        # on the development machine (load ~1.5 from other work), after the paused members'
-        # prices were kept across decisions and write-through ordering was trimmed (issue 9;
-        # states with waiting requests, 500 steps of service before timing):
-        # tokenflow 0.1577 ms + 0.290 us, 0.1582 + 0.281.  The baselines again after their
-        # admission stopped sorting the waiting queue every step (`fcfs_starts`), six runs,
-        # the line fitted to the per-size medians (tokenflow in the same runs: 0.1345 + 0.344,
-        # at 400 active the same 0.272 ms as its charge): fcfs 0.1057 + 0.108, chunked
-        # 0.1376 + 0.123, andes 0.1092 + 0.122 (before: 0.110 + 0.238, 0.131 + 0.274, 0.109
-        # + 0.235; at 800 active fcfs 0.300 -> 0.192 ms).
-        "fcfs": SchedulerOverhead(0.106e-3, 0.108e-6),
-        "chunked": SchedulerOverhead(0.138e-3, 0.123e-6),
-        "andes": SchedulerOverhead(0.109e-3, 0.122e-6),
-        "tokenflow": SchedulerOverhead(0.158e-3, 0.286e-6),
+        # benchmarks/scheduler_overhead.py --per-step --sizes 50,200,400,800 --steps 200 on
+        # the development machine, the line fitted to the per-size medians: the baselines over
+        # six runs, TokenFlow over three (after its policy became one plain decision path;
+        # per-step medians at 400 active: fcfs 0.311 ms, chunked 0.275, andes 0.224,
+        # tokenflow 0.505).
+        "fcfs": SchedulerOverhead(0.189e-3, 0.179e-6),
+        "chunked": SchedulerOverhead(0.166e-3, 0.156e-6),
+        "andes": SchedulerOverhead(0.134e-3, 0.134e-6),
+        "tokenflow": SchedulerOverhead(0.176e-3, 0.426e-6),
     }
     if policy not in calibrated:
         raise ValueError(f"no calibrated scheduler overhead for policy {policy!r}")
