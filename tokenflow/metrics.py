@@ -38,20 +38,26 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 FAILED_FINISH_REASONS = frozenset({"abort", "error"})
+CONSUMPTION_CLASSES = ("reader", "eager", "batch")  # as `tokenflow.core.request.Consumption`
 TIME_TOLERANCE_S = 1e-9
 
 
 @dataclass(frozen=True)
 class RequestTrace:
-    """What one request did: when it came, how fast its reader reads, when its tokens came."""
+    """What one request did: when it came, how fast its reader reads, when its tokens came.
+
+    An eager or batch request (`consumption`) reads every token the moment it arrives: its
+    rate is infinite, it has no buffer and no stall, and every token it gets is effective;
+    stall and QoE are the readers' (see `summarize`)."""
 
     request_id: str
     arrival_s: float  # submission time
-    rate_tps: float  # reader's consumption rate r (tokens/s), > 0
+    rate_tps: float  # reader's consumption rate r (tokens/s), > 0 (inf unless a reader)
     num_prompt_tokens: int
     token_times_s: tuple[float, ...]  # generation (or client-arrival) time of each output token
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
+    consumption: str = "reader"  # "reader" | "eager" | "batch"
 
     def __post_init__(self) -> None:
         times = tuple(float(t) for t in self.token_times_s)
@@ -59,7 +65,12 @@ class RequestTrace:
         where = f"trace {self.request_id}"
         if not math.isfinite(self.arrival_s):
             raise ValueError(f"{where}: arrival_s must be finite, got {self.arrival_s!r}")
-        _check_rate(self.rate_tps, where)
+        if self.consumption not in CONSUMPTION_CLASSES:
+            raise ValueError(f"{where}: consumption must be one of {CONSUMPTION_CLASSES}")
+        if self.is_reader:
+            _check_rate(self.rate_tps, where)
+        else:
+            object.__setattr__(self, "rate_tps", math.inf)
         if self.num_prompt_tokens < 0 or self.num_preemptions < 0:
             raise ValueError(f"{where}: token and preemption counts must be >= 0")
         _check_times(np.asarray(times, dtype=np.float64), where)
@@ -71,6 +82,10 @@ class RequestTrace:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_times_s)
+
+    @property
+    def is_reader(self) -> bool:
+        return self.consumption == "reader"
 
     @property
     def is_completed(self) -> bool:
@@ -284,14 +299,15 @@ class _StreamStats:
     e2e_s: float | None
     tpot_s: float | None  # None with fewer than 2 tokens (vLLM leaves those out of TPOT stats)
     itls_s: np.ndarray  # shape [n - 1]
-    rebuffer_s: float
+    rebuffer_s: float  # 0 unless a reader
     qoe: float
+    is_reader: bool
 
 
 def _stream_stats(trace: RequestTrace, config: MetricsConfig) -> _StreamStats:
     times = np.asarray(trace.token_times_s, dtype=np.float64)
     if times.size == 0:
-        return _StreamStats(False, 0.0, None, None, None, times, 0.0, 0.0)
+        return _StreamStats(False, 0.0, None, None, None, times, 0.0, 0.0, trace.is_reader)
     consumed = _consumption(times, trace.rate_tps)
     ttft_s = float(times[0]) - trace.arrival_s
     e2e_s = float(times[-1]) - trace.arrival_s
@@ -303,8 +319,9 @@ def _stream_stats(trace: RequestTrace, config: MetricsConfig) -> _StreamStats:
         e2e_s=e2e_s,
         tpot_s=tpot_s,
         itls_s=np.diff(times),
-        rebuffer_s=_rebuffer(times, consumed, trace.rate_tps),
+        rebuffer_s=_rebuffer(times, consumed, trace.rate_tps) if trace.is_reader else 0.0,
         qoe=_qoe(trace.arrival_s, consumed, trace.rate_tps, config.ttft_target_s),
+        is_reader=trace.is_reader,
     )
 
 
@@ -353,7 +370,8 @@ def summarize(traces: Sequence[RequestTrace], config: MetricsConfig = MetricsCon
 
     See the module docstring for which requests each metric covers.  Requests without tokens
     count in `num_requests` but not in `num_completed`, and are left out of TTFT (undefined for
-    them).  Rates are 0 when the makespan is 0; no input gives a Summary of zeros.
+    them).  Stall (rebuffer) and QoE are over completed readers only (0 without one).  Rates are
+    0 when the makespan is 0; no input gives a Summary of zeros.
     """
     if not traces:
         return _zero_summary()
@@ -367,7 +385,8 @@ def summarize(traces: Sequence[RequestTrace], config: MetricsConfig = MetricsCon
     ttfts = [s.ttft_s for s in done]
     tpots = [s.tpot_s for s in done if s.tpot_s is not None]
     e2es = [s.e2e_s for s in done]
-    rebuffers = [s.rebuffer_s for s in done]
+    readers = [s for s in done if s.is_reader]
+    rebuffers = [s.rebuffer_s for s in readers]
     itls = np.concatenate([s.itls_s for s in done]) if done else np.empty(0)
     total_tokens = sum(t.num_output_tokens for t in traces)
     return Summary(
@@ -387,8 +406,20 @@ def summarize(traces: Sequence[RequestTrace], config: MetricsConfig = MetricsCon
         e2e_p99_s=_percentile(e2es, 99),
         rebuffer_mean_s=_mean(rebuffers),
         rebuffer_p99_s=_percentile(rebuffers, 99),
-        qoe_mean=_mean([s.qoe for s in done]),
+        qoe_mean=_mean([s.qoe for s in readers]),
         qos=_qos(traces, stats, end_s, config) * per_s,
         goodput_rps=sum(_is_good(s, config) for s in stats) * per_s,
         num_preemptions=sum(t.num_preemptions for t in traces),
     )
+
+
+def summarize_by_class(
+    traces: Sequence[RequestTrace], config: MetricsConfig = MetricsConfig()
+) -> dict[str, Summary]:
+    """`summarize` of each consumption class present, in `CONSUMPTION_CLASSES` order."""
+    present = {t.consumption for t in traces}
+    return {
+        name: summarize([t for t in traces if t.consumption == name], config)
+        for name in CONSUMPTION_CLASSES
+        if name in present
+    }
