@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import threading
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from tokenflow.bench.client import (
 from tokenflow.metrics import summarize
 from tokenflow.report import report_records
 from tokenflow.serving.app import build_app
+from tokenflow.serving.config import ServerConfig
 from tokenflow.workload import WorkloadRequest
 
 SUMMARY_KEYS = {
@@ -80,6 +82,35 @@ def test_multi_token_chunks_without_continuous_usage_settle_on_the_usage_chunk()
         run = asyncio.run(run_workload(requests, cfg))
     assert run.num_failed == 0
     assert run.traces[0].num_output_tokens == 10
+
+
+class OpenAfterKeepalives:
+    """ASGI wrapper: sets `gate` once the app has sent `count` keep-alive comments."""
+
+    def __init__(self, app: Any, gate: threading.Event, count: int) -> None:
+        self.app, self.gate, self.count = app, gate, count
+        self.num_sent = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def watched(message: Any) -> None:
+            if message["type"] == "http.response.body" and message["body"] == b": keep-alive\n\n":
+                self.num_sent += 1
+                if self.num_sent >= self.count:
+                    self.gate.set()
+            await send(message)
+
+        await self.app(scope, receive, watched)
+
+
+def test_keepalives_between_tokens_are_skipped() -> None:
+    # Token 2 waits until the server has sent two keep-alives: the client reads them mid-stream.
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, gate_at_token=2, max_model_len=1024)
+    app = OpenAfterKeepalives(build_app(engine, ServerConfig(keepalive_s=0.01)), gate, 2)
+    with serve_in_thread(app) as url:
+        run = asyncio.run(run_workload([WorkloadRequest("req-0", 0.0, 3, 6, 20.0)], config(url)))
+    assert gate.is_set() and run.num_failed == 0
+    assert run.traces[0].num_output_tokens == 6 and run.traces[0].finish_reason == "length"
 
 
 def test_errors_are_counted_not_raised() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -24,10 +25,14 @@ class StreamResult:
 
 
 async def read_stream(
-    http: httpx.AsyncClient, path: str, body: dict, content: str | None = None
+    http: httpx.AsyncClient,
+    path: str,
+    body: dict,
+    content: str | None = None,
+    on_chunk: Callable[[dict], None] | None = None,
 ) -> StreamResult:
     """POST a streaming request (`body`, or raw JSON `content`) and parse every frame
-    (keep-alive comments are skipped)."""
+    (keep-alive comments are skipped); `on_chunk` sees each JSON chunk as it arrives."""
     kwargs = {"json": body} if content is None else {"content": content}
     headers = {"content-type": "application/json"}
     async with http.stream("POST", path, headers=headers, **kwargs) as response:
@@ -43,6 +48,8 @@ async def read_stream(
                 result.is_done = True
                 continue
             chunk = json.loads(payload)
+            if on_chunk is not None:
+                on_chunk(chunk)
             if "error" in chunk:
                 result.errors.append(chunk["error"]["message"])
                 continue

@@ -16,9 +16,9 @@ from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
 from tokenflow.serving.app import build_app
 from tokenflow.serving.config import ServerConfig
-from tokenflow.serving.formatting import KEEPALIVE_FRAME
 
 KEEPALIVE = ServerConfig(keepalive_s=0.05)
+KEEPALIVE_FRAME = ": keep-alive\n\n"  # the wire format: an SSE comment and a blank line
 TIMEOUT_S = 60  # a hang guard: each read returns within one keep-alive interval
 
 

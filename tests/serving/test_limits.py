@@ -44,6 +44,23 @@ async def test_out_of_range_values_are_400(
     assert_error(await client.post(COMPLETIONS, json=body), 400, param)
 
 
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"stop": ["s"] * 17}, "at most 16 items"),
+        ({"stop": "x" * 257}, "at most 256 characters"),
+        ({"stop": ["ok", ""]}, "stop.1: String should have at least 1 character"),
+        ({"prompt": [3, -5]}, "prompt.1: Input should be greater than or equal to 0"),
+    ],
+)
+async def test_a_union_field_names_the_bound_it_broke(
+    client: httpx.AsyncClient, extra: dict, words: str
+) -> None:
+    # `stop` is a string or a list of them: the error is the broken bound, not "not a string".
+    body = {"prompt": "x", "max_tokens": 3, **extra}
+    assert words in assert_error(await client.post(COMPLETIONS, json=body), 400)["message"]
+
+
 async def test_a_tiny_temperature_means_greedy(
     client: httpx.AsyncClient, engine: FakeEngine
 ) -> None:

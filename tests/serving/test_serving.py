@@ -10,8 +10,7 @@ import pytest
 from tests.serving.fake_engine import FakeEngine
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import CompletionRequest
-from tokenflow.serving.serving import ClientDisconnected, OpenAIServing
-from tokenflow.serving.streaming import SseStream
+from tokenflow.serving.serving import ClientDisconnected, EventStream, OpenAIServing
 
 pytestmark = pytest.mark.anyio
 
@@ -32,10 +31,10 @@ async def until(predicate: Callable[[], object], timeout_s: float = 60.0) -> Non
             await asyncio.sleep(0.001)
 
 
-async def start_stream(serving: OpenAIServing, max_tokens: int = 5) -> SseStream:
+async def start_stream(serving: OpenAIServing, max_tokens: int = 5) -> EventStream:
     body = CompletionRequest(prompt="a", max_tokens=max_tokens, stream=True)
     stream = await serving.create_completion(body, None, never_disconnects)
-    assert isinstance(stream, SseStream)
+    assert isinstance(stream, EventStream)
     return stream
 
 
@@ -53,7 +52,7 @@ async def test_closed_mid_stream_aborts_once() -> None:
     engine = FakeEngine()
     stream = await start_stream(make_serving(engine), max_tokens=50)
     frames = aiter(stream)
-    assert (await anext(frames)).startswith('data: {"id":"cmpl-0"')
+    assert (await anext(frames)).startswith('{"id":"cmpl-0"')
     await anext(frames)
     await stream.aclose()
     assert engine.aborted_ids == ["cmpl-0"]
@@ -82,7 +81,7 @@ async def test_finished_stream_is_not_aborted() -> None:
     stream = await start_stream(make_serving(engine))
     frames = [frame async for frame in stream]
     await stream.aclose()
-    assert frames[-1] == "data: [DONE]\n\n"
+    assert frames[-1] == "[DONE]"
     assert engine.aborted_ids == [] and engine.active_ids == []
     assert engine.num_finished == 1
 

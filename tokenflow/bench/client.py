@@ -10,7 +10,8 @@ the usual BPE vocabularies, so the prompt is *about* that many tokens: exact siz
 best-effort (tokenizers differ, the chat template adds its own tokens).  Each request starts
 the word cycle at a different place so requests do not share a long common prefix.
 
-Counting tokens: a chunk may carry several tokens.  We ask for
+The stream is read with httpx-sse; each event is stamped when it is parsed.  Counting tokens:
+a chunk may carry several tokens.  We ask for
 `stream_options.continuous_usage_stats` (vLLM/SGLang/TokenFlow), so most chunks carry the
 cumulative `usage.completion_tokens`; a chunk then adds the increase in that count, all at the
 chunk's arrival time (they arrived together).  A chunk without usage counts one token when it
@@ -33,9 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+from httpx_sse import EventSource
 from tqdm import tqdm
 
-from tokenflow.bench.sse import SSEParser
 from tokenflow.metrics import RequestTrace
 from tokenflow.workload import WorkloadRequest
 
@@ -227,12 +228,9 @@ class _Replayer:
                 await response.aread()
                 state.error = f"HTTP {response.status_code}: {_error_message(response)}"
                 return
-            parser = SSEParser()
-            async for chunk in response.aiter_bytes():
-                now_s = self.now_s()
-                for event in parser.feed(chunk):
-                    state.on_data(event.data, now_s)
-            for event in parser.close():
+            # httpx-sse: SSE framing (LF, CRLF or CR lines, comments such as keep-alives skipped);
+            # an answer that is not text/event-stream raises SSEError (a failed request).
+            async for event in EventSource(response).aiter_sse():
                 state.on_data(event.data, self.now_s())
 
 

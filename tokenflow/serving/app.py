@@ -4,24 +4,32 @@
 lives on `app.state`.  Every error, including FastAPI's own validation errors (never a 422) and
 unknown routes, is answered in OpenAI's `{"error": {...}}` shape.  Request bodies larger than
 `ServerConfig.max_body_bytes` are refused (413) before they are read in full or parsed.
+
+Streams are sse-starlette's `EventSourceResponse`: `data: {json}\n\n` frames, the 200 headers
+sent at once, a `: keep-alive` comment every `ServerConfig.keepalive_s` (so proxies with read
+timeouts keep a stream that waits for its first token or is paused), and the client's
+disconnect noticed while the stream waits.  While the server drains (see `drain.py`) /health
+and every /v1 route answer 503.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable
-from typing import Annotated
+from collections.abc import Awaitable, Sequence
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenflow.engine.client import EngineClient
 from tokenflow.serving.config import ServerConfig
+from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, CountInFlight, Drain
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
@@ -30,45 +38,65 @@ from tokenflow.serving.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    RateTps,
 )
 from tokenflow.serving.serving import (
     STREAM_RATE_HEADER,
     ClientDisconnected,
+    EventStream,
     OpenAIServing,
     ServeResult,
     WaitForDisconnect,
 )
-from tokenflow.serving.streaming import SseStream
 from tokenflow.serving.validation import ApiError
 
 # nginx-style "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_STATUS = 499
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache"}  # sse-starlette adds X-Accel-Buffering: no
+KEEPALIVE_COMMENT = "keep-alive"  # sent as `: keep-alive\n\n`; clients ignore comments
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+_SOURCES = frozenset({"body", "header"})  # where FastAPI found a value, not its name
 
-RateHeader = Annotated[str | None, Header(alias=STREAM_RATE_HEADER)]
+RateHeader = Annotated[RateTps | None, Header(alias=STREAM_RATE_HEADER)]
 
 
-def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
-    """An OpenAI-compatible streaming server over `engine` (`config.api_key` guards /v1)."""
+def build_app(
+    engine: EngineClient, config: ServerConfig | None = None, drain: Drain | None = None
+) -> FastAPI:
+    """An OpenAI-compatible streaming server over `engine` (`config.api_key` guards /v1);
+    `drain` is begun by whoever stops the server (`tokenflow serve` on SIGTERM/SIGINT)."""
     config = config or ServerConfig()
+    drain = drain or Drain()
     app = FastAPI(title="TokenFlow", summary="Buffer-aware LLM text streaming server")
     metrics = ServingMetrics(engine)
     app.state.engine = engine
     app.state.config = config
     app.state.api_key = config.api_key
     app.state.metrics = metrics
-    app.state.serving = OpenAIServing(engine, metrics, keepalive_s=config.keepalive_s)
+    app.state.drain = drain
+    app.state.serving = OpenAIServing(engine, metrics)
     app.state.started_s = int(time.time())
     _add_error_handlers(app)
     app.include_router(_openai_router())
     app.include_router(_ops_router())
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(CountInFlight, drain=drain)  # outermost: counts until the last byte
     return app
 
 
 # -- routes -------------------------------------------------------------------------------------
+async def _check_not_draining(request: Request) -> None:
+    if request.app.state.drain.is_draining:
+        raise ApiError(
+            503,
+            "the server is shutting down; retry on another replica",
+            type="server_error",
+            code="server_shutting_down",
+            headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+        )
+
+
 async def _check_api_key(request: Request) -> None:
     expected = request.app.state.api_key
     if expected is None:
@@ -78,7 +106,8 @@ async def _check_api_key(request: Request) -> None:
 
 
 def _openai_router() -> APIRouter:
-    router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+    dependencies = [Depends(_check_not_draining), Depends(_check_api_key)]
+    router = APIRouter(prefix="/v1", dependencies=dependencies)
 
     @router.post("/completions")
     async def create_completion(
@@ -89,7 +118,7 @@ def _openai_router() -> APIRouter:
         result = await _or_disconnected(
             serving.create_completion(body, x_stream_rate, _disconnect_waiter(request))
         )
-        return _to_response(result)
+        return _to_response(result, request.app.state.config)
 
     @router.post("/chat/completions")
     async def create_chat_completion(
@@ -100,7 +129,7 @@ def _openai_router() -> APIRouter:
         result = await _or_disconnected(
             serving.create_chat_completion(body, x_stream_rate, _disconnect_waiter(request))
         )
-        return _to_response(result)
+        return _to_response(result, request.app.state.config)
 
     @router.get("/models")
     async def list_models(request: Request) -> Response:
@@ -121,17 +150,20 @@ def _ops_router() -> APIRouter:
 
     @router.get("/health")
     async def health(request: Request) -> Response:
-        """200 while the engine loop is alive and turning; 503 (with the reason) otherwise."""
+        """200 while the engine loop is alive and turning and the server is not draining; 503
+        (with the reason) otherwise.  Both tell how many /v1 requests are in flight."""
         engine: EngineClient = request.app.state.engine
+        drain: Drain = request.app.state.drain
         state = engine.health()
-        stall_s = request.app.state.config.health_stall_s
-        if not state.is_alive:
+        body: dict[str, object] = {"status": "ok"}
+        if drain.is_draining:
+            body = {"status": "draining"}
+        elif not state.is_alive:
             body = {"status": "dead", "error": state.error}
-        elif state.seconds_since_tick > stall_s:
+        elif state.seconds_since_tick > request.app.state.config.health_stall_s:
             body = {"status": "stalled", "seconds_since_tick": round(state.seconds_since_tick, 1)}
-        else:
-            return _json('{"status":"ok"}')
-        return _json(json.dumps(body), 503)
+        body["num_in_flight"] = drain.num_in_flight
+        return _json(json.dumps(body), 200 if body["status"] == "ok" else 503)
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -159,20 +191,27 @@ async def _or_disconnected(serve: Awaitable[ServeResult]) -> ServeResult | None:
         return None
 
 
-def _to_response(result: ServeResult | None) -> Response:
+def _to_response(result: ServeResult | None, config: ServerConfig) -> Response:
     if result is None:
         return Response(status_code=CLIENT_CLOSED_STATUS)
     if isinstance(result, BaseModel):
         return _json(result.model_dump_json())
-    return _SseResponse(result)
+    return _SseResponse(result, config.keepalive_s)
 
 
-class _SseResponse(StreamingResponse):
-    """Streams an `SseStream` and always closes it, even when the client left before the first
-    frame was pulled (then the engine request is aborted)."""
+class _SseResponse(EventSourceResponse):
+    """Sends an `EventStream` as SSE frames with keep-alive comments, and always closes it, even
+    when the client left before the first event was pulled (then the engine request is
+    aborted)."""
 
-    def __init__(self, stream: SseStream) -> None:
-        super().__init__(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, stream: EventStream, keepalive_s: float) -> None:
+        super().__init__(
+            stream,
+            headers=SSE_HEADERS,
+            ping=keepalive_s,
+            sep="\n",  # OpenAI's framing: `data: {json}\n\n`
+            ping_message_factory=_keepalive,
+        )
         self._stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -180,6 +219,10 @@ class _SseResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._stream.aclose()
+
+
+def _keepalive() -> ServerSentEvent:
+    return ServerSentEvent(comment=KEEPALIVE_COMMENT, sep="\n")
 
 
 def _json(content: str, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -254,15 +297,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    first = _most_telling(errors)
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part not in _SOURCES]
     param = loc[0] if loc else None
-    # Drop pydantic's union-member tags ("str", "list[int]") from the path.
-    where = ".".join(part for part in loc if part not in _TYPE_TAGS and "[" not in part) or "body"
+    where = ".".join(part for part in loc if not _is_type_tag(part)) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return f"{where}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def _most_telling(errors: Sequence[Any]) -> Any:
+    """The first error, or, where a union's members each failed on that same parameter, the
+    first that is not a wrong type (`stop: [...100 strings]` is too long, not "not a string")."""
+    first = errors[0]
+    same_param = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
+    telling = [e for e in same_param if not str(e.get("type", "")).endswith("_type")]
+    return telling[0] if telling else first
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic's union-member tags in an error's path ("str", "list[int]", "constrained-str")."""
+    return part in _TYPE_TAGS or "[" in part or part.startswith("constrained-")
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -1,8 +1,11 @@
 """`tokenflow serve`: the OpenAI-compatible streaming server on the real engine.
 
 Start-up failures (the port is taken, the model does not load, bad options) print one line and
-exit non-zero.  SIGINT and SIGTERM stop the engine loop: every live stream ends with an error
-frame and `data: [DONE]`, then the HTTP server closes.
+exit non-zero.  SIGTERM and SIGINT begin a graceful drain (`tokenflow.serving.drain`): /health
+turns 503 at once, new requests get 503 with Retry-After, and the answers in flight go on until
+they are sent or `--drain-timeout-s` has passed (a second signal cuts the wait short); then the
+engine loop stops, so every stream still open ends with an error frame and `data: [DONE]`, the
+HTTP server closes and the process exits 0.
 """
 
 from __future__ import annotations
@@ -13,6 +16,12 @@ import signal
 import socket
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily at run time: `tokenflow --help` loads no torch
+    from tokenflow.engine.async_engine import AsyncEngine
+    from tokenflow.serving.config import ServerConfig
+    from tokenflow.serving.drain import Drain
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +103,7 @@ def _serve(sock: socket.socket, config: object, engine_args: object) -> int:
     from tokenflow.executors import executor_factory
     from tokenflow.serving.app import build_app
     from tokenflow.serving.config import ServerConfig
+    from tokenflow.serving.drain import Drain
 
     assert isinstance(config, ServerConfig)
     try:
@@ -101,30 +111,19 @@ def _serve(sock: socket.socket, config: object, engine_args: object) -> int:
         engine = AsyncEngine(engine_args, False, build_executor)  # type: ignore[arg-type]
     except (ModelLoadError, ValueError, OSError) as err:
         return _fail(str(err), 2)
-    kv = engine.engine.scheduler.kv.config
-    logger.info(
-        "%s on %s, policy %s, context %d tokens, device KV %d tokens, host KV %d tokens, "
-        "http://%s:%d",
-        engine.model_name,
-        engine.engine.device,
-        engine.engine.args.policy,
-        engine.max_model_len,
-        kv.num_device_blocks * kv.block_size,
-        kv.num_host_blocks * kv.block_size,
-        config.host,
-        config.port,
-    )
+    _log_start(engine, config)
+    drain = Drain()
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(engine, config),
+            build_app(engine, config, drain),
             log_level=config.log_level,
+            # Once the engine stopped, every stream ends at once: this only bounds the flush.
             timeout_graceful_shutdown=5,
         )
     )
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
     http.start()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: engine.stop())
+    _drain_on_signals(drain, engine, config.drain_timeout_s)
     threading.Thread(target=_stop_when_done, args=(http, engine), daemon=True).start()
     try:
         engine.run_loop()  # the main thread: see AsyncEngine's docstring
@@ -140,6 +139,49 @@ def _shutdown(server: object, http: threading.Thread, engine: object, code: int)
     engine.close()  # type: ignore[attr-defined]
     logger.info("stopped")
     return code
+
+
+def _log_start(engine: AsyncEngine, config: ServerConfig) -> None:
+    kv = engine.engine.scheduler.kv.config
+    logger.info(
+        "%s on %s, policy %s, context %d tokens, device KV %d tokens, host KV %d tokens, "
+        "http://%s:%d",
+        engine.model_name,
+        engine.engine.device,
+        engine.engine.args.policy,
+        engine.max_model_len,
+        kv.num_device_blocks * kv.block_size,
+        kv.num_host_blocks * kv.block_size,
+        config.host,
+        config.port,
+    )
+
+
+def _drain_on_signals(drain: Drain, engine: AsyncEngine, timeout_s: float) -> None:
+    """SIGINT and SIGTERM begin the drain; a thread stops the engine once it is over."""
+    # uvicorn runs outside the main thread, so these are the only handlers (it installs none,
+    # and sse-starlette's shutdown hook, which cancels streams at once, is never called).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: drain.begin())
+    threading.Thread(
+        target=_stop_after_drain, args=(drain, engine, timeout_s), name="drain", daemon=True
+    ).start()
+
+
+def _stop_after_drain(drain: Drain, engine: AsyncEngine, timeout_s: float) -> None:
+    """Once a signal began the drain, stop the engine loop when the last answer in flight was
+    sent, or after `timeout_s` (the streams still open then end with an error frame)."""
+    drain.wait_begun()
+    logger.info(
+        "shutting down: draining %d requests in flight (at most %g s)",
+        drain.num_in_flight,
+        timeout_s,
+    )
+    if drain.wait_drained(timeout_s):
+        logger.info("drained")
+    else:
+        logger.warning("ending %d requests still in flight with an error", drain.num_in_flight)
+    engine.stop()
 
 
 def _stop_when_done(http: threading.Thread, engine: object) -> None:

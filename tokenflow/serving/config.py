@@ -11,15 +11,18 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How the server listens, guards and keeps its streams alive."""
+    """How the server listens, guards, keeps its streams alive and drains."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # require this bearer token on /v1
     log_level: str = "info"
-    keepalive_s: float = 15.0  # longest silence of an accepted stream (SSE comment frames)
+    keepalive_s: float = 15.0  # an SSE comment this often on every accepted stream
     max_body_bytes: int = 2 << 20  # larger request bodies are refused (413) before parsing
     health_stall_s: float = 30.0  # /health is 503 when the engine loop has not ticked this long
+    # On SIGTERM/SIGINT, streams in flight have this long to finish (Kubernetes waits 30 s by
+    # default, terminationGracePeriodSeconds, before it kills the pod).
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
@@ -30,6 +33,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ValueError(
+                f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -46,7 +53,7 @@ class ServerConfig:
             "--keepalive-s",
             type=float,
             default=defaults.keepalive_s,
-            help="send an SSE comment after this many silent seconds of a stream",
+            help="send an SSE comment (: keep-alive) this often on every accepted stream",
         )
         server.add_argument(
             "--max-body-bytes",
@@ -60,6 +67,13 @@ class ServerConfig:
             default=defaults.health_stall_s,
             help="/health answers 503 when the engine loop has not ticked for this long",
         )
+        server.add_argument(
+            "--drain-timeout-s",
+            type=float,
+            default=defaults.drain_timeout_s,
+            help="on SIGTERM/SIGINT, let streams in flight finish for this long, then end them "
+            "with an error frame (0: at once)",
+        )
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
@@ -72,4 +86,5 @@ class ServerConfig:
             keepalive_s=args.keepalive_s,
             max_body_bytes=args.max_body_bytes,
             health_stall_s=args.health_stall_s,
+            drain_timeout_s=args.drain_timeout_s,
         )

@@ -1,9 +1,8 @@
-"""Response bodies and SSE chunks of the two endpoints, exactly as OpenAI shapes them.
+"""Response bodies and stream chunks of the two endpoints, exactly as OpenAI shapes them.
 
-Streams are Server-Sent Events: each frame is `data: {json}` followed by a blank line, and the
-stream ends with `data: [DONE]`.  While a stream waits (for its first token, or paused by
-preemption) the server sends SSE comment frames (`KEEPALIVE_FRAME`), which clients ignore.
-Finish reasons always come from the engine's delta.
+A stream is one Server-Sent Event per chunk, whose data is the chunk's compact JSON, and a last
+event whose data is `DONE` (`[DONE]`); the SSE framing and keep-alives are sse-starlette's (see
+`app.py`).  Finish reasons always come from the engine's delta.
 """
 
 from __future__ import annotations
@@ -26,13 +25,7 @@ from tokenflow.serving.protocol import (
     UsageInfo,
 )
 
-KEEPALIVE_FRAME = ": keep-alive\n\n"
-DONE_FRAME = "data: [DONE]\n\n"
-
-
-def sse_frame(payload: BaseModel) -> str:
-    """One Server-Sent Event: `data: ` + compact JSON + a blank line."""
-    return f"data: {payload.model_dump_json()}\n\n"
+DONE = "[DONE]"  # the data of a stream's last event
 
 
 class ResponseFormat(Protocol):

@@ -1,12 +1,11 @@
 """A validated request on its way through the serving layer, and what it has produced so far.
 
-Shared by `serving.py` (which builds them), `streaming.py` and `formatting.py` (which render
-them), so none of those imports another for its types.
+Shared by `serving.py` (which builds them) and `formatting.py` (which renders them), so neither
+imports the other for its types.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 from tokenflow.core.request import SamplingParams
@@ -38,8 +37,6 @@ class Progress:
     finish_reason: str | None = None
     last_delta_s: float | None = None
     has_failed: bool = False  # the engine raised mid-stream
-    is_released: bool = False  # aborted if needed, delta iterator closed
-    pending: asyncio.Future[object] | None = None  # an in-flight wait for the next delta
 
 
 def usage_of(prepared: PreparedRequest, progress: Progress) -> UsageInfo:

@@ -5,14 +5,32 @@ wrong type is a 400, as with OpenAI.  Besides the standard fields we accept a fe
 `stream_rate` (the reader's consumption rate, tokens/s) and the vLLM sampling extras
 `ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids` and `stream_options.continuous_usage_stats`.
 Fields OpenAI defines but we do not implement are accepted only at their neutral value
-(checked in `serving.py`, which reports them as "not supported").
+(checked in `validation.py`, which reports them as "not supported").
+
+Every value bound that does not depend on the model is a pydantic constraint here, so a value out
+of range is a 400 naming its field before anything runs; `validation.py` keeps the bounds that
+need the model (the context length, the vocabulary).  Whatever reaches a tensor or a per-token
+loop is bounded: a hostile value is a 400 for its sender, never an engine failure for everyone.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
+MAX_RATE_TPS = 1000.0  # a reader rate beyond this is no reader
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch generator accepts
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+# A reader's rate in tokens/s: the body's `stream_rate` and the X-Stream-Rate header alike.
+RateTps = Annotated[float, Field(gt=0, le=MAX_RATE_TPS, allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0)]  # below the vocabulary size: checked in validation.py
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's range
 
 
 def _is_none(value: object) -> bool:
@@ -38,32 +56,32 @@ class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)  # the context bound: validation.py
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Known extras.
-    stream_rate: float | None = None
+    stream_rate: RateTps | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    top_k: int = 0  # 0 or -1 = disabled
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)  # at most max_tokens: SamplingParams checks it
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1 = disabled
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: str | list[TokenId]
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
 class TextContentPart(_Strict):
@@ -87,9 +105,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -4,14 +4,13 @@ Flow of one request::
 
     prepare()      body (+ X-Stream-Rate header) -> PreparedRequest, or ApiError (400/404)
     _start()       engine.generate(); refusals (EngineOverloaded -> 429, EngineRequestError ->
-                   400, EngineDead -> 503) are raised before any byte is sent.  A stream then
-                   goes out at once (200 headers, keep-alives until its first token); a
-                   non-streaming answer waits for its first delta while watching the client
-    _stream()      SSE frames, `data: {json}\\n\\n` ... `data: [DONE]\\n\\n` (see streaming.py)
+                   400, EngineDead -> 503) are raised before any byte is sent
+    _events()      a stream: the data of each SSE event (chunk JSON ... `[DONE]`); the route
+                   frames them, sends its 200 headers at once and keep-alives meanwhile
     _collect()     one JSON body
 
 Whenever the client goes away before the engine finished (a disconnect while waiting, or the
-SSE generator being cancelled/closed), the request is aborted in the engine.
+event generator being cancelled/closed), the request is aborted in the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
@@ -34,14 +34,7 @@ from tokenflow.engine.client import (
     EngineRequestError,
     GenerationDelta,
 )
-from tokenflow.serving.formatting import (
-    DONE_FRAME,
-    KEEPALIVE_FRAME,
-    ChatFormat,
-    CompletionFormat,
-    ResponseFormat,
-    sse_frame,
-)
+from tokenflow.serving.formatting import DONE, ChatFormat, CompletionFormat, ResponseFormat
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.prepared import PreparedRequest, Progress, usage_of
 from tokenflow.serving.protocol import (
@@ -49,15 +42,15 @@ from tokenflow.serving.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
 )
-from tokenflow.serving.streaming import SseStream, cancel_pending, delta_frames
 from tokenflow.serving.validation import (
     ApiError,
     build_sampling_params,
     check_chat_support,
     check_completion_support,
-    check_prompt_token_ids,
-    check_rate,
+    check_token_ids,
     resolve_max_tokens,
 )
 
@@ -66,7 +59,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 WaitForDisconnect = Callable[[], Awaitable[None]]
 STREAM_RATE_HEADER = "X-Stream-Rate"
-# How long a new stream waits for the engine's answer before its 200 headers go out; refusals
+# How long a new request waits for the engine's answer before its 200 headers go out; refusals
 # are raised synchronously by `generate()`, so they always come back as real status codes.
 _ADMISSION_GRACE_S = 0.05
 
@@ -83,8 +76,7 @@ class OpenAIServing:
     """The logic behind /v1/completions and /v1/chat/completions, independent of the web framework.
 
     `clock` (monotonic seconds) times TTFT and inter-token gaps; `wall_clock` stamps `created`;
-    `new_id` makes request ids.  All three are injectable for tests.  `keepalive_s` is the
-    longest silence of an accepted stream (SSE comment frames fill it).
+    `new_id` makes request ids.  All three are injectable for tests.
     """
 
     def __init__(
@@ -92,14 +84,12 @@ class OpenAIServing:
         engine: EngineClient,
         metrics: ServingMetrics,
         *,
-        keepalive_s: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = _new_hex_id,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.keepalive_s = keepalive_s
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
@@ -108,7 +98,7 @@ class OpenAIServing:
     async def create_completion(
         self,
         body: CompletionRequest,
-        rate_header: str | None,
+        rate_header: float | None,
         wait_for_disconnect: WaitForDisconnect,
     ) -> ServeResult:
         """Serve /v1/completions: a response model, or an async iterator of SSE frames."""
@@ -121,7 +111,7 @@ class OpenAIServing:
     async def create_chat_completion(
         self,
         body: ChatCompletionRequest,
-        rate_header: str | None,
+        rate_header: float | None,
         wait_for_disconnect: WaitForDisconnect,
     ) -> ServeResult:
         """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames."""
@@ -141,11 +131,15 @@ class OpenAIServing:
         model: str,
         prompt_token_ids: tuple[int, ...],
         id_prefix: str,
-        rate_header: str | None,
+        rate_header: float | None,
         max_tokens: int | None,
     ) -> PreparedRequest:
-        """Check rate and lengths; build the SamplingParams.  Raises ApiError."""
-        rate_tps = self._resolve_rate(body.stream_rate, rate_header)
+        """Check lengths; build the SamplingParams.  Raises ApiError.  The rates (body and
+        header) were checked by their pydantic types; the body's wins, then the header's."""
+        rate_tps = next(
+            (rate for rate in (body.stream_rate, rate_header) if rate is not None),
+            self.engine.default_rate_tps,
+        )
         max_tokens = resolve_max_tokens(
             len(prompt_token_ids), max_tokens, self.engine.max_model_len
         )
@@ -177,22 +171,6 @@ class OpenAIServing:
             code="model_not_found",
         )
 
-    def _resolve_rate(self, body_rate: float | None, header: str | None) -> float:
-        """Body `stream_rate` > `X-Stream-Rate` header > the engine's default."""
-        if body_rate is not None:
-            return check_rate(body_rate, "stream_rate")
-        if header is not None:
-            try:
-                value = float(header)
-            except ValueError:
-                raise ApiError(
-                    400,
-                    f"{STREAM_RATE_HEADER} must be a number, got {header!r}",
-                    param=STREAM_RATE_HEADER,
-                ) from None
-            return check_rate(value, STREAM_RATE_HEADER)
-        return self.engine.default_rate_tps
-
     def _apply_chat_template(self, body: ChatCompletionRequest) -> tuple[int, ...]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -203,70 +181,54 @@ class OpenAIServing:
     def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[int, ...]:
         if isinstance(prompt, str):
             return tuple(self.engine.tokenizer.encode(prompt))
-        return check_prompt_token_ids(prompt, self.engine.vocab_size)
+        return check_token_ids(prompt, self.engine.vocab_size, "prompt")
 
     # -- running --------------------------------------------------------------------------------
     async def _serve(
         self, prepared: PreparedRequest, fmt: ResponseFormat, wait_for_disconnect: WaitForDisconnect
     ) -> ServeResult:
         progress = Progress()
-        deltas = await self._start(prepared, progress, wait_for_disconnect)
+        submitted = await self._start(prepared, progress)
         if prepared.stream:
-            frames = self._stream(prepared, fmt, deltas, progress)
-            return SseStream(frames, lambda: self._release(prepared.request_id, deltas, progress))
+            events = self._events(prepared, fmt, submitted, progress)
+            return EventStream(events, lambda: self._release(submitted, progress))
         try:
-            collect = self._collect(prepared, deltas, progress)
+            collect = self._collect(prepared, submitted, progress)
             await self._race_disconnect(collect, wait_for_disconnect)
         finally:
-            await self._release(prepared.request_id, deltas, progress)
+            await self._release(submitted, progress)
         text = "".join(progress.text_parts)
         return fmt.response(prepared, text, progress.finish_reason, usage_of(prepared, progress))
 
-    async def _start(
-        self, prepared: PreparedRequest, progress: Progress, wait_for_disconnect: WaitForDisconnect
-    ) -> AsyncIterator[GenerationDelta]:
-        """Submit; leave the wait for the first delta in `progress.pending`.
-
-        A stream waits only `_ADMISSION_GRACE_S` (refusals come back at once); a non-streaming
-        request waits for its first delta while watching the client.  Either way a refusal or
-        an early failure is raised here, before any byte is sent.
-        """
-        deltas: AsyncIterator[GenerationDelta] | None = None
-        try:
-            deltas = aiter(
-                self.engine.generate(
-                    prepared.request_id,
-                    prepared.prompt_token_ids,
-                    prepared.sampling_params,
-                    prepared.rate_tps,
-                )
+    async def _start(self, prepared: PreparedRequest, progress: Progress) -> _Submitted:
+        """Submit, and wait `_ADMISSION_GRACE_S` for the first delta: a refusal or an early
+        failure is raised here, before any byte is sent."""
+        deltas = aiter(
+            self.engine.generate(
+                prepared.request_id,
+                prepared.prompt_token_ids,
+                prepared.sampling_params,
+                prepared.rate_tps,
             )
-            progress.pending = asyncio.ensure_future(anext(deltas))
-            if prepared.stream:
-                await asyncio.wait((progress.pending,), timeout=_ADMISSION_GRACE_S)
-            else:
-                await self._race_disconnect(asyncio.shield(progress.pending), wait_for_disconnect)
-            if progress.pending.done():
-                progress.pending.result()  # raises a refusal or an early failure
+        )
+        submitted = _Submitted(prepared.request_id, deltas, asyncio.ensure_future(anext(deltas)))
+        try:
+            await asyncio.wait((submitted.first,), timeout=_ADMISSION_GRACE_S)
+            if submitted.first.done():
+                submitted.first.result()  # raises a refusal or an early failure
         except (EngineOverloaded, EngineRequestError, EngineDead) as exc:
             raise _refusal(exc) from exc
         except StopAsyncIteration:
             message = "the engine ended the request without output"
             raise ApiError(500, message, type="server_error") from None
-        except ClientDisconnected:
-            if deltas is not None:
-                await self._release(prepared.request_id, deltas, progress)
-            raise
         except Exception as exc:  # failed before its first delta: a 500 naming why
             progress.has_failed = True
-            if deltas is not None:
-                await self._release(prepared.request_id, deltas, progress)
+            await self._release(submitted, progress)
             raise ApiError(500, _engine_error_message(exc), type="server_error") from exc
         except BaseException:  # cancelled: free the request
-            if deltas is not None:
-                await self._release(prepared.request_id, deltas, progress)
+            await self._release(submitted, progress)
             raise
-        return deltas
+        return submitted
 
     async def _race_disconnect(
         self, awaitable: Awaitable[_T], wait_for_disconnect: WaitForDisconnect
@@ -286,23 +248,26 @@ class OpenAIServing:
             raise ClientDisconnected()
         return work.result()
 
-    async def _release(
-        self, request_id: str, deltas: AsyncIterator[GenerationDelta], progress: Progress
-    ) -> None:
+    async def _release(self, submitted: _Submitted, progress: Progress) -> None:
         """Abort the request unless the engine finished it, and close its delta iterator.
 
         Idempotent, and runs to completion even while our own task is being cancelled.
         """
-        if progress.is_released:
+        if submitted.is_released:
             return
-        progress.is_released = True
+        submitted.is_released = True
         with anyio.CancelScope(shield=True):
-            await cancel_pending(progress)
+            first = submitted.first
+            if not first.done():
+                first.cancel()
+                await asyncio.wait((first,))  # let it unwind; does not raise
+            if not first.cancelled():
+                first.exception()  # retrieved: no "exception never retrieved" warning
             if progress.finish_reason is None:
                 if not progress.has_failed:
                     self.metrics.count_finished("abort")
-                await self.engine.abort(request_id)
-            aclose = getattr(deltas, "aclose", None)
+                await self.engine.abort(submitted.request_id)
+            aclose = getattr(submitted.deltas, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
@@ -332,48 +297,91 @@ class OpenAIServing:
         return _engine_error_message(exc)
 
     async def _collect(
-        self, prepared: PreparedRequest, deltas: AsyncIterator[GenerationDelta], progress: Progress
+        self, prepared: PreparedRequest, submitted: _Submitted, progress: Progress
     ) -> None:
         """Record deltas until the finish; an engine failure becomes a 500."""
         try:
-            while True:
-                pending, progress.pending = progress.pending, None
-                delta = await pending if pending is not None else await anext(deltas)
-                self._record(prepared, progress, delta)  # type: ignore[arg-type]
-                if delta.finish_reason is not None:  # type: ignore[union-attr]
-                    return
+            while progress.finish_reason is None:
+                self._record(prepared, progress, await submitted.next_delta())
         except (StopAsyncIteration, Exception) as exc:
             progress.has_failed = True
             raise ApiError(500, self._on_failure(exc), type="server_error") from None
 
-    async def _stream(
+    async def _events(
         self,
         prepared: PreparedRequest,
         fmt: ResponseFormat,
-        deltas: AsyncIterator[GenerationDelta],
+        submitted: _Submitted,
         progress: Progress,
-    ) -> AsyncIterator[str]:
-        """SSE frames; releases the engine request however the iteration ends."""
-        frames = delta_frames(
-            prepared, fmt, deltas, progress, self.keepalive_s, self._record, self._on_failure
-        )
+    ) -> AsyncGenerator[str]:
+        """The data of each SSE event: the opening chunks, one chunk per delta, the usage chunk,
+        then `[DONE]`; an engine failure becomes one `{"error": ...}` event before `[DONE]`.
+        Releases the engine request however the iteration ends."""
         try:
-            opening = fmt.opening_chunks(prepared)
-            for chunk in opening:
-                yield sse_frame(chunk)
-            if not opening and progress.pending is not None and not progress.pending.done():
-                yield KEEPALIVE_FRAME  # the server sends the 200 headers with the first bytes
-            async for frame in frames:
-                yield frame
+            for chunk in fmt.opening_chunks(prepared):
+                yield chunk.model_dump_json()
+            while progress.finish_reason is None:
+                try:
+                    delta = await submitted.next_delta()
+                except (StopAsyncIteration, Exception) as exc:
+                    progress.has_failed = True
+                    error = ErrorInfo(message=self._on_failure(exc), type="server_error")
+                    yield ErrorResponse(error=error).model_dump_json()
+                    break
+                self._record(prepared, progress, delta)
+                usage = usage_of(prepared, progress) if prepared.continuous_usage else None
+                chunk = fmt.delta_chunk(prepared, delta.text, delta.finish_reason, usage)
+                yield chunk.model_dump_json()
+            if prepared.include_usage and not progress.has_failed:
+                yield fmt.usage_chunk(prepared, usage_of(prepared, progress)).model_dump_json()
         finally:
-            with anyio.CancelScope(shield=True):
-                await frames.aclose()
-            await self._release(prepared.request_id, deltas, progress)
-        yield DONE_FRAME
+            await self._release(submitted, progress)
+        yield DONE
 
 
-# A non-streaming body, or the SSE frames of a streaming one.
-ServeResult = CompletionResponse | ChatCompletionResponse | SseStream
+@dataclass
+class _Submitted:
+    """One request in the engine: its deltas, the first of them awaited since submission (so
+    that a refusal comes back before any byte is sent)."""
+
+    request_id: str
+    deltas: AsyncIterator[GenerationDelta]
+    first: asyncio.Future[GenerationDelta]
+    is_first_taken: bool = False
+    is_released: bool = False  # aborted if needed, delta iterator closed
+
+    async def next_delta(self) -> GenerationDelta:
+        """The next delta; StopAsyncIteration if the engine ended without a finish reason."""
+        if not self.is_first_taken:
+            self.is_first_taken = True
+            return await self.first
+        return await anext(self.deltas)
+
+
+class EventStream:
+    """The data of each SSE event of one streaming answer (the route frames them).
+
+    Iterate it for the data.  `aclose()` must be called when the response ends however it ends
+    (also when the client left before the first event was pulled): it releases the engine
+    request, aborting it if it has not finished.
+    """
+
+    def __init__(self, events: AsyncGenerator[str], release: Callable[[], Awaitable[None]]) -> None:
+        self._events = events
+        self._release = release
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._events
+
+    async def aclose(self) -> None:
+        """Stop the events and release the engine request (idempotent)."""
+        with anyio.CancelScope(shield=True):
+            await self._events.aclose()
+            await self._release()
+
+
+# A non-streaming body, or the SSE events of a streaming one.
+ServeResult = CompletionResponse | ChatCompletionResponse | EventStream
 
 
 def _refusal(exc: EngineOverloaded | EngineRequestError | EngineDead) -> ApiError:

@@ -1,12 +1,13 @@
-"""Request validation: what we support, rates, lengths and SamplingParams; errors as ApiError.
+"""Request validation that needs the model, support checks and SamplingParams; errors as ApiError.
 
-Every field that reaches a tensor or a per-token loop is bounded here, so a hostile value is a
-400 for its sender and never an engine failure for everyone else.
+The bounds that do not depend on the model are pydantic constraints in `protocol.py`; what is
+checked here needs the served model: the context length (`resolve_max_tokens`) and the
+vocabulary (prompt token ids, `stop_token_ids`).  Fields we accept only at their neutral value
+are refused as "not supported".
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from tokenflow.core.request import SamplingParams
@@ -19,12 +20,6 @@ from tokenflow.serving.protocol import (
 
 # A temperature below this divides logits into inf/nan; it means "greedy" (as in vLLM).
 GREEDY_TEMPERATURE_FLOOR = 1e-5
-MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
-MAX_RATE_TPS = 1000.0  # a reader rate beyond this is no reader
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch generator accepts
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
 
 
 class ApiError(Exception):
@@ -50,20 +45,12 @@ class ApiError(Exception):
         return ErrorResponse(error=self.info)
 
 
-def check_rate(value: float, param: str) -> float:
-    """A reader rate must be in (0, MAX_RATE_TPS] tokens/s."""
-    if not (math.isfinite(value) and 0 < value <= MAX_RATE_TPS):
-        raise ApiError(
-            400, f"{param} must be in (0, {MAX_RATE_TPS:g}] tokens/s, got {value!r}", param=param
-        )
-    return float(value)
-
-
-def check_prompt_token_ids(prompt: list[int], vocab_size: int) -> tuple[int, ...]:
-    """Token-id prompts must stay inside the vocabulary."""
-    if any(not 0 <= token_id < vocab_size for token_id in prompt):
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    return tuple(prompt)
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> tuple[int, ...]:
+    """Token ids (a prompt's, `stop_token_ids`) must be inside the vocabulary; that they are
+    >= 0 is a constraint in protocol.py."""
+    if any(token_id >= vocab_size for token_id in token_ids):
+        raise ApiError(400, f"{param}: token ids must be in [0, {vocab_size})", param=param)
+    return tuple(token_ids)
 
 
 def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -80,8 +67,6 @@ def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: i
         )
     if max_tokens is None:
         return max_model_len - num_prompt
-    if max_tokens <= 0:
-        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
     if num_prompt + max_tokens > max_model_len:
         raise ApiError(
             400,
@@ -94,52 +79,18 @@ def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: i
     return max_tokens
 
 
-def _check_temperature(value: float) -> float:
-    if not (math.isfinite(value) and 0 <= value <= MAX_TEMPERATURE):
-        raise ApiError(
-            400,
-            f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {value!r}",
-            param="temperature",
-        )
-    return 0.0 if value < GREEDY_TEMPERATURE_FLOOR else float(value)
-
-
-def _check_stops(
-    body: CompletionRequest | ChatCompletionRequest, vocab_size: int
-) -> tuple[str, ...]:
-    stop: Sequence[str] = (
-        () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else body.stop
-    )
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(
-            400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop"
-        )
-    if any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop):
-        raise ApiError(
-            400, f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters", param="stop"
-        )
-    stop_ids = body.stop_token_ids or ()
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= t < vocab_size for t in stop_ids):
-        raise ApiError(
-            400,
-            f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, each in [0, {vocab_size})",
-            param="stop_token_ids",
-        )
-    return tuple(stop)
+def _stop_strings(body: CompletionRequest | ChatCompletionRequest) -> tuple[str, ...]:
+    if body.stop is None:
+        return ()
+    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
 
 
 def build_sampling_params(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int, vocab_size: int
 ) -> SamplingParams:
     """The engine's SamplingParams; its own checks (e.g. min_tokens <= max_tokens) give 400s."""
-    if body.top_k < -1:
-        raise ApiError(
-            400, f"top_k must be >= -1 (-1 or 0 disable it), got {body.top_k}", param="top_k"
-        )
-    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
-        raise ApiError(400, f"seed must be in [{SEED_MIN}, {SEED_MAX}]", param="seed")
-    temperature = _check_temperature(body.temperature)
-    stop = _check_stops(body, vocab_size)
+    stop_token_ids = check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
+    temperature = 0.0 if body.temperature < GREEDY_TEMPERATURE_FLOOR else body.temperature
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -147,8 +98,8 @@ def build_sampling_params(
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
             seed=body.seed,
-            stop=stop,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop=_stop_strings(body),
+            stop_token_ids=stop_token_ids,
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
         )
