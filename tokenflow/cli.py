@@ -1,4 +1,4 @@
-"""The `tokenflow` command: serve, simulate, bench."""
+"""The `tokenflow` command: serve, simulate, bench, profile, tune."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(
         sub.add_parser("bench", help="replay a workload of human readers against a server")
+    )
+    from tokenflow.profile import add_profile_arguments
+
+    add_profile_arguments(
+        sub.add_parser("profile", help="time the real engine's steps and fit simulator costs")
     )
     return parser
 
@@ -65,7 +70,7 @@ def _runs_llamacpp(argv: list[str]) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `tokenflow` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"] and not _runs_llamacpp(argv):
+    if argv[:1] in (["serve"], ["profile"]) and not _runs_llamacpp(argv):
         # OpenMP workers that sleep instead of spinning between parallel regions: with two
         # threads on a shared 2-core CPU, spinning made decode steps up to 20x slower whenever
         # another process held a core (docs/design.md).  Read when torch loads, so set
@@ -84,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenflow.sim.cli import run_simulate
 
         return run_simulate(args)
+    if args.command == "profile":
+        from tokenflow.profile import run_profile
+
+        return run_profile(args)
     from tokenflow.bench.cli import run_bench
 
     return run_bench(args)

@@ -340,3 +340,24 @@ def _parse_trace_line(line: str, where: str) -> tuple[float, int, int, float | N
     if "rate_tps" in record and not _is_positive(rate):
         raise WorkloadError(f"{where}: rate_tps must be a finite number > 0, got {rate!r}")
     return float(arrival_s), record["prompt_tokens"], record["output_tokens"], rate
+
+
+def save_trace(path: str | os.PathLike[str], requests: list[WorkloadRequest]) -> None:
+    """Write `requests` as a JSONL trace that `load_trace` (and `--workload trace`) reads back
+    to the same requests: one object per line, in arrival order, every key of the format."""
+    lines = [
+        json.dumps(
+            {
+                "arrival_s": r.arrival_s,
+                "prompt_tokens": r.num_prompt_tokens,
+                "output_tokens": r.num_output_tokens,
+                "rate_tps": r.rate_tps,
+            }
+        )
+        for r in sorted(requests, key=lambda r: r.arrival_s)
+    ]
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write("".join(f"{line}\n" for line in lines))
+    except OSError as error:
+        raise WorkloadError(f"{path}: cannot write trace file: {error.strerror or error}") from None

@@ -22,7 +22,7 @@ from typing import TextIO
 from tokenflow.bench.client import ENDPOINTS, BenchRun, ClientConfig, run_workload
 from tokenflow.metrics import MetricsConfig, Summary, summarize
 from tokenflow.report import format_table, plot_report, write_json
-from tokenflow.workload import WorkloadRequest
+from tokenflow.workload import WorkloadRequest, save_trace
 from tokenflow.workload_cli import add_workload_arguments, workload_from_args
 
 
@@ -56,6 +56,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--max-concurrency", type=int, default=None, help="in-flight request cap")
     out.add_argument("--json", default=None, help="write the summaries to this JSON file")
     out.add_argument("--plot", default=None, help="write plots to this PNG file")
+    out.add_argument(
+        "--save-trace",
+        default=None,
+        metavar="FILE",
+        help="write the workload as a JSONL trace (`--workload trace --trace FILE` replays it, "
+        "here or in `tokenflow simulate`)",
+    )
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -138,6 +145,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _fail("give exactly one of --url URL and --compare POLICY,POLICY")
     try:
         requests = workload_from_args(args)
+        if args.save_trace is not None:
+            save_trace(args.save_trace, requests)
         url = args.url or "http://127.0.0.1"  # --compare fills in each server's URL
         config = client_config_from_args(argparse.Namespace(**{**vars(args), "url": url}))
     except (ValueError, OSError) as exc:

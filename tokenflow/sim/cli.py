@@ -16,6 +16,13 @@ from tokenflow.core.policies import POLICY_NAMES, parse_policy_names
 from tokenflow.report import format_table, plot_report, write_json
 from tokenflow.sim.cost_model import CostModelConfig
 from tokenflow.sim.overhead import SchedulerOverhead
+from tokenflow.sim.profile_cli import (
+    add_profile_arguments,
+    check_profile_options,
+    deployment_from_args,
+    describe,
+    simulate_profiled,
+)
 from tokenflow.sim.runner import SimConfig, SimResult, run_simulation
 from tokenflow.sim.setups import get_setup, paper_setups
 from tokenflow.workload import WorkloadRequest, generate
@@ -35,6 +42,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--model", default=None, help="llama3-8b, qwen2-7b, qwen2.5-32b")
     hw.add_argument("--memory-fraction", type=float, default=None, help="GPU memory for weights+KV")
     hw.add_argument("--host-memory-gib", type=float, default=None, help="host KV tier size")
+    add_profile_arguments(parser)
     _add_policy_arguments(parser.add_argument_group("tokenflow policy and ablations"))
     _add_cost_arguments(
         parser.add_argument_group("costs (defaults: the GPU preset's, see docs/results.md)")
@@ -46,28 +54,39 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true")
 
 
+# The policy's knobs as `serve` names them: option -> TokenFlowConfig field.  The same names
+# as serve's options, so a config file from `tokenflow tune` reads the same here.
+POLICY_OPTIONS = {
+    "schedule_interval": "schedule_interval_s",
+    "mu": "buffer_conservativeness",
+    "critical_slack": "critical_slack_s",
+    "new_token_ratio": "init_new_token_ratio",
+    "capacity_headroom": "capacity_headroom",
+    "queue_headroom": "queue_headroom",
+    "max_stall_s": "max_stall_s",
+}
+_POLICY_HELP = {
+    "schedule_interval": "seconds between TokenFlow's decisions under stress",
+    "mu": "buffer conservativeness: a pause needs mu x a round trip of buffer",
+    "critical_slack": "seconds of buffer that mean stress, and a pause's margin",
+    "new_token_ratio": "admission reserves this share of each resident's remaining output",
+    "capacity_headroom": "admit while reading rates stay <= this share of capacity",
+    "queue_headroom": "admit the whole queue while its rates stay <= this share of capacity",
+    "max_stall_s": "a stream stalled this long goes on the device first",
+}
+
+
 def _add_policy_arguments(tf: argparse._ArgumentGroup) -> None:
     """TokenFlow's options and the ablations of its mechanism."""
-    tf.add_argument("--schedule-interval", type=float, default=TokenFlowConfig.schedule_interval_s)
-    tf.add_argument("--mu", type=float, default=TokenFlowConfig.buffer_conservativeness)
-    tf.add_argument(
-        "--capacity-headroom",
-        type=float,
-        default=TokenFlowConfig.capacity_headroom,
-        help="admit while reading rates stay <= this share of capacity (docs/usage.md)",
-    )
-    tf.add_argument(
-        "--queue-headroom",
-        type=float,
-        default=TokenFlowConfig.queue_headroom,
-        help="admit the whole queue while its reading rates stay <= this share of capacity",
-    )
-    tf.add_argument(
-        "--max-stall-s",
-        type=float,
-        default=TokenFlowConfig.max_stall_s,
-        help="a stream stalled this long goes on the device first",
-    )
+    for dest, field_name in POLICY_OPTIONS.items():
+        core_default = getattr(TokenFlowConfig(), field_name)
+        tf.add_argument(
+            f"--{dest.replace('_', '-')}",
+            type=float,
+            default=None,
+            help=f"{_POLICY_HELP[dest]} (default: serve's with --profile, else the core's "
+            f"{core_default:g})",
+        )
     tf.add_argument("--no-offload", action="store_true", help="ablation: preempt by recompute only")
     tf.add_argument(
         "--no-write-through",
@@ -79,6 +98,16 @@ def _add_policy_arguments(tf: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="ablation: a victim's memory is reusable only once its eviction completes",
     )
+
+
+def tokenflow_config(args: argparse.Namespace, base: TokenFlowConfig) -> TokenFlowConfig:
+    """`base` with the policy options given on the command line."""
+    given = {
+        field: getattr(args, dest)
+        for dest, field in POLICY_OPTIONS.items()
+        if getattr(args, dest) is not None
+    }
+    return replace(base, **given)
 
 
 def _add_cost_arguments(cost: argparse._ArgumentGroup) -> None:
@@ -113,13 +142,7 @@ def _deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], SimCon
         workload = generate(workload_spec_from_args(args))
     else:
         workload = generate(setup.workload)
-    tokenflow = TokenFlowConfig(
-        schedule_interval_s=args.schedule_interval,
-        buffer_conservativeness=args.mu,
-        capacity_headroom=args.capacity_headroom,
-        queue_headroom=args.queue_headroom,
-        max_stall_s=args.max_stall_s,
-    )
+    tokenflow = tokenflow_config(args, TokenFlowConfig())
     config = SimConfig(
         gpu=args.gpu or (setup.gpu if setup else "h200"),
         model=args.model or (setup.model if setup else "llama3-8b"),
@@ -149,30 +172,35 @@ def _overhead(args: argparse.Namespace) -> SchedulerOverhead | None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """`tokenflow simulate` with parsed arguments; returns the exit code."""
+    progress = not args.no_progress
     try:
         policies = parse_policy_names(args.policies)
         for path in (args.json, args.plot):
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"cannot write {path}: its directory does not exist")
-        workload, config = _deployment(args)
-        results = [
-            run_simulation(workload, p, config, progress=not args.no_progress) for p in policies
-        ]
+        check_profile_options(args)
+        if args.profile is not None:
+            workload = generate(workload_spec_from_args(args))
+            run = deployment_from_args(args, tokenflow_config)
+            results = [simulate_profiled(workload, p, run, progress) for p in policies]
+            title = describe(run, len(workload))
+        else:
+            workload, config = _deployment(args)
+            results = [run_simulation(workload, p, config, progress=progress) for p in policies]
+            title = (
+                f"{args.setup or 'custom'}: {len(workload)} requests, {config.model} on "
+                f"{config.gpu}, memory fraction {config.memory_fraction:g}"
+            )
     except (ValueError, OSError) as exc:
         print(f"tokenflow simulate: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    _report(args, results, config, len(workload))
+    _report(args, results, title)
     return 0
 
 
-def _report(
-    args: argparse.Namespace, results: list[SimResult], config: SimConfig, num_requests: int
-) -> None:
+def _report(args: argparse.Namespace, results: list[SimResult], title: str) -> None:
     summaries = {r.policy: r.summary for r in results}
-    print(
-        f"{args.setup or 'custom'}: {num_requests} requests, {config.model} on {config.gpu}, "
-        f"memory fraction {config.memory_fraction:g}"
-    )
+    print(title)
     print(format_table(summaries))
     for r in results:
         print(

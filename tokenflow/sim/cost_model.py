@@ -146,6 +146,15 @@ class CostModel:
         """Seconds to copy one KV block of `block_bytes` (all its pieces) in one direction."""
         return self.copy_time_s(block_bytes, self.copy_pieces_per_block)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers, in the model's dtype."""
+        return self._kv_bytes_per_token
+
+    def copies_time_s(self, num_d2h_blocks: int, num_h2d_blocks: int, block_bytes: int) -> float:
+        """A step's copies: PCIe is full duplex, so the two directions overlap each other."""
+        return max(num_d2h_blocks, num_h2d_blocks) * self.block_copy_time_s(block_bytes)
+
     def kv_pool_bytes(self, memory_fraction: float) -> int:
         """KV memory left when `memory_fraction` of the GPU holds the weights and the KV pool."""
         if not (0 < memory_fraction <= 1):

@@ -2,14 +2,15 @@
 
 Timing of one step (plan.py's contract: copies and the forward pass run concurrently):
 
-- compute: the cost model's roofline over the step's chunks;
-- device -> host and host -> device copies: blocks x the cost model's block copy time (its
-  pieces, each a per-operation latency plus bytes over the effective PCIe bandwidth).  PCIe is
-  full duplex, so the two directions overlap each other and the compute:
-  duration = max(compute, d2h, h2d).
+- compute: the cost model's time for the step's chunks (a GPU roofline, or a fit to a profile
+  of the real engine);
+- device -> host and host -> device copies: the cost model's time for the step's blocks (on a
+  GPU each block is its pieces, a per-operation latency plus bytes over the effective PCIe
+  bandwidth; PCIe is full duplex, so the two directions overlap each other), beside the
+  compute: duration = max(compute, copies).
 - With `blocking_evictions=True` (write-back: the "without write-through" ablation) the step
   that preempts waits for its eviction copies before it computes:
-  duration = evict + max(compute, other d2h, h2d).
+  duration = evict + max(compute, the other copies).
 
 Chunks are costed by shape, not role: a single-token chunk is memory-bound attention over its
 context (a decode), a longer one is a compute-bound prefill.  Every single-token chunk is
@@ -23,11 +24,41 @@ own `stop_token_ids` are skipped too.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from tokenflow.core.plan import CopyKind, SampledToken, StepPlan, StepResult
 from tokenflow.sim.clock import SimClock
-from tokenflow.sim.cost_model import CostModel
 
 _TOKEN_ID_RANGE = 999  # ids 1 .. 999
+
+
+class StepCostModel(Protocol):
+    """What the executor charges: the roofline `CostModel` of a GPU, or the
+    `ProfiledCostModel` fitted to a real engine (tokenflow/sim/profile_costs.py)."""
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        ...
+
+    def compute_time_s(
+        self,
+        num_prefill_tokens: int,
+        prefill_attention_pairs: int,
+        decode_context_tokens: int,
+        num_decode_seqs: int,
+        num_prefill_samples: int = 0,
+    ) -> float:
+        """Seconds of one forward pass of that shape."""
+        ...
+
+    def block_copy_time_s(self, block_bytes: int) -> float:
+        """Seconds per block of a long copy in one direction."""
+        ...
+
+    def copies_time_s(self, num_d2h_blocks: int, num_h2d_blocks: int, block_bytes: int) -> float:
+        """Seconds a step's copies take, both directions."""
+        ...
 
 
 class SimExecutor:
@@ -35,7 +66,7 @@ class SimExecutor:
 
     def __init__(
         self,
-        cost_model: CostModel,
+        cost_model: StepCostModel,
         clock: SimClock,
         block_size: int,
         seed: int = 0,
@@ -48,7 +79,7 @@ class SimExecutor:
         self._block_size = block_size
         self._seed = seed
         self._blocking_evictions = blocking_evictions
-        block_bytes = block_size * cost_model.model.kv_bytes_per_token
+        block_bytes = block_size * cost_model.kv_bytes_per_token
         self._block_bytes = block_bytes
         self._block_copy_s = cost_model.block_copy_time_s(block_bytes)
         self._total_compute_s = 0.0
@@ -99,15 +130,14 @@ class SimExecutor:
         compute_s = self._compute_time_s(plan)
         num_d2h = len(plan.device_to_host)
         num_h2d = len(plan.host_to_device)
-        d2h_s = num_d2h * self._block_copy_s
-        h2d_s = num_h2d * self._block_copy_s
+        copies_s = self._cost_model.copies_time_s
         if self._blocking_evictions and num_d2h:
-            evict_s = self._block_copy_s * sum(
-                1 for c in plan.device_to_host if c.kind is CopyKind.EVICT
-            )
-            duration_s = evict_s + max(compute_s, d2h_s - evict_s, h2d_s)
+            num_evict = sum(1 for c in plan.device_to_host if c.kind is CopyKind.EVICT)
+            evict_s = copies_s(num_evict, 0, self._block_bytes)
+            rest_s = copies_s(num_d2h - num_evict, num_h2d, self._block_bytes)
+            duration_s = evict_s + max(compute_s, rest_s)
         else:
-            duration_s = max(compute_s, d2h_s, h2d_s)
+            duration_s = max(compute_s, copies_s(num_d2h, num_h2d, self._block_bytes))
 
         self._clock.advance(duration_s)
         self._num_steps += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
@@ -11,6 +12,7 @@ from tqdm import tqdm
 from tokenflow.core.config import AndesConfig, SchedulerConfig, TokenFlowConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -138,15 +140,35 @@ def decode_seq_s(cost_model: CostModel, batch: int = 64) -> float:
     return max(max(many - one, 0.0) / (batch - 1) - 1024 * decode_token_s(cost_model), 0.0)
 
 
-def make_request(item: WorkloadRequest) -> Request:
-    """A core request for a workload item; output length fixed by ignore_eos + max_tokens."""
+def make_request(
+    item: WorkloadRequest, prompt_tokens: Callable[[int], int] | None = None
+) -> Request:
+    """A core request for a workload item; output length fixed by ignore_eos + max_tokens.
+    `prompt_tokens` maps the item's prompt length to the tokens the server makes of it."""
+    num_prompt = item.num_prompt_tokens if prompt_tokens is None else prompt_tokens(
+        item.num_prompt_tokens
+    )
     return Request(
         request_id=item.request_id,
-        prompt_token_ids=(1,) * item.num_prompt_tokens,
+        prompt_token_ids=(1,) * num_prompt,
         sampling_params=SamplingParams(max_tokens=item.num_output_tokens, ignore_eos=True),
         rate_tps=item.rate_tps,
         arrival_s=item.arrival_s,
     )
+
+
+@dataclass
+class SimEngine:
+    """A simulated engine ready to run: the core on a cost-model executor, and what a
+    deployment adds around each step (see tokenflow/sim/profiled.py)."""
+
+    core: EngineCore
+    executor: SimExecutor
+    before_step: Callable[[], None] | None = None  # e.g. the real engine's chunk sizing
+    # Seconds the engine spends after a step (outside the forward pass and the scheduler's
+    # decision), given the plan it ran: charged to the clock once the step's tokens are out.
+    after_step_s: Callable[[StepPlan], float] | None = None
+    prompt_tokens: Callable[[int], int] | None = None  # workload prompt -> tokens served
 
 
 def run_simulation(
@@ -157,8 +179,24 @@ def run_simulation(
     progress: bool = False,
 ) -> SimResult:
     """Serve `workload` with `policy` on the simulated deployment and measure it."""
-    started = time.perf_counter()
     core, executor = build_engine(config, policy)
+    return run_engine(
+        workload, policy, SimEngine(core, executor), config, metrics_config, progress
+    )
+
+
+def run_engine(
+    workload: list[WorkloadRequest],
+    policy: str,
+    engine: SimEngine,
+    config: SimConfig,
+    metrics_config: MetricsConfig | None = None,
+    progress: bool = False,
+) -> SimResult:
+    """Serve `workload` on a built simulated engine (`config` gives the idle tick and the
+    stall limit) and measure it."""
+    started = time.perf_counter()
+    core, executor = engine.core, engine.executor
     clock = executor_clock(core)
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
     requests: list[Request] = []
@@ -167,13 +205,17 @@ def run_simulation(
     while pending or core.has_work:
         now = clock.now()
         while pending and pending[0].arrival_s <= now:
-            request = make_request(pending.popleft())
+            request = make_request(pending.popleft(), engine.prompt_tokens)
             core.add_request(request)
             requests.append(request)
         if not core.has_work:
             clock.advance_to(pending[0].arrival_s)
             continue
+        if engine.before_step is not None:
+            engine.before_step()
         plan, outputs = core.step()
+        if engine.after_step_s is not None and not plan.is_empty:
+            clock.advance(engine.after_step_s(plan))
         bar.update(sum(1 for o in outputs if o.is_finished))
         idle_steps = 0 if outputs else idle_steps + 1
         if idle_steps > config.stall_limit_steps:
@@ -182,6 +224,17 @@ def run_simulation(
             next_arrival = pending[0].arrival_s if pending else float("inf")
             clock.advance_to(min(next_arrival, now + config.idle_tick_s))
     bar.close()
+    return _result(policy, core, executor, requests, metrics_config, started)
+
+
+def _result(
+    policy: str,
+    core: EngineCore,
+    executor: SimExecutor,
+    requests: list[Request],
+    metrics_config: MetricsConfig | None,
+    started: float,
+) -> SimResult:
     traces = tuple(_trace(r) for r in requests)
     scheduler = core.scheduler
     return SimResult(

@@ -1,0 +1,111 @@
+"""`simulate --profile`: a profile file round-trips, the profiled engine replays a trace with
+the keys `bench` writes, and it sizes prefill chunks by the real engine's rule."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.sim.synthetic import synthetic_profile
+from tokenflow.cli import main
+from tokenflow.core.estimator import StepTimeEstimator
+from tokenflow.metrics import Summary
+from tokenflow.sim.profile_file import ProfileError, load_profile
+from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine, prefill_chunk_budget
+from tokenflow.sim.runner import SimConfig, run_engine
+from tokenflow.workload import WorkloadRequest, save_trace
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "profile.json"
+    synthetic_profile().save(path)
+    return path
+
+
+def burst(n: int, prompt: int = 64, output: int = 40) -> list[WorkloadRequest]:
+    return [WorkloadRequest(f"req-{i}", 0.0, prompt, output, 4.0 + 4 * (i % 2)) for i in range(n)]
+
+
+def test_a_profile_file_round_trips(profile_path):
+    assert load_profile(profile_path) == synthetic_profile()
+
+
+def test_an_unknown_key_is_refused_with_its_place(profile_path, tmp_path):
+    record = json.loads(profile_path.read_text())
+    record["costs"]["parallel"]["q_s"] = 1.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(record))
+    with pytest.raises(ProfileError, match=r"costs.parallel: unknown keys \['q_s'\]"):
+        load_profile(bad)
+
+
+def test_simulate_profile_writes_the_keys_bench_writes(profile_path, tmp_path, capsys):
+    trace, out = tmp_path / "t.jsonl", tmp_path / "s.json"
+    save_trace(trace, burst(12))
+    code = main(
+        ["simulate", "--profile", str(profile_path), "--device-kv-tokens", "1024", "--workload",
+         "trace", "--trace", str(trace), "--policies", "fcfs,tokenflow", "--json", str(out),
+         "--no-progress"]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    records = json.loads(out.read_text())
+    keys = {"policy", *Summary.__dataclass_fields__}
+    assert [r["policy"] for r in records] == ["fcfs", "tokenflow"]
+    assert all(set(r) == keys and r["num_completed"] == 12 for r in records)
+
+
+@pytest.mark.parametrize("flags", [["--gpu", "h200"], ["--setup", "h200-a"]])
+def test_roofline_flags_are_refused_with_a_profile(profile_path, flags, capsys):
+    args = ["simulate", "--profile", str(profile_path), "--workload", "burst", *flags]
+    assert main(args) == 2
+    assert "do not apply with --profile" in capsys.readouterr().err
+
+
+def test_deployment_flags_without_a_profile_are_refused(capsys):
+    assert main(["simulate", "--workload", "burst", "--device-kv-tokens", "1024"]) == 2
+    assert "apply with --profile only" in capsys.readouterr().err
+
+
+def test_the_chat_template_lengthens_the_served_prompts(profile_path):
+    deployment = ProfiledDeployment(load_profile(profile_path), endpoint="chat")
+    engine = build_profiled_engine(deployment, "fcfs")
+    result = run_engine(burst(2, prompt=50), "fcfs", engine, SimConfig())
+    assert [t.num_prompt_tokens for t in result.traces] == [80, 80]  # 30 + 1.0 x 50
+
+
+def test_the_server_charge_lengthens_the_run(profile_path):
+    profile = load_profile(profile_path)
+    free = synthetic_profile(server_step_s=0.0)
+    runs = [
+        run_engine(burst(8), "fcfs", build_profiled_engine(ProfiledDeployment(p), "fcfs"),
+                   SimConfig()).summary.makespan_s
+        for p in (free, profile)
+    ]  # fmt: skip
+    assert runs[1] > runs[0]
+
+
+def engine_budget(estimator, num_decodes, step_target_ms, max_prefill_tokens):
+    """The real engine's own rule, run on a stand-in holding what it reads."""
+    from tokenflow.engine.llm_engine import LLMEngine
+
+    policy = SimpleNamespace(prefill_chunk_tokens=None)
+    running = [SimpleNamespace(is_prefilling=False)] * num_decodes
+    scheduler = SimpleNamespace(estimator=estimator, running=running, policy=policy)
+    args = SimpleNamespace(step_target_ms=step_target_ms, max_prefill_tokens=max_prefill_tokens)
+    LLMEngine._size_prefill_chunks(SimpleNamespace(scheduler=scheduler, args=args))
+    return policy.prefill_chunk_tokens
+
+
+@pytest.mark.parametrize("num_decodes", [0, 4, 30])
+@pytest.mark.parametrize("step_target_ms", [50.0, 250.0])
+def test_the_chunk_budget_is_the_real_engines(num_decodes, step_target_ms):
+    from tokenflow.engine.llm_engine import _MIN_PREFILL_CHUNK_TOKENS
+
+    estimator = StepTimeEstimator(decode_step_s=0.03, prefill_token_s=1e-3, per_seq_s=0.004)
+    for tokens in (64, 256, 512):
+        estimator.observe(num_decode=4, num_prefill_tokens=tokens, duration_s=0.05 + tokens * 8e-4)
+    ours = prefill_chunk_budget(
+        estimator, num_decodes, step_target_ms / 1000, _MIN_PREFILL_CHUNK_TOKENS, 4096
+    )
+    assert ours == engine_budget(estimator, num_decodes, step_target_ms, 4096)

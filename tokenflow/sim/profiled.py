@@ -1,0 +1,131 @@
+"""A simulated deployment of the real engine from its profile: `tokenflow simulate --profile`.
+
+The core is built exactly as `LLMEngine` builds it (the profile holds the `SchedulerConfig` the
+engine made, its measured link rate and step-time priors included, and `serve`'s
+`TokenFlowConfig`), on the deployment `serve`'s flags describe (tiers, limits, knobs).  What the
+real engine does around the core is charged too:
+
+- the forward pass and the tier copies: the profile's fitted `StepCosts`
+  (tokenflow/sim/profile_costs.py);
+- the scheduler's decision: the calibrated per-policy charge, as in every simulation
+  (tokenflow/sim/overhead.py);
+- the rest of the engine's step (inputs, detokenizing, delivering the deltas, the stats the
+  server reads): the profile's fixed + per-chunk charge, after the step's tokens are out;
+- the chunk budget the engine sets before every step from `--step-target-ms`
+  (`prefill_chunk_budget`, the rule of `LLMEngine._size_prefill_chunks`);
+- the prompt the server tokenizes: the bench client's n words plus the chat template's own
+  tokens (the profile's `prompt` mapping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.estimator import StepTimeEstimator
+from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.plan import StepPlan
+from tokenflow.core.policies import make_policy
+from tokenflow.core.scheduler import Scheduler
+from tokenflow.sim.clock import SimClock
+from tokenflow.sim.executor import SimExecutor
+from tokenflow.sim.overhead import OverheadCharge, default_overhead
+from tokenflow.sim.profile_costs import ProfiledCostModel
+from tokenflow.sim.profile_file import Profile
+from tokenflow.sim.runner import SimEngine
+
+
+@dataclass(frozen=True)
+class ProfiledDeployment:
+    """`serve`'s deployment flags over a profile (None: the profile's own value)."""
+
+    profile: Profile
+    device_kv_tokens: int | None = None
+    host_kv_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_prefill_tokens: int | None = None
+    step_target_ms: float | None = None
+    tokenflow: TokenFlowConfig | None = None  # None: `serve`'s, as profiled
+    endpoint: str = "chat"  # the bench endpoint whose prompt mapping applies
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in self.profile.prompt:
+            raise ValueError(
+                f"the profile has no prompt mapping for endpoint {self.endpoint!r}; "
+                f"it has {sorted(self.profile.prompt)}"
+            )
+
+    def value(self, name: str) -> int | float:
+        """A deployment setting: the flag's, else the profiled engine's."""
+        given = getattr(self, name)
+        return getattr(self.profile.engine, name) if given is None else given
+
+
+def prefill_chunk_budget(
+    estimator: StepTimeEstimator,
+    num_decodes: int,
+    step_target_s: float,
+    min_chunk_tokens: int,
+    max_prefill_tokens: int,
+) -> int:
+    """The step's token budget the real engine sets before each step: the decodes plus a
+    prefill chunk that takes about the step target at the measured prefill cost (or as long as
+    the decodes alone, when they exceed it); a step's fixed prefill cost takes at most half of
+    that time.  `LLMEngine._size_prefill_chunks` is this rule (tests/sim/test_profiled.py
+    holds the two to the same answers)."""
+    budget_s = max(step_target_s, estimator.decode_time_s(num_decodes))
+    budget_s = max(budget_s - estimator.prefill_step_s, budget_s / 2)
+    chunk = int(budget_s / max(estimator.prefill_token_s, 1e-9))
+    return num_decodes + min(max(chunk, min_chunk_tokens), max_prefill_tokens)
+
+
+def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEngine:
+    """The core as the real engine builds it, on the profile's costs and a simulated clock."""
+    profile = deployment.profile
+    facts = profile.engine
+    device_tokens = int(deployment.value("device_kv_tokens"))
+    scheduler_config = replace(
+        profile.scheduler,
+        max_num_seqs=int(deployment.value("max_num_seqs")),
+        max_prefill_tokens=int(deployment.value("max_prefill_tokens")),
+        max_model_len=min(facts.max_model_len_cap, device_tokens),
+    )
+    kv_config = KVConfig(
+        num_device_blocks=max(1, device_tokens // facts.block_size),
+        num_host_blocks=int(deployment.value("host_kv_tokens")) // facts.block_size,
+        block_size=facts.block_size,
+        block_bytes=facts.block_bytes,
+    )
+    tokenflow = deployment.tokenflow or profile.tokenflow
+    policy_obj = make_policy(policy, scheduler_config, tokenflow)
+    scheduler = Scheduler(scheduler_config, kv_config, policy_obj)
+    clock = SimClock()
+    cost_model = ProfiledCostModel(profile.costs, facts.block_bytes // facts.block_size)
+    executor = SimExecutor(cost_model, clock, facts.block_size)
+    charge = OverheadCharge(default_overhead(policy), clock, lambda: scheduler.num_unfinished)
+    core = EngineCore(scheduler, executor, clock, on_plan=charge)
+    prompt = profile.prompt[deployment.endpoint]
+    return SimEngine(
+        core=core,
+        executor=executor,
+        before_step=lambda: _size_chunks(scheduler, deployment),
+        after_step_s=lambda plan: _server_step_s(profile, plan),
+        prompt_tokens=prompt.tokens,
+    )
+
+
+def _size_chunks(scheduler: Scheduler, deployment: ProfiledDeployment) -> None:
+    num_decodes = sum(1 for r in scheduler.running if not r.is_prefilling)
+    scheduler.policy.prefill_chunk_tokens = prefill_chunk_budget(
+        scheduler.estimator,
+        num_decodes,
+        float(deployment.value("step_target_ms")) / 1000,
+        deployment.profile.engine.min_prefill_chunk_tokens,
+        scheduler.config.max_prefill_tokens,
+    )
+
+
+def _server_step_s(profile: Profile, plan: StepPlan) -> float:
+    costs = profile.costs
+    return costs.server_step_s + costs.server_per_chunk_s * len(plan.chunks)
