@@ -15,6 +15,7 @@ from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES, parse_policy_names
 from tokenflow.report import format_table, plot_report, write_json
 from tokenflow.sim.cost_model import CostModelConfig
+from tokenflow.sim.fleet_cli import add_fleet_arguments, is_fleet, run_fleet_simulate
 from tokenflow.sim.overhead import SchedulerOverhead
 from tokenflow.sim.profile_cli import (
     add_profile_arguments,
@@ -52,6 +53,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", default=None, help="write one object per policy to this file")
     out.add_argument("--plot", default=None, help="write headline bars and timelines (PNG)")
     out.add_argument("--no-progress", action="store_true")
+    add_fleet_arguments(parser)
 
 
 # The policy's knobs as `serve` names them: option -> TokenFlowConfig field.  The same names
@@ -172,6 +174,8 @@ def _overhead(args: argparse.Namespace) -> SchedulerOverhead | None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """`tokenflow simulate` with parsed arguments; returns the exit code."""
+    if is_fleet(args):
+        return run_fleet_simulate(args)
     progress = not args.no_progress
     try:
         policies = parse_policy_names(args.policies)

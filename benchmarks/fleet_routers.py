@@ -1,0 +1,168 @@
+"""The fleet presets in the simulator, every router, several seeds: the tables of
+docs/replicas.md.
+
+    python -m benchmarks.fleet_routers [--seeds 3] [--setups fleet-h200-burst,...]
+                                      [--routers ...] [--report-period-s 1] [--workers 2]
+
+Each (setup, router, seed) run is the same as
+
+    tokenflow simulate --setup SETUP --routers ROUTER --seed SEED --report-period-s P --json OUT
+
+and is cached as JSON under --cache-dir (keyed by the setup, router, seed and period; clear it,
+or give --fresh, after a change to the code), so an interrupted run resumes.  Then it rewrites
+the block between the markers of docs/replicas.md: per setup, each router's median [min-max]
+over the seeds, the requests per replica, and the TokenFlow rule against least-outstanding on
+the targets (P99 TTFT <= 0.7x, QoE >= 1.0x, mean stall <= max(1 s, its) for bursts; for
+Poisson no metric worse by more than 5%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+from pathlib import Path
+
+from tokenflow.core.routing import ROUTER_NAMES
+from tokenflow.metrics import Summary
+from tokenflow.report import aggregate, format_spread_table
+from tokenflow.sim.fleet import FleetConfig, fleet_replicas, fleet_setups, run_fleet
+from tokenflow.sim.runner import SimConfig
+from tokenflow.workload import generate
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- fleet tables: begin -->", "<!-- fleet tables: end -->"
+HIGHER_IS_BETTER = ("qoe_mean", "effective_throughput_tps", "throughput_tps")
+COMPARED = ("ttft_mean_s", "ttft_p99_s", "rebuffer_mean_s", "rebuffer_p99_s", *HIGHER_IS_BETTER)
+
+
+def run_job(job: tuple[str, str, int, float, str]) -> dict:
+    """One (setup, router, seed, period) run, cached."""
+    setup_name, router, seed, period_s, cache_dir = job
+    path = Path(cache_dir) / f"{setup_name}-{router}-{seed}-{period_s:g}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    setup = fleet_setups(seed)[setup_name]
+    config = FleetConfig(fleet_replicas(setup, SimConfig()), report_period_s=period_s)
+    result = run_fleet(generate(setup.workload), router, config)
+    record = {
+        "setup": setup_name,
+        "router": router,
+        "seed": seed,
+        "summary": result.summary.to_dict(),
+        "requests_by_replica": list(result.num_requests_by_replica),
+        "wall_s": result.wall_s,
+    }
+    path.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def verdict(setup: str, runs: dict[str, list[dict]]) -> str:
+    """The TokenFlow rule against least-outstanding, on medians over the seeds."""
+    if "tokenflow" not in runs or "least-outstanding" not in runs:
+        return ""
+    tf = aggregate([r["summary"] for r in runs["tokenflow"]], COMPARED)
+    lo = aggregate([r["summary"] for r in runs["least-outstanding"]], COMPARED)
+
+    def ratio(key: str) -> float:
+        base = lo[key].median
+        return tf[key].median / base if base else (1.0 if not tf[key].median else float("inf"))
+
+    if "burst" in setup:
+        stall_bound = max(1.0, lo["rebuffer_mean_s"].median)
+        checks = [
+            f"P99 TTFT {ratio('ttft_p99_s'):.2f}x (<= 0.7x)",
+            f"QoE {ratio('qoe_mean'):.3f}x (>= 1.0x)",
+            f"mean stall {tf['rebuffer_mean_s'].median:.2f} s (<= {stall_bound:.2f} s)",
+        ]
+        passed = (
+            ratio("ttft_p99_s") <= 0.7
+            and ratio("qoe_mean") >= 1.0
+            and tf["rebuffer_mean_s"].median <= stall_bound
+        )
+    else:
+        worse = {
+            key: (1 / ratio(key) if key in HIGHER_IS_BETTER else ratio(key)) for key in COMPARED
+        }
+        checks = [f"worst metric {max(worse.values()):.3f}x ({max(worse, key=worse.get)})"]
+        passed = all(
+            v <= 1.05 or tf[k].median - lo[k].median <= 0.05 and k.startswith("rebuffer")
+            for k, v in worse.items()
+        )
+    return (
+        f"TokenFlow rule vs least-outstanding: {', '.join(checks)}: {'pass' if passed else 'FAIL'}"
+    )
+
+
+def setup_section(setup: str, runs: dict[str, list[dict]], period_s: float) -> list[str]:
+    rounds = []
+    num_seeds = max(len(v) for v in runs.values())
+    for index in range(num_seeds):
+        rounds.append(
+            {
+                router: Summary(**records[index]["summary"])
+                for router, records in runs.items()
+                if index < len(records)
+            }
+        )
+    spec = fleet_setups()[setup]
+    lines = [f"### {setup}: {spec.description}", "", "```", format_spread_table(rounds, "router")]
+    lines.append("")
+    for router, records in runs.items():
+        lines.append(f"{router}: requests per replica (seed 0) {records[0]['requests_by_replica']}")
+    lines += ["```", "", verdict(setup, runs), ""]
+    command = (
+        f"tokenflow simulate --setup {setup} --routers {','.join(runs)} --seed S "
+        f"--report-period-s {period_s:g} --json OUT"
+    )
+    return [*lines, f"One seed: `{command}`.", ""]
+
+
+def write_markdown(path: Path, sections: list[str]) -> None:
+    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(head + BEGIN + "\n" + "\n".join(sections) + END + tail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--setups", default=",".join(fleet_setups()))
+    parser.add_argument("--routers", default=",".join(ROUTER_NAMES))
+    parser.add_argument("--report-period-s", type=float, default=1.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache/tokenflow-bench/fleet"))
+    parser.add_argument("--fresh", action="store_true", help="ignore the cache")
+    parser.add_argument("--markdown", default=str(ROOT / "docs" / "replicas.md"))
+    args = parser.parse_args(argv)
+    Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        for old in Path(args.cache_dir).glob("*.json"):
+            old.unlink()
+    setups, routers = args.setups.split(","), args.routers.split(",")
+    jobs = [
+        (s, r, seed, args.report_period_s, args.cache_dir)
+        for s in setups
+        for seed in range(args.seeds)
+        for r in routers
+    ]
+    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+        records = pool.map(run_job, jobs, chunksize=1)
+    sections = []
+    for setup in setups:
+        runs = {
+            r: sorted(
+                (x for x in records if x["setup"] == setup and x["router"] == r),
+                key=lambda x: x["seed"],
+            )
+            for r in routers
+        }
+        sections += setup_section(setup, runs, args.report_period_s)
+        print("\n".join(setup_section(setup, runs, args.report_period_s)), flush=True)
+    write_markdown(Path(args.markdown), sections)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
