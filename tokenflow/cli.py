@@ -9,7 +9,13 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `tokenflow` parser and its subcommands' parsers by name."""
     from tokenflow.bench.cli import add_bench_arguments
+    from tokenflow.config_file import add_config_argument
     from tokenflow.serving.cli import add_serve_arguments
     from tokenflow.sim.cli import add_simulate_arguments
 
@@ -21,9 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API (default: SmolLM2)")
     add_engine_arguments(serve)
     add_serve_arguments(serve)
-    add_simulate_arguments(
-        sub.add_parser("simulate", help="run the scheduling policies on a GPU cost model")
+    add_config_argument(serve)
+    simulate = sub.add_parser(
+        "simulate", help="run the scheduling policies on a GPU cost model or a profile"
     )
+    add_simulate_arguments(simulate)
+    add_config_argument(simulate)
     add_bench_arguments(
         sub.add_parser("bench", help="replay a workload of human readers against a server")
     )
@@ -32,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(
         sub.add_parser("profile", help="time the real engine's steps and fit simulator costs")
     )
-    return parser
+    from tokenflow.tune import add_tune_arguments
+
+    add_tune_arguments(
+        sub.add_parser("tune", help="search the policy's knobs by simulation; write a config")
+    )
+    return parser, {"serve": serve, "simulate": simulate}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
         _serve_vllm(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser, configurable = _build_parsers()
+    if argv[:1] and argv[0] in configurable:
+        from tokenflow.config_file import ConfigFileError, apply_config_file
+
+        try:
+            apply_config_file(configurable[argv[0]], argv[1:])
+        except ConfigFileError as err:
+            print(f"tokenflow {argv[0]}: error: {' '.join(str(err).split())}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
     if args.command == "serve":
         from tokenflow.serving.cli import run_serve
 
@@ -93,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tokenflow.profile import run_profile
 
         return run_profile(args)
+    if args.command == "tune":
+        from tokenflow.tune import run_tune
+
+        return run_tune(args)
     from tokenflow.bench.cli import run_bench
 
     return run_bench(args)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from tokenflow.workload import (
     KINDS,
     LengthDist,
     RateMix,
+    WorkloadError,
     WorkloadRequest,
     WorkloadSpec,
     generate,
@@ -17,7 +19,12 @@ from tokenflow.workload import (
 def add_workload_arguments(parser: argparse.ArgumentParser, default_kind: str | None) -> None:
     """The workload option group; `default_kind=None` lets a caller fall back to a preset."""
     load = parser.add_argument_group("workload")
-    load.add_argument("--workload", choices=KINDS, default=default_kind)
+    load.add_argument(
+        "--workload",
+        default=default_kind,
+        metavar="KIND|FILE",
+        help=f"{', '.join(KINDS)}, or a trace FILE (short for `trace --trace FILE`)",
+    )
     load.add_argument("--num-requests", type=int, default=100)
     load.add_argument("--request-rate", type=float, default=1.0, help="req/s (poisson, gamma)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
@@ -30,10 +37,25 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_kind: str | 
     load.add_argument("--trace", default=None, help="JSONL trace file (--workload trace)")
 
 
+def workload_kind(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(kind, trace path) of `--workload KIND|FILE` and `--trace`."""
+    if args.workload in KINDS:
+        return args.workload, args.trace
+    if args.workload is not None and os.path.isfile(args.workload):
+        if args.trace is not None and args.trace != args.workload:
+            raise WorkloadError("give the trace once: --workload FILE or --trace FILE")
+        return "trace", args.workload
+    raise WorkloadError(
+        f"unknown workload {args.workload!r}: choose one of {', '.join(KINDS)}, or give a "
+        "trace file that exists"
+    )
+
+
 def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
     """Raises WorkloadError (a ValueError) with a one-line message for bad values."""
+    kind, trace_path = workload_kind(args)
     return WorkloadSpec(
-        kind=args.workload,
+        kind=kind,
         num_requests=args.num_requests,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
@@ -41,7 +63,7 @@ def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         output=LengthDist.parse(args.output_len),
         rates=RateMix.parse(args.rates),
         seed=args.seed,
-        trace_path=args.trace,
+        trace_path=trace_path,
     )
 
 
