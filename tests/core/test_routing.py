@@ -126,11 +126,13 @@ def test_a_removed_replica_gets_nothing_and_candidates_restrict():
         router.choose(_request(2), candidates=[])
 
 
-def test_capacity_lookup_takes_the_smallest_footprint_that_covers():
+def test_capacity_lookup_interpolates_between_sampled_footprints():
     points = (CapacityPoint(1, 9000, 90), CapacityPoint(4, 4000, 40), CapacityPoint(16, 900, 9))
     report = replace(_report(), capacity_points=points)
     assert report.capacity_at(0.5).gamma_tps == 9000
-    assert report.capacity_at(3.0).gamma_tps == 4000
+    assert report.capacity_at(4.0).gamma_tps == 4000
+    assert report.capacity_at(2.0).gamma_tps == pytest.approx(6500)  # halfway in log terms
+    assert report.capacity_at(2.0).batch == 65
     assert report.capacity_at(64.0).gamma_tps == 900
 
 

@@ -20,13 +20,14 @@ Ties go to the replica listed first (`Router.replica_ids` order), never to dict 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.capacity import measure_capacity
 from tokenflow.core.policies.pricing import lifetime_blocks
-from tokenflow.core.request import Request
+from tokenflow.core.request import Consumption, Request, SamplingParams
 
 _LADDER_STEP = 2**0.25  # footprints at which a report samples Gamma, ~19% apart
 
@@ -46,6 +47,26 @@ class RouteRequest:
         return cls(
             request.request_id, request.rate_tps, request.lifetime_tokens, request.end_tokens
         )
+
+
+def route_request(
+    request_id: str,
+    rate_tps: float,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    consumption: Consumption = Consumption.READER,
+) -> RouteRequest:
+    """The routing facts of a request known only by its sizes (a router in front of the
+    replicas sees the body, not the tokens)."""
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=(0,) * max(num_prompt_tokens, 1),
+        sampling_params=SamplingParams(max_tokens=max(max_tokens, 1)),
+        rate_tps=rate_tps,
+        arrival_s=0.0,
+        consumption=consumption,
+    )
+    return RouteRequest.of(request)
 
 
 @dataclass(frozen=True)
@@ -84,11 +105,21 @@ class LoadReport:
         return self.num_running + self.num_preempted + self.num_waiting
 
     def capacity_at(self, beta_blocks: float) -> CapacityPoint:
-        """Gamma at the smallest sampled footprint >= `beta_blocks` (the largest past them)."""
-        for point in self.capacity_points:
-            if point.beta_blocks >= beta_blocks:
-                return point
-        return self.capacity_points[-1]
+        """Gamma at `beta_blocks`, between the two sampled footprints around it (linear in
+        the footprint's logarithm, so a small change of footprint never jumps a whole rung);
+        the end points beyond the samples."""
+        points = self.capacity_points
+        if beta_blocks <= points[0].beta_blocks:
+            return points[0]
+        for low, high in zip(points, points[1:], strict=False):
+            if high.beta_blocks >= beta_blocks:
+                share = math.log(beta_blocks / low.beta_blocks) / math.log(
+                    high.beta_blocks / low.beta_blocks
+                )
+                gamma = low.gamma_tps + share * (high.gamma_tps - low.gamma_tps)
+                batch = low.batch + share * (high.batch - low.batch)
+                return CapacityPoint(beta_blocks, gamma, max(round(batch), 1))
+        return points[-1]
 
 
 def load_report(view: SchedulingView) -> LoadReport:
@@ -146,6 +177,12 @@ class Router:
         """A replica's new report: what was routed to it before is in it now."""
         self.reports[replica_id] = report
         self.routed_since[replica_id] = []
+
+    def add(self, replica_id: str) -> None:
+        """A new replica (it goes by its id among the others); nothing if it is known."""
+        if replica_id not in self.routed_since:
+            self.replica_ids = sorted([*self.replica_ids, replica_id])
+            self.routed_since[replica_id] = []
 
     def remove(self, replica_id: str) -> None:
         """A replica left (died or was scaled down): nothing goes to it any more."""

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from tokenflow.core.request import SamplingParams
@@ -129,6 +129,9 @@ class AsyncEngine:
         self._last_tick_s = time.monotonic()
         self._stats = self.engine.stats()
         self._thread: threading.Thread | None = None
+        # Called on the engine thread after every step (e.g. a replica's load report,
+        # tokenflow/replicas): it may read engine state, which no other thread may.
+        self.after_step: Callable[[], None] | None = None
         if start_thread:
             self._thread = threading.Thread(
                 target=self.run_loop, name="tokenflow-engine", daemon=True
@@ -243,6 +246,8 @@ class AsyncEngine:
             for delta in deltas:
                 self._deliver(delta)
             self._stats = self.engine.stats()
+            if self.after_step is not None:
+                self.after_step()
             if not ran:
                 threading.Event().wait(_NOTHING_RAN_WAIT_S)
 
