@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
+from tokenflow.serving.classes import Stated
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import CompletionRequest
 from tokenflow.serving.serving import ClientDisconnected, EventStream, OpenAIServing
@@ -33,7 +34,7 @@ async def until(predicate: Callable[[], object], timeout_s: float = 60.0) -> Non
 
 async def start_stream(serving: OpenAIServing, max_tokens: int = 5) -> EventStream:
     body = CompletionRequest(prompt="a", max_tokens=max_tokens, stream=True)
-    stream = await serving.create_completion(body, None, never_disconnects)
+    stream = await serving.create_completion(body, Stated(), never_disconnects)
     assert isinstance(stream, EventStream)
     return stream
 
@@ -95,7 +96,7 @@ async def test_disconnect_while_waiting_for_first_token() -> None:
         await gone.wait()
 
     body = CompletionRequest(prompt="a", max_tokens=5)
-    task = asyncio.create_task(serving.create_completion(body, None, wait_for_disconnect))
+    task = asyncio.create_task(serving.create_completion(body, Stated(), wait_for_disconnect))
     await until(lambda: engine.active_ids)
     assert engine.active_ids == ["cmpl-0"] and not task.done()
     gone.set()
@@ -111,8 +112,9 @@ async def test_ttft_uses_the_injected_clock() -> None:
     metrics = ServingMetrics(engine)
     serving = OpenAIServing(engine, metrics, clock=lambda: next(times), wall_clock=lambda: 99.0)
     body = CompletionRequest(prompt="a", max_tokens=3)
-    response = await serving.create_completion(body, None, never_disconnects)
+    response = await serving.create_completion(body, Stated(), never_disconnects)
     assert response.created == 99
     text = metrics.render()[0].decode()
-    assert "tokenflow_time_to_first_token_seconds_sum 2.5" in text
-    assert "tokenflow_inter_token_seconds_sum 0.75" in text
+    assert 'tokenflow_time_to_first_token_seconds_sum{stream_class="batch"} 2.5' in text
+    assert 'tokenflow_inter_token_seconds_sum{stream_class="batch"} 0.75' in text
+    assert 'tokenflow_e2e_latency_seconds_sum{stream_class="batch"} 3.25' in text

@@ -124,7 +124,7 @@ async def test_max_tokens_defaults_to_rest_of_context(engine: FakeEngine) -> Non
 async def test_rate_resolution_body_then_header_then_default(
     client: httpx.AsyncClient, engine: FakeEngine
 ) -> None:
-    body = {"prompt": "x", "max_tokens": 1}
+    body = {"prompt": "x", "max_tokens": 1, "stream": True}
     await client.post("/v1/completions", json={**body, "stream_rate": 7.5})
     await client.post(
         "/v1/completions", json={**body, "stream_rate": 7}, headers={"X-Stream-Rate": "9"}
@@ -186,8 +186,9 @@ async def test_models_health_and_metrics(client: httpx.AsyncClient) -> None:
         "tokenflow_recomputes_total 1.0",
         'tokenflow_buffer_slack_seconds{stat="min"}',
         'tokenflow_buffer_slack_streams{le="+Inf"}',
-        "tokenflow_time_to_first_token_seconds_count 1.0",
-        "tokenflow_inter_token_seconds_count 1.0",
+        'tokenflow_time_to_first_token_seconds_count{stream_class="batch"} 1.0',
+        'tokenflow_inter_token_seconds_count{stream_class="batch"} 1.0',
+        'tokenflow_e2e_latency_seconds_count{stream_class="batch"} 1.0',
         'tokenflow_requests_finished_total{finish_reason="length"} 1.0',
         'tokenflow_http_errors_total{status="400"} 1.0',
     ):
@@ -200,5 +201,5 @@ async def test_two_apps_have_separate_registries() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert apps[0].state.metrics.registry is not apps[1].state.metrics.registry
-    assert b"_count 1.0" in apps[0].state.metrics.render()[0]
-    assert b"tokenflow_time_to_first_token_seconds_count 0.0" in apps[1].state.metrics.render()[0]
+    assert b'_count{stream_class="batch"} 1.0' in apps[0].state.metrics.render()[0]
+    assert b"tokenflow_time_to_first_token_seconds_count" not in apps[1].state.metrics.render()[0]

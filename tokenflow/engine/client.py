@@ -104,7 +104,8 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams,
         rate_tps: float,
     ) -> AsyncIterator[GenerationDelta]:
-        """Submit a request and stream its deltas.
+        """Submit a request and stream its deltas; `rate_tps` is its reader's tokens/s, or
+        math.inf for a client that uses each token at once (eager or batch).
 
         Raises EngineOverloaded, EngineRequestError or EngineDead before the first delta if it
         cannot be accepted; RequestFailed or EngineDead later if it fails mid-way.

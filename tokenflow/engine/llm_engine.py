@@ -14,6 +14,7 @@ prompt, or the recompute of a preempted stream, never freezes the other streams 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -24,7 +25,13 @@ from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
-from tokenflow.core.request import FinishReason, Request, RequestState, SamplingParams
+from tokenflow.core.request import (
+    Consumption,
+    FinishReason,
+    Request,
+    RequestState,
+    SamplingParams,
+)
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import EngineStats, GenerationDelta
@@ -142,6 +149,7 @@ class LLMEngine:
             prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
             rate_tps=rate_tps or self.args.default_rate_tps,
+            consumption=Consumption.READER if rate_tps != math.inf else Consumption.EAGER,
             arrival_s=self.core.clock.now(),
             eos_token_ids=self.model_config.eos_token_ids,
         )

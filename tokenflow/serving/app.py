@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenflow.engine.client import EngineClient
+from tokenflow.serving.classes import Stated
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, CountInFlight, Drain
 from tokenflow.serving.metrics import ServingMetrics
@@ -41,6 +42,7 @@ from tokenflow.serving.protocol import (
     RateTps,
 )
 from tokenflow.serving.serving import (
+    STREAM_CLASS_HEADER,
     STREAM_RATE_HEADER,
     ClientDisconnected,
     EventStream,
@@ -59,6 +61,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _SOURCES = frozenset({"body", "header"})  # where FastAPI found a value, not its name
 
 RateHeader = Annotated[RateTps | None, Header(alias=STREAM_RATE_HEADER)]
+ClassHeader = Annotated[str | None, Header(alias=STREAM_CLASS_HEADER, max_length=16)]
 
 
 def build_app(
@@ -75,7 +78,7 @@ def build_app(
     app.state.api_key = config.api_key
     app.state.metrics = metrics
     app.state.drain = drain
-    app.state.serving = OpenAIServing(engine, metrics)
+    app.state.serving = OpenAIServing(engine, metrics, class_rules=config.class_rules)
     app.state.started_s = int(time.time())
     _add_error_handlers(app)
     app.include_router(_openai_router())
@@ -105,29 +108,45 @@ async def _check_api_key(request: Request) -> None:
         raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
+def _stated(request: Request, rate_tps: float | None, stream_class: str | None) -> Stated:
+    """What the headers say of the request's class: rate, class, and the bearer token."""
+    authorization = request.headers.get("authorization", "")
+    api_key = authorization.removeprefix("Bearer ") if authorization.startswith("Bearer ") else None
+    return Stated(rate_tps, stream_class, api_key)
+
+
 def _openai_router() -> APIRouter:
     dependencies = [Depends(_check_not_draining), Depends(_check_api_key)]
     router = APIRouter(prefix="/v1", dependencies=dependencies)
 
     @router.post("/completions")
     async def create_completion(
-        body: CompletionRequest, request: Request, x_stream_rate: RateHeader = None
+        body: CompletionRequest,
+        request: Request,
+        x_stream_rate: RateHeader = None,
+        x_stream_class: ClassHeader = None,
     ) -> Response:
-        """OpenAI completions; `stream_rate` (or X-Stream-Rate) is the reader's tokens/s."""
+        """OpenAI completions; `stream_rate` (or X-Stream-Rate) is the reader's tokens/s,
+        `stream_class` (or X-Stream-Class) its class (serving/classes.py)."""
         serving: OpenAIServing = request.app.state.serving
+        stated = _stated(request, x_stream_rate, x_stream_class)
         result = await _or_disconnected(
-            serving.create_completion(body, x_stream_rate, _disconnect_waiter(request))
+            serving.create_completion(body, stated, _disconnect_waiter(request))
         )
         return _to_response(result, request.app.state.config)
 
     @router.post("/chat/completions")
     async def create_chat_completion(
-        body: ChatCompletionRequest, request: Request, x_stream_rate: RateHeader = None
+        body: ChatCompletionRequest,
+        request: Request,
+        x_stream_rate: RateHeader = None,
+        x_stream_class: ClassHeader = None,
     ) -> Response:
-        """OpenAI chat completions; `stream_rate` (or X-Stream-Rate) is the reader's tokens/s."""
+        """OpenAI chat completions; the class and rate as for completions."""
         serving: OpenAIServing = request.app.state.serving
+        stated = _stated(request, x_stream_rate, x_stream_class)
         result = await _or_disconnected(
-            serving.create_chat_completion(body, x_stream_rate, _disconnect_waiter(request))
+            serving.create_chat_completion(body, stated, _disconnect_waiter(request))
         )
         return _to_response(result, request.app.state.config)
 

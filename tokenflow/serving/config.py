@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tokenflow.serving.classes import CLASS_NAMES, ClassRules
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -23,6 +25,10 @@ class ServerConfig:
     # On SIGTERM/SIGINT, streams in flight have this long to finish (Kubernetes waits 30 s by
     # default, terminationGracePeriodSeconds, before it kills the pod).
     drain_timeout_s: float = 30.0
+    # Requests that state no class (serving/classes.py): the default, and rules by API key.
+    default_class: str = "reader"
+    api_key_classes: tuple[str, ...] = ()  # "KEY=CLASS[:RATE]" each
+    class_rules: ClassRules = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
@@ -37,6 +43,9 @@ class ServerConfig:
             raise ValueError(
                 f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}"
             )
+        object.__setattr__(
+            self, "class_rules", ClassRules.parse(self.default_class, self.api_key_classes)
+        )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -74,6 +83,22 @@ class ServerConfig:
             help="on SIGTERM/SIGINT, let streams in flight finish for this long, then end them "
             "with an error frame (0: at once)",
         )
+        server.add_argument(
+            "--default-class",
+            default=defaults.default_class,
+            choices=CLASS_NAMES,
+            help="class of a streamed request that states none: reader (at --default-rate), "
+            "eager (reads each token at once: agents, benchmark clients)",
+        )
+        server.add_argument(
+            "--api-key-class",
+            action="append",
+            default=[],
+            dest="api_key_classes",
+            metavar="KEY=CLASS[:RATE]",
+            help="class (and a reader's rate) of requests with this bearer token, e.g. "
+            "chat-key=reader:6 or agents-key=eager; repeatable",
+        )
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
@@ -87,4 +112,6 @@ class ServerConfig:
             max_body_bytes=args.max_body_bytes,
             health_stall_s=args.health_stall_s,
             drain_timeout_s=args.drain_timeout_s,
+            default_class=args.default_class,
+            api_key_classes=tuple(args.api_key_classes),
         )

@@ -113,16 +113,26 @@ class ServingMetrics:
 
     def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        by_class = ["stream_class"]  # reader, eager, batch (serving/classes.py)
         self._ttft = Histogram(
             "tokenflow_time_to_first_token_seconds",
             "From request receipt to the first token's delta.",
+            labelnames=by_class,
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         )
         self._inter_token = Histogram(
             "tokenflow_inter_token_seconds",
             "Gap before each later token (a delta of k tokens: its gap, then k-1 zeros).",
+            labelnames=by_class,
             buckets=INTER_TOKEN_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._e2e = Histogram(
+            "tokenflow_e2e_latency_seconds",
+            "From request receipt to its last token (what a batch request is judged by).",
+            labelnames=by_class,
+            buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         )
         self._finished = Counter(
@@ -139,17 +149,22 @@ class ServingMetrics:
         )
         self.registry.register(EngineStatsCollector(engine))
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, stream_class: str) -> None:
         """Record one request's time from receipt to its first token."""
-        self._ttft.observe(max(seconds, 0.0))
+        self._ttft.labels(stream_class=stream_class).observe(max(seconds, 0.0))
 
-    def observe_inter_token(self, gap_s: float, num_tokens: int) -> None:
+    def observe_e2e(self, seconds: float, stream_class: str) -> None:
+        """Record one request's time from receipt to its last token."""
+        self._e2e.labels(stream_class=stream_class).observe(max(seconds, 0.0))
+
+    def observe_inter_token(self, gap_s: float, num_tokens: int, stream_class: str) -> None:
         """Record a delta of `num_tokens` tokens that arrived `gap_s` after the previous one."""
         if num_tokens <= 0:
             return
-        self._inter_token.observe(max(gap_s, 0.0))
+        histogram = self._inter_token.labels(stream_class=stream_class)
+        histogram.observe(max(gap_s, 0.0))
         for _ in range(num_tokens - 1):
-            self._inter_token.observe(0.0)
+            histogram.observe(0.0)
 
     def count_finished(self, finish_reason: str) -> None:
         """Count a request that ended: an engine finish reason, "abort" or "error"."""

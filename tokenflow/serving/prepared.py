@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenflow.core.request import SamplingParams
+from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.serving.protocol import UsageInfo
 
 
@@ -22,7 +22,8 @@ class PreparedRequest:
     received_s: float  # monotonic clock, start of TTFT
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
-    rate_tps: float
+    rate_tps: float  # the reader's tokens/s; inf for eager and batch requests
+    consumption: Consumption
     stream: bool
     include_usage: bool
     continuous_usage: bool

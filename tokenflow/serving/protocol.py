@@ -70,6 +70,7 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Known extras.
     stream_rate: RateTps | None = None
+    stream_class: Literal["reader", "eager", "batch"] | None = None  # see serving/classes.py
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)  # at most max_tokens: SamplingParams checks it
     top_k: int = Field(default=0, ge=-1)  # 0 or -1 = disabled

@@ -34,6 +34,7 @@ from tokenflow.engine.client import (
     EngineRequestError,
     GenerationDelta,
 )
+from tokenflow.serving.classes import ClassRules, Stated
 from tokenflow.serving.formatting import DONE, ChatFormat, CompletionFormat, ResponseFormat
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.prepared import PreparedRequest, Progress, usage_of
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 WaitForDisconnect = Callable[[], Awaitable[None]]
 STREAM_RATE_HEADER = "X-Stream-Rate"
+STREAM_CLASS_HEADER = "X-Stream-Class"
 # How long a new request waits for the engine's answer before its 200 headers go out; refusals
 # are raised synchronously by `generate()`, so they always come back as real status codes.
 _ADMISSION_GRACE_S = 0.05
@@ -87,9 +89,11 @@ class OpenAIServing:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = _new_hex_id,
+        class_rules: ClassRules | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.class_rules = class_rules or ClassRules()
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
@@ -98,20 +102,20 @@ class OpenAIServing:
     async def create_completion(
         self,
         body: CompletionRequest,
-        rate_header: float | None,
+        stated: Stated,
         wait_for_disconnect: WaitForDisconnect,
     ) -> ServeResult:
         """Serve /v1/completions: a response model, or an async iterator of SSE frames."""
         check_completion_support(body)
         model = self._check_model(body.model)
         prompt = self._tokenize_prompt(body.prompt)
-        prepared = self.prepare(body, model, prompt, "cmpl-", rate_header, body.max_tokens)
+        prepared = self.prepare(body, model, prompt, "cmpl-", stated, body.max_tokens)
         return await self._serve(prepared, CompletionFormat(), wait_for_disconnect)
 
     async def create_chat_completion(
         self,
         body: ChatCompletionRequest,
-        rate_header: float | None,
+        stated: Stated,
         wait_for_disconnect: WaitForDisconnect,
     ) -> ServeResult:
         """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames."""
@@ -121,7 +125,7 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        prepared = self.prepare(body, model, prompt, "chatcmpl-", rate_header, max_tokens)
+        prepared = self.prepare(body, model, prompt, "chatcmpl-", stated, max_tokens)
         return await self._serve(prepared, ChatFormat(), wait_for_disconnect)
 
     # -- validation -----------------------------------------------------------------------------
@@ -131,14 +135,13 @@ class OpenAIServing:
         model: str,
         prompt_token_ids: tuple[int, ...],
         id_prefix: str,
-        rate_header: float | None,
+        stated: Stated,
         max_tokens: int | None,
     ) -> PreparedRequest:
-        """Check lengths; build the SamplingParams.  Raises ApiError.  The rates (body and
-        header) were checked by their pydantic types; the body's wins, then the header's."""
-        rate_tps = next(
-            (rate for rate in (body.stream_rate, rate_header) if rate is not None),
-            self.engine.default_rate_tps,
+        """Check lengths; build the SamplingParams; find the class (`classes.py`).  Raises
+        ApiError.  The rates (body and header) were checked by their pydantic types."""
+        consumption, rate_tps = self.class_rules.resolve(
+            body.stream, body.stream_class, body.stream_rate, stated, self.engine.default_rate_tps
         )
         max_tokens = resolve_max_tokens(
             len(prompt_token_ids), max_tokens, self.engine.max_model_len
@@ -156,6 +159,7 @@ class OpenAIServing:
             prompt_token_ids=prompt_token_ids,
             sampling_params=build_sampling_params(body, max_tokens, self.engine.vocab_size),
             rate_tps=rate_tps,
+            consumption=consumption,
             stream=body.stream,
             include_usage=options is not None and options.include_usage,
             continuous_usage=options is not None and options.continuous_usage_stats,
@@ -275,20 +279,22 @@ class OpenAIServing:
     def _record(
         self, prepared: PreparedRequest, progress: Progress, delta: GenerationDelta
     ) -> None:
-        now = self._clock()
-        num_new = len(delta.token_ids)
+        now, metrics = self._clock(), self.metrics
+        num_new, stream_class = len(delta.token_ids), prepared.consumption.value
         if num_new:
             if progress.last_delta_s is None:
-                self.metrics.observe_ttft(now - prepared.received_s)
-                self.metrics.observe_inter_token(0.0, num_new - 1)
+                metrics.observe_ttft(now - prepared.received_s, stream_class)
+                metrics.observe_inter_token(0.0, num_new - 1, stream_class)
             else:
-                self.metrics.observe_inter_token(now - progress.last_delta_s, num_new)
+                metrics.observe_inter_token(now - progress.last_delta_s, num_new, stream_class)
             progress.last_delta_s = now
         progress.num_output_tokens += num_new
         progress.text_parts.append(delta.text)
         if delta.finish_reason is not None:
             progress.finish_reason = delta.finish_reason
-            self.metrics.count_finished(delta.finish_reason)
+            metrics.count_finished(delta.finish_reason)
+            if progress.last_delta_s is not None:
+                metrics.observe_e2e(progress.last_delta_s - prepared.received_s, stream_class)
 
     def _on_failure(self, exc: BaseException) -> str:
         """Count a request the engine failed mid-way; the message for its client."""

@@ -1,0 +1,82 @@
+"""Consumption classes: how a request's class and rate are found (serving/classes.py)."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from tests.serving.fake_engine import FakeEngine
+from tokenflow.serving.app import build_app
+from tokenflow.serving.classes import ClassRules
+from tokenflow.serving.config import ServerConfig
+
+pytestmark = pytest.mark.anyio
+BODY = {"prompt": "x", "max_tokens": 1, "stream": True}
+
+
+async def rates(config: ServerConfig, *posts: tuple[dict, dict]) -> list[float]:
+    """The rate the engine got for each (body, headers) posted, or the HTTP status."""
+    engine = FakeEngine()
+    transport = httpx.ASGITransport(app=build_app(engine, config))
+    results: list[float] = []
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for body, headers in posts:
+            response = await http.post("/v1/completions", json=body, headers=headers)
+            if response.status_code != 200:
+                results.append(response.status_code)
+            else:
+                results.append(engine.submitted[-1][2])
+    return results
+
+
+async def test_a_non_streamed_request_is_batch_and_reads_at_once():
+    batch = {**BODY, "stream": False}
+    got = await rates(ServerConfig(), (batch, {}), ({**batch, "stream_class": "batch"}, {}))
+    assert got == [math.inf, math.inf]
+
+
+async def test_an_eager_stream_by_body_or_header_and_the_body_wins():
+    got = await rates(
+        ServerConfig(),
+        ({**BODY, "stream_class": "eager"}, {}),
+        (BODY, {"X-Stream-Class": "eager"}),
+        ({**BODY, "stream_class": "reader"}, {"X-Stream-Class": "eager", "X-Stream-Rate": "3"}),
+        (BODY, {"X-Stream-Rate": "5"}),  # a stated rate: a reader
+    )
+    assert got == [math.inf, math.inf, 3.0, 5.0]
+
+
+async def test_unknown_or_contradictory_classes_are_a_400():
+    got = await rates(
+        ServerConfig(),
+        ({**BODY, "stream_class": "robot"}, {}),
+        (BODY, {"X-Stream-Class": "robot"}),
+        ({**BODY, "stream_class": "batch"}, {}),  # batch is not streamed
+        ({**BODY, "stream": False, "stream_class": "eager"}, {}),
+    )
+    assert got == [400, 400, 400, 400]
+
+
+async def test_classes_by_api_key_and_the_server_default():
+    config = ServerConfig(
+        default_class="eager", api_key_classes=("chat-key=reader:6", "voice-key=reader")
+    )
+    got = await rates(
+        config,
+        (BODY, {"Authorization": "Bearer chat-key"}),
+        (BODY, {"Authorization": "Bearer voice-key"}),  # a reader at the default rate
+        (BODY, {"Authorization": "Bearer other"}),
+        (BODY, {}),
+        ({**BODY, "stream_rate": 2}, {"Authorization": "Bearer chat-key"}),
+    )
+    assert got == [6.0, FakeEngine().default_rate_tps, math.inf, math.inf, 2.0]
+
+
+def test_class_rules_refuse_what_they_cannot_read():
+    for bad in (("key",), ("key=",), ("key=robot",), ("key=eager:3",), ("key=reader:0",)):
+        with pytest.raises(ValueError):
+            ClassRules.parse("reader", bad)
+    with pytest.raises(ValueError, match="unknown stream class"):
+        ServerConfig(default_class="robot")

@@ -1,0 +1,130 @@
+"""Which consumption class a request belongs to, and at what reading rate.
+
+Most clients state no rate: the OpenAI SDKs, agent frameworks and benchmark tools do not know
+`stream_rate`.  A request's class (`tokenflow.core.request.Consumption`) comes from, in order:
+
+1. `stream: false`: batch (judged by end-to-end latency; a pause would only delay it);
+2. the body's `stream_class`, else the `X-Stream-Class` header: `reader`, `eager` or `batch`
+   (batch needs `stream: false`);
+3. a stated rate (`stream_rate`, else `X-Stream-Rate`): a reader at that rate;
+4. the rule of the request's API key (`--api-key-class KEY=CLASS[:RATE]`);
+5. the server's default (`--default-class`, readers at `--default-rate`).
+
+A reader's rate is the stated one, else its key rule's, else the default rate.  Eager and batch
+requests reach the engine with an infinite rate: they read each token the moment it exists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tokenflow.core.request import Consumption
+from tokenflow.serving.validation import ApiError
+
+CLASS_NAMES = tuple(c.value for c in Consumption)
+
+
+@dataclass(frozen=True)
+class Stated:
+    """What a request's headers say of its class (None: not said)."""
+
+    rate_tps: float | None = None  # X-Stream-Rate
+    stream_class: str | None = None  # X-Stream-Class
+    api_key: str | None = None  # the bearer token
+
+
+@dataclass(frozen=True)
+class ClassRule:
+    """A class, and a reader's rate (None: the server's default rate)."""
+
+    consumption: Consumption
+    rate_tps: float | None = None
+
+    def __post_init__(self) -> None:
+        rate = self.rate_tps
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"a class rule's rate must be a finite number > 0, got {rate!r}")
+        if rate is not None and self.consumption is not Consumption.READER:
+            raise ValueError(f"only readers have a rate, not {self.consumption.value}")
+
+
+@dataclass(frozen=True)
+class ClassRules:
+    """The server's rules: a default class and one rule per API key."""
+
+    default: ClassRule = ClassRule(Consumption.READER)
+    by_api_key: Mapping[str, ClassRule] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, default_class: str, api_key_classes: tuple[str, ...]) -> ClassRules:
+        """From `--default-class` and `--api-key-class KEY=CLASS[:RATE]` values (ValueError)."""
+        rules: dict[str, ClassRule] = {}
+        for text in api_key_classes:
+            key, sep, spec = text.partition("=")
+            if not (key and sep and spec):
+                raise ValueError(f"api_key_class must be KEY=CLASS[:RATE], got {text!r}")
+            name, _, rate = spec.partition(":")
+            rules[key] = ClassRule(parse_class(name), float(rate) if rate else None)
+        return cls(ClassRule(parse_class(default_class)), rules)
+
+    def resolve(
+        self,
+        stream: bool,
+        body_class: str | None,
+        body_rate_tps: float | None,
+        headers: Stated,
+        default_rate_tps: float,
+    ) -> tuple[Consumption, float]:
+        """(The class, the engine's rate: the reader's tokens/s, inf otherwise); the body's
+        class and rate win over the headers'.  ApiError 400 for an unknown class or one that
+        contradicts `stream`."""
+        stated_class = body_class if body_class is not None else headers.stream_class
+        stated_rate_tps = body_rate_tps if body_rate_tps is not None else headers.rate_tps
+        api_key = headers.api_key
+        consumption = self._class_of(stream, stated_class, stated_rate_tps, api_key)
+        if consumption is not Consumption.READER:
+            return consumption, math.inf
+        rule = self.by_api_key.get(api_key or "", self.default)
+        rate = next(
+            (r for r in (stated_rate_tps, rule.rate_tps, self.default.rate_tps) if r is not None),
+            default_rate_tps,
+        )
+        return consumption, rate
+
+    def _class_of(
+        self,
+        stream: bool,
+        stated_class: str | None,
+        stated_rate_tps: float | None,
+        api_key: str | None,
+    ) -> Consumption:
+        stated = _stated(stated_class)
+        if not stream:
+            if stated not in (None, Consumption.BATCH):
+                raise ApiError(400, f"stream_class {stated.value} needs stream: true")
+            return Consumption.BATCH
+        if stated is Consumption.BATCH:
+            raise ApiError(400, "stream_class batch is for stream: false", param="stream_class")
+        if stated is not None:
+            return stated
+        if stated_rate_tps is not None:
+            return Consumption.READER
+        return self.by_api_key.get(api_key or "", self.default).consumption
+
+
+def parse_class(name: str) -> Consumption:
+    """`reader` / `eager` / `batch` -> Consumption; ValueError naming the valid ones."""
+    if name not in CLASS_NAMES:
+        raise ValueError(f"unknown stream class {name!r}; choose one of {', '.join(CLASS_NAMES)}")
+    return Consumption(name)
+
+
+def _stated(name: str | None) -> Consumption | None:
+    if name is None:
+        return None
+    try:
+        return parse_class(name)
+    except ValueError as err:
+        raise ApiError(400, str(err), param="stream_class") from None
