@@ -9,8 +9,10 @@ It takes the model and engine flags of `serve`, builds the same engine in this p
    batches and contexts, prefill chunks of several sizes and depths, alone and beside decodes,
    and block copies in both directions;
 3. counts the tokens the server makes of the bench client's prompts (the chat template's own);
-4. fits `StepCosts` (tokenflow/sim/profile_costs.py) and writes everything, residuals and raw
-   samples included (tokenflow/sim/profile_file.py).
+4. fits `StepCosts` (tokenflow/sim/profile_costs.py);
+5. starts `tokenflow serve` and streams two bursts through it with the bench client, which
+   prices the serving path per step (tokenflow/profile_probe.py; `--no-serve-probe` skips it);
+6. writes everything, residuals and raw samples included (tokenflow/sim/profile_file.py).
 
 About two minutes for the embedded model on a 2-core CPU.  A busy machine makes slow steps:
 the CPU steal during the profile is recorded beside it, and a profile can be re-taken.
@@ -27,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenflow.machine import cpu_facts, cpu_use, read_cpu_times
+from tokenflow.profile_probe import serving_costs
 from tokenflow.sweep import SweepSpec, run_sweep, sweep_device_blocks
 
 _BURST_REQUESTS = 16
@@ -44,6 +47,12 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--out", required=True, help="write the profile (JSON) to this file")
     out.add_argument("--rounds", type=int, default=2, help="passes over the sweep, alternated")
     out.add_argument("--repeats", type=int, default=3, help="timed steps per point and round")
+    out.add_argument(
+        "--no-serve-probe",
+        action="store_true",
+        help="skip the bursts through a real server that price the serving path (HTTP, "
+        "delivery, the client); its cost is then the in-process engine's only",
+    )
     out.add_argument("--no-progress", action="store_true")
 
 
@@ -56,7 +65,9 @@ def run_profile(args: argparse.Namespace) -> int:
     try:
         served = EngineArgs.from_namespace(args)
         spec = SweepSpec(rounds=args.rounds, repeats=args.repeats)
-        profile = take_profile(served, spec, progress=not args.no_progress)
+        profile = take_profile(
+            served, spec, progress=not args.no_progress, probe=not args.no_serve_probe
+        )
         profile.save(args.out)
     except (ValueError, OSError, ModelLoadError, ProfileError) as err:
         print(f"tokenflow profile: error: {' '.join(str(err).split())}", file=sys.stderr)
@@ -65,7 +76,7 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def take_profile(served: Any, spec: SweepSpec, progress: bool = True) -> Any:
+def take_profile(served: Any, spec: SweepSpec, progress: bool = True, probe: bool = True) -> Any:
     """Build the engine `served` describes (its device tier widened to the sweep's largest
     point), measure it, fit, and return the `Profile`."""
     from tokenflow.engine.llm_engine import LLMEngine
@@ -87,12 +98,14 @@ def take_profile(served: Any, spec: SweepSpec, progress: bool = True) -> Any:
         kv = engine.scheduler.kv.config
         tiers = (kv.block_size, kv.num_device_blocks, kv.num_host_blocks)
         samples = run_sweep(engine.executor, time.perf_counter, spec, tiers, lambda: bar.update(1))
+    points = serving_probe(engine, served) if probe else ()
     engine.close()
     threshold = served.serial_below_tokens if engine.device.type == "cpu" else 0
+    extra_s, extra_per_stream_s = serving_costs(points) if points else (0.0, 0.0)
     costs = replace(
         fit_step_costs(samples, threshold),
-        server_step_s=server_s,
-        server_per_chunk_s=per_chunk_s,
+        server_step_s=server_s + extra_s,
+        server_per_chunk_s=per_chunk_s + extra_per_stream_s,
     )
     use = cpu_use(started, read_cpu_times())
     machine = {
@@ -100,7 +113,37 @@ def take_profile(served: Any, spec: SweepSpec, progress: bool = True) -> Any:
         "profile_s": time.perf_counter() - begin_s,
         **(use.to_dict() if use else {}),
     }
-    return _assemble(engine, served, machine, costs, residuals(costs, samples), samples)
+    profile = _assemble(engine, served, machine, costs, residuals(costs, samples), samples)
+    return replace(profile, probe=tuple(points))
+
+
+def serving_probe(engine: Any, served: Any) -> list[Any]:
+    """Bursts through a real server and through `engine`, alternated (profile_probe.py)."""
+    from tokenflow.profile_probe import probe_serving_path
+
+    print("probing the serving path through tokenflow serve ...", file=sys.stderr)
+    chat = prompt_tokens(engine.tokenizer)["chat"]
+    return probe_serving_path(engine_flags(served), engine, chat.tokens)
+
+
+def engine_flags(served: Any) -> list[str]:
+    """`serve` flags that rebuild the profiled engine's executor (tiers and policy aside)."""
+    from dataclasses import fields
+
+    from tokenflow.engine.engine_args import EngineArgs
+
+    flags: list[str] = []
+    for name in ("model", "device", "dtype", "weights", "executor", "num_threads",
+                 "serial_below_tokens", "block_size"):  # fmt: skip
+        value = getattr(served, name)
+        default = next(f.default for f in fields(EngineArgs) if f.name == name)
+        if value != default:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if served.compile_decode:
+        flags.append("--compile-decode")
+    if served.llama_cpp_repack:
+        flags.append("--llama-cpp-repack")
+    return flags
 
 
 def measure_server_overhead(engine: Any, on_step: Any) -> tuple[float, float]:
@@ -255,6 +298,11 @@ def _print_summary(profile: Any, path: str) -> None:
         f"  server   {costs.server_step_s * 1e3:.3g} ms/step + "
         f"{costs.server_per_chunk_s * 1e6:.3g} us/chunk beyond the forward pass"
     )
+    for p in profile.probe:
+        print(
+            f"  probe    batch {p.batch:2d}: a step every {p.step_gap_s * 1e3:.1f} ms through "
+            f"the server, {p.in_process_step_s * 1e3:.1f} ms in-process"
+        )
     for r in profile.residuals:
         print(
             f"  residuals {r.kind:8s} n={r.num_samples:4d} median {r.median_abs:.1%} "

@@ -11,7 +11,8 @@ One JSON object:
 - `prompt`: how many tokens the server makes of the bench client's prompts of n words
   (fixed + per_word x n), per endpoint: the chat template adds its own;
 - `costs`: the fitted `StepCosts`; `residuals`: the fit's relative residuals by kind of step;
-- `samples`: every timed step of the sweep, so the fit can be redone.
+- `samples`: every timed step of the sweep, so the fit can be redone;
+- `probe`: the bursts through a real server that priced the serving path per step.
 
 Loading refuses unknown or missing keys with the key's path in the message.
 """
@@ -62,6 +63,17 @@ class EngineFacts:
 
 
 @dataclass(frozen=True)
+class ProbePoint:
+    """A burst of `batch` unread streams through a real server and through the profiled engine
+    in-process (tokenflow/profile_probe.py): the median gap between a stream's tokens there,
+    the median decode step here; the difference is the serving path's cost at that batch."""
+
+    batch: int
+    step_gap_s: float
+    in_process_step_s: float
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything in PROFILE.json (see the module docstring)."""
 
@@ -74,6 +86,7 @@ class Profile:
     costs: StepCosts
     residuals: tuple[Residuals, ...]
     samples: tuple[StepSample, ...]
+    probe: tuple[ProbePoint, ...] = ()  # empty: measured in-process only (--no-serve-probe)
     version: int = PROFILE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,6 +140,7 @@ def profile_from_dict(record: Any) -> Profile:
         costs=step_costs,
         residuals=tuple(_build(Residuals, r, "residuals[]") for r in record["residuals"]),
         samples=tuple(_build(StepSample, s, "samples[]") for s in record["samples"]),
+        probe=tuple(_build(ProbePoint, p, "probe[]") for p in record.get("probe", ())),
         version=version,
     )
 
@@ -152,3 +166,39 @@ def _optional(cls: type) -> set[str]:
 def _build(cls: type, record: Any, where: str) -> Any:
     _check_keys(record, cls, where)
     return cls(**record)
+
+
+def pool_profiles(profiles: list[Profile]) -> Profile:
+    """Profiles of one engine taken at different times as one: their sweeps' samples fitted
+    together (the per-point medians then run over every round), the serving path's cost the
+    median of theirs, the facts the first one's."""
+    import statistics
+
+    from tokenflow.sim.profile_costs import fit_step_costs, residuals
+
+    if not profiles:
+        raise ValueError("no profiles to pool")
+    first = profiles[0]
+    samples = tuple(s for p in profiles for s in p.samples)
+    costs = fit_step_costs(samples, first.costs.serial_below_tokens)
+    serving = [(p.costs.server_step_s, p.costs.server_per_chunk_s) for p in profiles]
+    costs = StepCosts(
+        **{
+            **costs.__dict__,
+            "server_step_s": statistics.median(s for s, _ in serving),
+            "server_per_chunk_s": statistics.median(c for _, c in serving),
+        }
+    )
+    machine = {**first.machine, "pooled_profiles": len(profiles)}
+    return Profile(
+        machine=machine,
+        model=first.model,
+        engine=first.engine,
+        scheduler=first.scheduler,
+        tokenflow=first.tokenflow,
+        prompt=first.prompt,
+        costs=costs,
+        residuals=tuple(residuals(costs, samples)),
+        samples=samples,
+        probe=tuple(pt for p in profiles for pt in p.probe),
+    )
