@@ -25,9 +25,10 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KINDS = ("burst", "poisson", "gamma", "trace")
+CLASSES = ("reader", "eager", "batch")  # consumption classes (tokenflow.core.request)
 TRACE_REQUIRED_KEYS = ("arrival_s", "prompt_tokens", "output_tokens")
 TRACE_OPTIONAL_KEYS = ("rate_tps",)
 
@@ -64,10 +65,13 @@ class WorkloadRequest:
     arrival_s: float
     num_prompt_tokens: int
     num_output_tokens: int
-    rate_tps: float
+    rate_tps: float  # a reader's tokens/s (eager and batch requests ignore it)
+    consumption: str = "reader"  # "reader" | "eager" | "batch" (tokenflow.core.request)
 
     def __post_init__(self) -> None:
         where = f"request {self.request_id}"
+        if self.consumption not in CLASSES:
+            raise WorkloadError(f"{where}: class must be one of {', '.join(CLASSES)}")
         if not (_is_number(self.arrival_s) and math.isfinite(self.arrival_s)):
             raise WorkloadError(f"{where}: arrival_s must be a finite number")
         for name in ("num_prompt_tokens", "num_output_tokens"):
@@ -167,6 +171,41 @@ class RateMix:
 
 
 @dataclass(frozen=True)
+class ClassMix:
+    """Consumption classes and their shares: readers, eager streams, batch requests."""
+
+    classes: tuple[str, ...] = ("reader",)
+    weights: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self) -> None:
+        if not self.classes or len(self.classes) != len(self.weights):
+            raise WorkloadError("a class mix needs one weight per class and at least one class")
+        for name in self.classes:
+            if name not in CLASSES:
+                raise WorkloadError(f"unknown class {name!r}; choose from {', '.join(CLASSES)}")
+        if any(not (math.isfinite(w) and w >= 0) for w in self.weights) or sum(self.weights) <= 0:
+            raise WorkloadError("class weights must be finite, >= 0, and not all 0")
+
+    @property
+    def is_readers_only(self) -> bool:
+        return all(c == "reader" or w == 0 for c, w in zip(self.classes, self.weights, strict=True))
+
+    def sample(self, rng: random.Random) -> str:
+        """One class, drawn by weight."""
+        return rng.choices(self.classes, weights=self.weights)[0]
+
+    @classmethod
+    def parse(cls, text: str) -> ClassMix:
+        """Parse "reader:0.6,eager:0.3,batch:0.1" (CLASS:WEIGHT pairs; "eager" alone: all)."""
+        pairs = [item.strip().split(":") for item in text.split(",")]
+        if any(len(p) > 2 or not p[0] for p in pairs):
+            raise WorkloadError(f"invalid class mix {text!r}: expected CLASS[:WEIGHT],...")
+        where = f"class mix {text!r}"
+        weights = tuple(_parse_float(p[1], where) if len(p) == 2 else 1.0 for p in pairs)
+        return cls(tuple(p[0] for p in pairs), weights)
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     """What to generate.  `num_requests`, lengths and `request_rate` do not apply to traces."""
 
@@ -178,6 +217,7 @@ class WorkloadSpec:
     output: LengthDist = LengthDist(1024, 256)
     rates: RateMix = RateMix((20.0,), (1.0,))
     seed: int = 0
+    classes: ClassMix = ClassMix()  # (drawn from their own stream: readers-only draws none)
     trace_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -222,7 +262,7 @@ def generate(spec: WorkloadSpec) -> list[WorkloadRequest]:
             )
             for arrival_s, num_prompt, num_output, rate in _read_trace(spec.trace_path)
         ]
-        return _numbered(rows)
+        return _with_classes(_numbered(rows), spec)
     prompt_rng = _stream_rng(spec.seed, "prompt")
     output_rng = _stream_rng(spec.seed, "output")
     rows = [
@@ -234,7 +274,15 @@ def generate(spec: WorkloadSpec) -> list[WorkloadRequest]:
         )
         for arrival_s in _arrival_times_s(spec)
     ]
-    return _numbered(rows)
+    return _with_classes(_numbered(rows), spec)
+
+
+def _with_classes(requests: list[WorkloadRequest], spec: WorkloadSpec) -> list[WorkloadRequest]:
+    """Each request's class, drawn in arrival order from the spec's mix."""
+    if spec.classes.is_readers_only:
+        return requests
+    class_rng = _stream_rng(spec.seed, "classes")
+    return [replace(r, consumption=spec.classes.sample(class_rng)) for r in requests]
 
 
 def load_trace(path: str | os.PathLike[str], default_rate_tps: float) -> list[WorkloadRequest]:

@@ -7,6 +7,7 @@ import os
 
 from tokenflow.workload import (
     KINDS,
+    ClassMix,
     LengthDist,
     RateMix,
     WorkloadError,
@@ -32,6 +33,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_kind: str | 
     load.add_argument("--output-len", default="1024:256", help="MEAN[:STD] output tokens")
     load.add_argument(
         "--rates", default="15:0.4,20:0.6", help="reader rates tok/s, RATE[:WEIGHT],..."
+    )
+    load.add_argument(
+        "--classes",
+        default="reader",
+        help="consumption classes CLASS[:WEIGHT],..., e.g. reader:0.6,eager:0.3,batch:0.1 "
+        "(eager: streams read at once; batch: stream false)",
     )
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--trace", default=None, help="JSONL trace file (--workload trace)")
@@ -62,6 +69,7 @@ def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         prompt=LengthDist.parse(args.prompt_len),
         output=LengthDist.parse(args.output_len),
         rates=RateMix.parse(args.rates),
+        classes=ClassMix.parse(args.classes),
         seed=args.seed,
         trace_path=trace_path,
     )

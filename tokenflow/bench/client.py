@@ -122,12 +122,16 @@ def request_body(
         "max_tokens": request.num_output_tokens,
         "min_tokens": request.num_output_tokens,
         "ignore_eos": True,
-        "stream": True,
-        "stream_rate": request.rate_tps,
-        "stream_options": {"include_usage": True},
+        "stream": request.consumption != "batch",
     }
-    if config.continuous_usage:
-        body["stream_options"]["continuous_usage_stats"] = True
+    if request.consumption == "reader":
+        body["stream_rate"] = request.rate_tps
+    elif request.consumption == "eager":
+        body["stream_class"] = "eager"
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+        if config.continuous_usage:
+            body["stream_options"]["continuous_usage_stats"] = True
     if model is not None:
         body["model"] = model
     if config.endpoint == "chat":
@@ -182,7 +186,17 @@ class _StreamState:
             num_prompt_tokens=self.num_prompt_tokens or self.request.num_prompt_tokens,
             token_times_s=tuple(self.token_times_s),
             finish_reason="error" if failed else self.finish_reason,
+            consumption=self.request.consumption,
         )
+
+    def on_response(self, payload: dict, now_s: float) -> None:
+        """Account a whole (non-streamed) answer that arrived at `now_s`: every token then."""
+        usage = payload.get("usage") or {}
+        self.num_prompt_tokens = usage.get("prompt_tokens", self.num_prompt_tokens)
+        self.token_times_s.extend([now_s] * int(usage.get("completion_tokens", 0)))
+        choices = payload.get("choices") or [{}]
+        self.finish_reason = choices[0].get("finish_reason")
+        self.is_done = True
 
 
 class _Replayer:
@@ -223,6 +237,13 @@ class _Replayer:
 
     async def _stream(self, state: _StreamState, index: int) -> None:
         body = request_body(state.request, index, self._config, self._model)
+        if not body["stream"]:
+            response = await self._http.post(self._url, json=body)
+            if response.status_code != 200:
+                state.error = f"HTTP {response.status_code}: {_error_message(response)}"
+                return
+            state.on_response(response.json(), self.now_s())
+            return
         async with self._http.stream("POST", self._url, json=body) as response:
             if response.status_code != 200:
                 await response.aread()

@@ -14,7 +14,7 @@ from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
-from tokenflow.core.request import Request, SamplingParams
+from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.metrics import MetricsConfig, RequestTrace, Summary, summarize
 from tokenflow.sim.clock import SimClock
@@ -145,8 +145,8 @@ def make_request(
 ) -> Request:
     """A core request for a workload item; output length fixed by ignore_eos + max_tokens.
     `prompt_tokens` maps the item's prompt length to the tokens the server makes of it."""
-    num_prompt = item.num_prompt_tokens if prompt_tokens is None else prompt_tokens(
-        item.num_prompt_tokens
+    num_prompt = (
+        item.num_prompt_tokens if prompt_tokens is None else prompt_tokens(item.num_prompt_tokens)
     )
     return Request(
         request_id=item.request_id,
@@ -154,6 +154,7 @@ def make_request(
         sampling_params=SamplingParams(max_tokens=item.num_output_tokens, ignore_eos=True),
         rate_tps=item.rate_tps,
         arrival_s=item.arrival_s,
+        consumption=Consumption(item.consumption),
     )
 
 
@@ -180,9 +181,7 @@ def run_simulation(
 ) -> SimResult:
     """Serve `workload` with `policy` on the simulated deployment and measure it."""
     core, executor = build_engine(config, policy)
-    return run_engine(
-        workload, policy, SimEngine(core, executor), config, metrics_config, progress
-    )
+    return run_engine(workload, policy, SimEngine(core, executor), config, metrics_config, progress)
 
 
 def run_engine(
@@ -272,4 +271,5 @@ def _trace(request: Request) -> RequestTrace:
         token_times_s=tuple(request.token_times_s),
         num_preemptions=request.num_preemptions,
         finish_reason=request.finish_reason.value if request.finish_reason else None,
+        consumption=request.consumption.value,
     )
