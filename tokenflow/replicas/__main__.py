@@ -1,0 +1,3 @@
+from tokenflow.replicas.launch import main
+
+raise SystemExit(main())
