@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve simulate test lint test-vllm install-llamacpp test-llamacpp
+.PHONY: install serve simulate test lint test-vllm install-llamacpp test-llamacpp test-ray
 
 $(BIN)/tokenflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,3 +52,21 @@ install-llamacpp: install
 test-llamacpp: install-llamacpp
 	$(BIN)/ruff check tests_llamacpp tokenflow/integrations/llamacpp
 	$(BIN)/python -m pytest tests_llamacpp -p no:cacheprovider $(ARGS)
+
+# Engine replicas on Ray Serve (tokenflow.replicas, tests_ray/), in its own cached venv that
+# holds only Ray Serve's packages and sees this venv's (torch, tokenflow) behind them: the first
+# run installs ray[serve] (about a minute), later runs reuse it.
+RAY_VENV ?= $(HOME)/.cache/tokenflow-bench/ray-venv
+RAY_PACKAGE := ray[serve]==2.60.0
+RAY_SITE = $(RAY_VENV)/lib/python$(shell $(BIN)/python -c "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')")/site-packages
+
+test-ray: install
+	@if ! $(RAY_VENV)/bin/python -c "import ray.serve" >/dev/null 2>&1; then \
+		echo "installing $(RAY_PACKAGE) into $(RAY_VENV) ..."; \
+		rm -rf $(RAY_VENV) && $(BIN)/python -m venv $(RAY_VENV) && \
+		$(RAY_VENV)/bin/pip install -q "$(RAY_PACKAGE)"; \
+	fi
+	@echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(BIN)/python -c "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')")/site-packages')" \
+		> $(RAY_SITE)/zz_tokenflow_main_venv.pth
+	$(BIN)/ruff check tests_ray tokenflow/replicas
+	PYTHONPATH=$(CURDIR) $(RAY_VENV)/bin/python -m pytest tests_ray -p no:cacheprovider $(ARGS)

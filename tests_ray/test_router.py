@@ -1,0 +1,88 @@
+"""TokenFlowRequestRouter's choices follow the replicas' reports (no cluster: Ray Serve's
+router object on hand-made candidates)."""
+
+from dataclasses import dataclass, replace
+
+from tokenflow.core.routing import CapacityPoint, LoadReport
+from tokenflow.replicas.reports import report_to_stats, route_facts
+from tokenflow.replicas.router import TokenFlowRequestRouter
+
+
+@dataclass
+class _Id:
+    unique_id: str
+
+
+@dataclass
+class _Replica:
+    replica_id: _Id
+    routing_stats: dict
+
+
+@dataclass
+class _Pending:
+    args: tuple
+
+
+def _report(demand_tps: float, now_s: float = 1.0) -> LoadReport:
+    return LoadReport(
+        now_s=now_s,
+        gamma_tps=100.0,
+        working_demand_tps=demand_tps,
+        waiting_demand_tps=0.0,
+        num_running=4,
+        num_preempted=0,
+        num_waiting=0,
+        num_free_device_blocks=100,
+        num_free_host_blocks=400,
+        num_lifetime_blocks=40,
+        block_size=16,
+        capacity_points=(CapacityPoint(1e6, 100.0, 8),),
+    )
+
+
+def _router() -> TokenFlowRequestRouter:
+    router = TokenFlowRequestRouter.__new__(TokenFlowRequestRouter)  # (no Serve controller)
+    router.initialize_state(rule="tokenflow")
+    return router
+
+
+def _choose(router, replicas, body=b'{"prompt": "hi", "max_tokens": 16, "stream_rate": 4}'):
+    import asyncio
+
+    pending = _Pending((route_facts(body, {}, 4.0),))
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def test_the_replica_whose_readers_ask_less_of_its_capacity_goes_first():
+    busy = _Replica(_Id("a"), report_to_stats(_report(90.0)))
+    idle = _Replica(_Id("b"), report_to_stats(_report(10.0)))
+    assert _choose(_router(), [busy, idle]) == ["b", "a"]
+
+
+def test_a_new_report_changes_the_choice_and_counts_restart():
+    router = _router()
+    a = _Replica(_Id("a"), report_to_stats(_report(10.0)))
+    b = _Replica(_Id("b"), report_to_stats(_report(20.0)))
+    first = [_choose(router, [a, b])[0] for _ in range(4)]
+    assert first[0] == "a" and "b" in first  # what it routed since the report counts
+    a.routing_stats = report_to_stats(replace(_report(95.0), now_s=2.0))
+    assert _choose(router, [a, b])[0] == "b"
+
+
+def test_a_call_without_routing_facts_keeps_every_candidate():
+    router = _router()
+    replicas = [_Replica(_Id("a"), {}), _Replica(_Id("b"), {})]
+    import asyncio
+
+    ranks = asyncio.run(router.choose_replicas(replicas, _Pending(("not facts",))))
+    assert ranks == [replicas]
+
+
+def test_route_facts_read_the_rate_as_the_server_does():
+    body = b'{"prompt": "x" , "max_tokens": 10, "stream_rate": 8}'
+    assert route_facts(body, {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 8.0
+    assert route_facts(b'{"prompt": "x"}', {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 2.0
+    assert route_facts(b'{"prompt": "x"}', {}, 4.0)["rate_tps"] == 4.0
+    assert route_facts(b"not json", {}, 4.0)["rate_tps"] == 4.0
