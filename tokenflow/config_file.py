@@ -106,6 +106,10 @@ def _checked(action: argparse.Action, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where}: expected true or false, got {value!r}")
         return value if action.const is True else not value
+    if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - a repeatable option
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ConfigFileError(f"{where}: expected a list of strings, got {value!r}")
+        return list(value)
     kind = action.type
     if kind is int and not (isinstance(value, int) and not isinstance(value, bool)):
         raise ConfigFileError(f"{where}: expected an integer, got {value!r}")

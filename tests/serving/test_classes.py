@@ -80,3 +80,24 @@ def test_class_rules_refuse_what_they_cannot_read():
             ClassRules.parse("reader", bad)
     with pytest.raises(ValueError, match="unknown stream class"):
         ServerConfig(default_class="robot")
+
+
+def test_the_class_rules_come_from_a_config_file_too(tmp_path):
+    import argparse
+
+    from tokenflow.config_file import ConfigFileError, add_config_argument, apply_config_file
+    from tokenflow.serving.cli import add_serve_arguments
+
+    path = tmp_path / "serve.toml"
+    path.write_text('default_class = "eager"\napi_key_class = ["chat-key=reader:6"]\n')
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    add_config_argument(parser)
+    argv = ["--config", str(path)]
+    apply_config_file(parser, argv)
+    config = ServerConfig.from_namespace(parser.parse_args(argv))
+    assert config.class_rules.default.consumption.value == "eager"
+    assert config.class_rules.by_api_key["chat-key"].rate_tps == 6.0
+    path.write_text('api_key_class = "chat-key=reader:6"\n')
+    with pytest.raises(ConfigFileError, match="a list of strings"):
+        apply_config_file(parser, argv)
