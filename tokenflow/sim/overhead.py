@@ -62,22 +62,33 @@ def default_overhead(policy: str) -> SchedulerOverhead:
 
 
 class OverheadCharge:
-    """An `EngineCore.on_plan` hook: advances the clock by the step's scheduling time.
+    """An `EngineCore.on_plan` hook: advances the clock by the step's scheduling time, and by
+    `engine_s(plan)` for what else the engine spends on a step (a profiled engine's own CPU
+    and serving path, tokenflow/sim/profiled.py).
 
     It runs after `schedule()` and before the executor, where the CPU time is spent in a real
-    engine, so the step-time estimator observes it too.
+    engine (or, for the serving path, overlaps its forward pass), so the step-time estimator
+    observes it too.
     """
 
     def __init__(
-        self, overhead: SchedulerOverhead, clock: SimClock, count_active: Callable[[], int]
+        self,
+        overhead: SchedulerOverhead,
+        clock: SimClock,
+        count_active: Callable[[], int],
+        engine_s: Callable[[StepPlan], float] | None = None,
     ) -> None:
         self._overhead = overhead
         self._clock = clock
         self._count_active = count_active
-        self.total_s = 0.0
+        self._engine_s = engine_s
+        self.total_s = 0.0  # the scheduler's share
+        self.engine_total_s = 0.0
 
     def __call__(self, plan: StepPlan) -> None:
         """Charge one step."""
         charge_s = self._overhead.step_s(self._count_active())
-        self._clock.advance(charge_s)
+        engine_s = self._engine_s(plan) if self._engine_s is not None and not plan.is_empty else 0.0
+        self._clock.advance(charge_s + engine_s)
         self.total_s += charge_s
+        self.engine_total_s += engine_s

@@ -10,11 +10,15 @@ real engine does around the core is charged too:
 - the scheduler's decision: the calibrated per-policy charge, as in every simulation
   (tokenflow/sim/overhead.py);
 - the rest of the engine's step (inputs, detokenizing, delivering the deltas, the stats the
-  server reads): the profile's fixed + per-chunk charge, after the step's tokens are out;
+  server reads) and the serving path (HTTP frames, the interpreter lock, the client's share of
+  the CPU): the profile's fixed + per-chunk charge, with the scheduler's, so the estimator
+  sees it as the real one does;
 - the chunk budget the engine sets before every step from `--step-target-ms`
   (`prefill_chunk_budget`, the rule of `LLMEngine._size_prefill_chunks`);
 - the prompt the server tokenizes: the bench client's n words plus the chat template's own
-  tokens (the profile's `prompt` mapping).
+  tokens (the profile's `prompt` mapping);
+- the server loop's pause after a step in which nothing could run (2 ms, the serving
+  engine's `_NOTHING_RAN_WAIT_S`), instead of the simulator's usual 5 ms tick.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from tokenflow.sim.overhead import OverheadCharge, default_overhead
 from tokenflow.sim.profile_costs import ProfiledCostModel
 from tokenflow.sim.profile_file import Profile
 from tokenflow.sim.runner import SimEngine
+
+_NOTHING_RAN_WAIT_S = 0.002  # tokenflow/engine/async_engine.py waits this after an empty step
 
 
 @dataclass(frozen=True)
@@ -103,15 +109,20 @@ def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEng
     clock = SimClock()
     cost_model = ProfiledCostModel(profile.costs, facts.block_bytes // facts.block_size)
     executor = SimExecutor(cost_model, clock, facts.block_size)
-    charge = OverheadCharge(default_overhead(policy), clock, lambda: scheduler.num_unfinished)
+    charge = OverheadCharge(
+        default_overhead(policy),
+        clock,
+        lambda: scheduler.num_unfinished,
+        engine_s=lambda plan: _server_step_s(profile, plan),
+    )
     core = EngineCore(scheduler, executor, clock, on_plan=charge)
     prompt = profile.prompt[deployment.endpoint]
     return SimEngine(
         core=core,
         executor=executor,
         before_step=lambda: _size_chunks(scheduler, deployment),
-        after_step_s=lambda plan: _server_step_s(profile, plan),
         prompt_tokens=prompt.tokens,
+        idle_tick_s=_NOTHING_RAN_WAIT_S,
     )
 
 

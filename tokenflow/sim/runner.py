@@ -12,7 +12,6 @@ from tqdm import tqdm
 from tokenflow.core.config import AndesConfig, SchedulerConfig, TokenFlowConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
-from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
@@ -166,10 +165,8 @@ class SimEngine:
     core: EngineCore
     executor: SimExecutor
     before_step: Callable[[], None] | None = None  # e.g. the real engine's chunk sizing
-    # Seconds the engine spends after a step (outside the forward pass and the scheduler's
-    # decision), given the plan it ran: charged to the clock once the step's tokens are out.
-    after_step_s: Callable[[StepPlan], float] | None = None
     prompt_tokens: Callable[[int], int] | None = None  # workload prompt -> tokens served
+    idle_tick_s: float | None = None  # the wait after a step that ran nothing (None: config's)
 
 
 def run_simulation(
@@ -213,15 +210,14 @@ def run_engine(
         if engine.before_step is not None:
             engine.before_step()
         plan, outputs = core.step()
-        if engine.after_step_s is not None and not plan.is_empty:
-            clock.advance(engine.after_step_s(plan))
         bar.update(sum(1 for o in outputs if o.is_finished))
         idle_steps = 0 if outputs else idle_steps + 1
         if idle_steps > config.stall_limit_steps:
             raise SimulationStalled(f"{policy}: no token for {idle_steps} steps at t={now:.2f}s")
         if plan.is_empty:
             next_arrival = pending[0].arrival_s if pending else float("inf")
-            clock.advance_to(min(next_arrival, now + config.idle_tick_s))
+            tick_s = config.idle_tick_s if engine.idle_tick_s is None else engine.idle_tick_s
+            clock.advance_to(min(next_arrival, now + tick_s))
     bar.close()
     return _result(policy, core, executor, requests, metrics_config, started)
 
