@@ -9,8 +9,10 @@ rounds.  Beside each real run: the CPU steal and busy shares of the VM while it 
 (`/proc/stat`), the 1-minute load before it, and the server's preemption counter (`/metrics`).
 With `--max-load L` a run waits (up to `--max-wait-s`) until the load average is below L.
 
-Predictions: the same traces through `simulate --profile` on the profiles of all rounds pooled
-(their sweeps' samples fitted together, the serving probe's median).  The error of a metric is
+Predictions: the same traces through `simulate --profile`, each real run's on the profile taken
+just before it (`--profile-every round` or `workload`), the median over a workload and
+policy's runs, metric by metric (`--pooled`: all profiles fitted together instead).  The error
+of a metric is
 |predicted - median of the real runs| / median, mean stall also as an absolute difference (the
 target allows 0.5 s).  The policy order holds on a workload when, on P99 TTFT, mean TTFT,
 effective throughput and QoE, the simulator and the real runs' medians rank the two policies
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -39,7 +42,6 @@ from tokenflow.bench.client import ClientConfig, run_workload
 from tokenflow.bench.compare import local_server
 from tokenflow.machine import cpu_use, read_cpu_times
 from tokenflow.metrics import summarize
-from tokenflow.sim.profile_cli import ProfiledRun
 from tokenflow.sim.profile_file import load_profile, pool_profiles
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, run_engine
@@ -131,38 +133,50 @@ def real_run(workload: Workload, policy: str, trace: Path, args: argparse.Namesp
 
 
 def measure_round(index: int, out_dir: Path, args: argparse.Namespace) -> list[dict]:
-    """A profile, then every workload and policy once, in this round's order."""
-    take_profile(out_dir / f"profile-{index}.json", args)
-    workloads = WORKLOADS if index % 2 == 0 else tuple(reversed(WORKLOADS))
+    """Every workload and policy once, in this round's order, after a profile (one for the
+    round, or one before each workload with `--profile-every workload`)."""
+    workloads = [w for w in WORKLOADS if not args.only or w.name in args.only]
+    if index % 2:
+        workloads.reverse()
     runs = []
-    for w in workloads:
-        if args.only and w.name not in args.only:
-            continue
+    for position, w in enumerate(workloads):
+        if position == 0 or args.profile_every == "workload":
+            profile = out_dir / f"profile-{index}-{position}.json"
+            take_profile(profile, args)
         policies = POLICIES if index % 2 == 0 else tuple(reversed(POLICIES))
         for policy in policies:
-            run = real_run(w, policy, out_dir / f"{w.name}.jsonl", args) | {"round": index}
+            run = real_run(w, policy, out_dir / f"{w.name}.jsonl", args)
+            run |= {"round": index, "profile": profile.name}
             print(f"round {index} {w.name} {policy}: {_headline(run)}", file=sys.stderr)
             runs.append(run)
     return runs
 
 
-def predict(profile_paths: list[Path], out_dir: Path, only: list[str]) -> list[dict]:
-    """Every workload and policy on the pooled profile."""
-    pooled = pool_profiles([load_profile(p) for p in profile_paths])
-    pooled.save(out_dir / "profile-pooled.json")
+def simulate_run(profile_path: Path, workload: Workload, policy: str, out_dir: Path) -> dict:
+    """The summary `simulate --profile` predicts for one real run (its workload's trace)."""
+    profile = load_profile(profile_path)
+    trace = out_dir / f"{workload.name}.jsonl"
+    requests = generate(WorkloadSpec(kind="trace", trace_path=str(trace)))
+    deployment = ProfiledDeployment(profile, device_kv_tokens=workload.device_kv_tokens)
+    engine = build_profiled_engine(deployment, policy)
+    return run_engine(requests, policy, engine, SimConfig()).summary.to_dict()
+
+
+def predict(runs: list[dict], out_dir: Path, pooled: bool) -> list[dict]:
+    """Per workload and policy: the median, metric by metric, of the predictions for its real
+    runs, each from the profile taken just before it (or all from the pooled profile)."""
+    by_name = {w.name: w for w in WORKLOADS}
+    if pooled:
+        paths = sorted(out_dir.glob("profile-[0-9]*.json"))
+        pool_profiles([load_profile(p) for p in paths]).save(out_dir / "profile-pooled.json")
     predictions = []
-    for w in WORKLOADS:
-        if only and w.name not in only:
-            continue
-        requests = generate(WorkloadSpec(kind="trace", trace_path=str(out_dir / f"{w.name}.jsonl")))
-        deployment = ProfiledDeployment(pooled, device_kv_tokens=w.device_kv_tokens)
-        run = ProfiledRun(pooled, deployment)
-        for policy in POLICIES:
-            engine = build_profiled_engine(run.deployment, policy)
-            result = run_engine(requests, policy, engine, SimConfig())
-            predictions.append(
-                {"workload": w.name, "policy": policy, "summary": result.summary.to_dict()}
-            )
+    for name, policy in dict.fromkeys((r["workload"], r["policy"]) for r in runs):
+        mine = [r for r in runs if (r["workload"], r["policy"]) == (name, policy)]
+        profiles = ["profile-pooled.json"] if pooled else sorted({r["profile"] for r in mine})
+        summaries = [simulate_run(out_dir / p, by_name[name], policy, out_dir) for p in profiles]
+        median = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+        predictions.append({"workload": name, "policy": policy, "summary": median,
+                            "per_profile": summaries})  # fmt: skip
     return predictions
 
 
@@ -182,6 +196,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="*", default=[], help="workload names (default: all)")
     parser.add_argument("--max-load", type=float, default=None, help="wait for a quieter CPU")
     parser.add_argument("--max-wait-s", type=float, default=600.0)
+    parser.add_argument(
+        "--profile-every",
+        choices=("round", "workload"),
+        default="round",
+        help="re-take the profile once a round, or before every workload's pair of runs",
+    )
+    parser.add_argument(
+        "--pooled", action="store_true", help="predict from all profiles pooled into one fit"
+    )
     parser.add_argument("--predict-only", action="store_true", help="reuse OUT_DIR's real runs")
     parser.add_argument("--doc", default=None, help="write the report (markdown) here")
     parser.add_argument("--plot", default=None, help="write the predicted-vs-measured PNG here")
@@ -199,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [run for i in range(args.rounds) for run in measure_round(i, out_dir, args)]
         real_path.write_text(json.dumps(runs, indent=1))
     runs = json.loads(real_path.read_text())
-    profiles = sorted(out_dir.glob("profile-[0-9]*.json"))
-    predictions = predict(profiles, out_dir, args.only)
+    predictions = predict(runs, out_dir, args.pooled)
     (out_dir / "predicted.json").write_text(json.dumps(predictions, indent=1))
     result = analyse(runs, predictions, [w.name for w in WORKLOADS])
     (out_dir / "fidelity.json").write_text(json.dumps(asdict(result), indent=1))
