@@ -69,18 +69,23 @@ _SERVE_ENV = {
 }
 
 
-def start(args: argparse.Namespace, serve_argv: list[str]) -> None:
-    """Start Ray (local, small), Serve's HTTP proxy on --host/--port, and the application."""
+def start_serve(host: str, port: int, num_cpus: int | None, object_store_mib: int) -> None:
+    """Start Ray (local, small) and Serve's HTTP proxy on `host`:`port`."""
     for key, value in _SERVE_ENV.items():
         os.environ.setdefault(key, value)  # (before ray.init: Ray's processes inherit them)
     ray.init(
-        num_cpus=args.num_cpus,
+        num_cpus=num_cpus,
         include_dashboard=False,
-        object_store_memory=args.object_store_mib << 20,
+        object_store_memory=object_store_mib << 20,
         runtime_env={"env_vars": _ENV},
         ignore_reinit_error=True,
     )
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": host, "port": port})
+
+
+def start(args: argparse.Namespace, serve_argv: list[str]) -> None:
+    """Start Ray, Serve's HTTP proxy on --host/--port, and the application."""
+    start_serve(args.host, args.port, args.num_cpus, args.object_store_mib)
     application = build_application(
         args.replicas, args.router, serve_argv, args.report_period_s, args.default_rate
     )

@@ -1,0 +1,94 @@
+"""Real replicas on Ray Serve: one burst per router, interleaved over rounds, measured by the
+same client as `tokenflow bench` (docs/replicas.md).
+
+    make test-ray   # (once: the Ray venv)
+    PYTHONPATH=. ~/.cache/tokenflow-bench/ray-venv/bin/python -m benchmarks.ray_replicas \\
+        [--rounds 2] [--routers ray-default,tokenflow] [--num-requests 24] ...
+
+Ray starts once; for every round, each router's application is deployed afresh (two replicas of
+the embedded model, one engine thread each), the burst is replayed through Serve's HTTP proxy,
+and the requests each replica answered are read from the ingress (`/replicas`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import tempfile
+from pathlib import Path
+
+import httpx
+from ray import serve
+
+from tokenflow.bench.cli import main as bench_main
+from tokenflow.metrics import Summary
+from tokenflow.replicas.launch import APP_NAME, build_application, start_serve
+from tokenflow.report import format_spread_table
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def one_run(args: argparse.Namespace, router: str, url: str, out: Path) -> tuple[Summary, dict]:
+    """Deploy `router`'s application, replay the burst, return its summary and counts."""
+    serve_argv = shlex.split(args.serve_args)
+    application = build_application(args.replicas, router, serve_argv, args.report_period_s)
+    serve.run(application, name=APP_NAME, route_prefix="/")
+    workload = ["--workload", "burst", "--num-requests", str(args.num_requests)]
+    workload += ["--prompt-len", args.prompt_len, "--output-len", args.output_len]
+    workload += ["--rates", args.rates, "--seed", "0", "--endpoint", "completions"]
+    code = bench_main(
+        ["--url", url, *workload, "--name", router, "--no-progress", "--json", str(out)]
+    )
+    if code != 0:
+        raise RuntimeError(f"the bench failed for {router} ({code})")
+    counts = httpx.get(f"{url}/replicas", timeout=60).json()
+    serve.delete(APP_NAME)
+    record = json.loads(out.read_text())[0]
+    record.pop("policy")
+    return Summary(**{k: record[k] for k in Summary.__dataclass_fields__}), counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--routers", default="ray-default,tokenflow")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--prompt-len", default="64:8")
+    parser.add_argument("--output-len", default="96:16")
+    parser.add_argument("--rates", default="4:0.5,8:0.5")
+    parser.add_argument("--report-period-s", type=float, default=0.5)
+    parser.add_argument(
+        "--serve-args", default="--num-threads 1 --device-kv-tokens 2048 --host-kv-tokens 8192"
+    )
+    args = parser.parse_args(argv)
+    port = _free_port()
+    start_serve("127.0.0.1", port, num_cpus=2, object_store_mib=128)
+    url, rounds, counts = f"http://127.0.0.1:{port}", [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for index in range(args.rounds):
+            one_round = {}
+            for router in args.routers.split(","):
+                summary, by_replica = one_run(
+                    args, router, url, Path(tmp) / f"{index}-{router}.json"
+                )
+                one_round[router] = summary
+                counts.append(
+                    f"round {index}, {router}: {by_replica} "
+                    f"({summary.num_completed}/{summary.num_requests} completed)"
+                )
+                print(counts[-1], flush=True)
+            rounds.append(one_round)
+    print(format_spread_table(rounds, "router"))
+    print("\n".join(counts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
