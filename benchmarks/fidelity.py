@@ -110,11 +110,18 @@ def preemptions(url: str) -> int:
     return 0
 
 
-def real_run(workload: Workload, policy: str, trace: Path, args: argparse.Namespace) -> dict:
+def real_run(
+    workload: Workload,
+    policy: str,
+    trace: Path,
+    args: argparse.Namespace,
+    extra_serve_args: tuple[str, ...] = (),
+) -> dict:
     """One real run through a fresh server; its summary and what the machine did meanwhile."""
     load = wait_for_quiet(args.max_load, args.max_wait_s)
     requests = generate(WorkloadSpec(kind="trace", trace_path=str(trace)))
-    with local_server(policy, ["--device-kv-tokens", str(workload.device_kv_tokens)]) as url:
+    serve_args = ["--device-kv-tokens", str(workload.device_kv_tokens), *extra_serve_args]
+    with local_server(policy, serve_args) as url:
         before, started = read_cpu_times(), time.perf_counter()
         config = ClientConfig(url=url, show_progress=False, timeout_s=1800.0)
         run = asyncio.run(run_workload(requests, config, name=policy))
