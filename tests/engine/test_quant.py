@@ -21,8 +21,8 @@ from tokenflow.engine.quant import GROUP_SIZE, Int4Weight, PackedInt4, decode_q4
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 # A prompt whose greedy continuation (" f, g, h, i, j, k,") never hangs on a near tie: in each of
 # its 12 steps the dense model's top logit leads the next by 2.7 or more, over 4x the largest
-# bf16 logit error seen on any CPU (0.40 with AVX-512 bf16, 0.64 with AMX).  PROMPT has a step
-# led by 0.3, which bf16's rounding may swap.
+# bf16 logit error measured on PROMPT (0.40 with AVX-512 bf16, 0.64 on an AMX machine).
+# PROMPT itself has a step led by 0.3, which bf16's rounding may swap.
 DECISIVE_PROMPT = "The alphabet: a, b, c, d, e,"
 
 
