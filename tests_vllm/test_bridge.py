@@ -10,14 +10,17 @@ import pytest
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies import make_policy
-from tokenflow.core.policies.pricing import Prices, is_pausable
+from tokenflow.core.policies.pricing import Prices, is_pausable, recompute_price_s, unsynced_blocks
 from tokenflow.core.request import RequestState
 from tokenflow.integrations.vllm.bridge import OTHER_OWNER, PolicyBridge, PoolShape, PoolState
 from tokenflow.integrations.vllm.middleware import move_stream_rate
 from tokenflow.integrations.vllm.serve import (
     MIDDLEWARE,
     SCHEDULER_CLS,
+    connector_args,
     host_kv_transfer_config,
+    offloading_transfer_config,
+    vllm_offloads_here,
     vllm_server_args,
 )
 from tokenflow.integrations.vllm.settings import IntegrationSettings
@@ -34,8 +37,12 @@ class FakeRequest:
 
 
 def make_bridge(
-    default_rate: float | None = None, offload_block_bytes: int | None = None
+    default_rate: float | None = None,
+    offload_block_bytes: int | None = None,
+    vllm_pool: bool = False,
 ) -> PolicyBridge:
+    """A bridge over 10 device blocks of 16 tokens and 20 host blocks: virtual (no connector),
+    the host KV connector's (`offload_block_bytes`), or vLLM's offloading pool (`vllm_pool`)."""
     config = SchedulerConfig(max_num_seqs=8)
     policy = make_policy("tokenflow", config, TokenFlowConfig())
     shape = PoolShape(
@@ -44,6 +51,8 @@ def make_bridge(
         host_factor=2.0,
         recompute_block_s=0.01,
         offload_block_bytes=offload_block_bytes,
+        write_through=vllm_pool,
+        copies_may_be_evicted=vllm_pool,
     )
     return PolicyBridge(policy, config, shape, default_rate)
 
@@ -169,6 +178,43 @@ def test_launcher_adds_the_host_kv_connector_unless_told_otherwise():
     assert given.count("--kv-transfer-config={}") == 1 and "--kv-transfer-config" not in given
 
 
+def test_launcher_picks_vllms_offloading_connector_where_it_runs():
+    args = vllm_server_args(["--model", "m"], vllm_offloads=True)
+    assert json.loads(args[args.index("--kv-transfer-config") + 1]) == offloading_transfer_config()
+    assert offloading_transfer_config()["kv_connector_extra_config"] == {
+        "offload_prompt_only": False  # vLLM's default (true) would store prompt blocks only
+    }
+    assert args[args.index("--kv-offloading-size") + 1] == "16.0"
+    assert "--enable-prefix-caching" in args
+    sized = vllm_server_args(["--kv-offloading-size=64", "--no-enable-prefix-caching"], True)
+    assert "--kv-offloading-size" not in sized and "--kv-offloading-size=64" in sized
+    assert "--enable-prefix-caching" not in sized and "--kv-transfer-config" in sized
+    for own in (["--kv-transfer-config", "{}"], ["--kv-offloading-backend", "lmcache"]):
+        assert connector_args(own, vllm_offloads=True) == []  # the user's connector
+    assert "--kv-transfer-config" not in vllm_server_args(["--no-host-kv"], vllm_offloads=True)
+    cpu = vllm_server_args(["--model", "m"], vllm_offloads=False)
+    assert json.loads(cpu[cpu.index("--kv-transfer-config") + 1]) == host_kv_transfer_config()
+
+
+@dataclass
+class FakePlatform:
+    cuda_alike: bool = False
+    xpu: bool = False
+
+    def is_cuda_alike(self) -> bool:
+        return self.cuda_alike
+
+    def is_xpu(self) -> bool:
+        return self.xpu
+
+
+def test_vllm_offloads_on_cuda_alike_and_xpu_platforms_only():
+    assert vllm_offloads_here(FakePlatform(cuda_alike=True))
+    assert vllm_offloads_here(FakePlatform(xpu=True))
+    assert not vllm_offloads_here(FakePlatform())
+    assert not vllm_offloads_here()  # this machine: vLLM's CPU platform
+
+
 def test_offloaded_pause_resumes_by_load_then_the_host_copy_goes():
     bridge = make_bridge(offload_block_bytes=4096)
     request = FakeRequest("a", num_computed_tokens=30, output_token_ids=[1] * 10)
@@ -221,14 +267,88 @@ def test_pause_is_priced_at_the_measured_recompute():
     assert seconds_per_block == pytest.approx(per_block_s / 2, rel=0.01)
 
 
-def _views_of_a_random_run(seed: int, offload: bool, num_steps: int = 120):
+def _paused_in_the_pool(bridge: PolicyBridge, held_tokens: int) -> FakeRequest:
+    """A stream of 30 computed tokens that ran (its full block written through), then was
+    paused with `held_tokens` in vLLM's offloading pool."""
+    request = FakeRequest("a", num_computed_tokens=30, output_token_ids=[1] * 10)
+    bridge.track(request, 1.0, 0.0)
+    bridge.view([request], [], PoolState(8, {"a": 2}), now_s=1.0)
+    bridge.preempted("a", num_offloaded_tokens=held_tokens)
+    request.num_computed_tokens, request.num_preemptions = 0, 1
+    return request
+
+
+def test_vllm_pool_writes_running_streams_through_so_a_pause_costs_its_tail():
+    pool = make_bridge(vllm_pool=True, offload_block_bytes=4096)
+    host_kv = make_bridge(offload_block_bytes=4096)
+    for bridge in (pool, host_kv):
+        request = FakeRequest("a", num_computed_tokens=30, output_token_ids=[1] * 10)
+        bridge.track(request, 1.0, 0.0)
+        bridge.view([request], [], PoolState(8, {"a": 2}), now_s=1.0)
+    assert pool.kv.synced_tokens("a") == 16  # its one full block is on the host already
+    assert unsynced_blocks(pool.kv, pool.requests["a"]) == 1
+    assert host_kv.kv.synced_tokens("a") == 0  # the host KV connector stores on the pause
+    assert unsynced_blocks(host_kv.kv, host_kv.requests["a"]) == 2
+    pool.kv.check_integrity()
+
+
+def test_a_paused_copy_the_pool_still_holds_resumes_by_load():
+    bridge = make_bridge(vllm_pool=True, offload_block_bytes=4096)
+    request = _paused_in_the_pool(bridge, held_tokens=16)
+    assert bridge.paused_copy_ids == ["a"] and bridge.num_offloads == 1
+    view = bridge.view([], [request], PoolState(10, {}, {"a": 16}), now_s=2.0)
+    assert view.preempted[0].num_computed_tokens == 16  # the tail is recomputed
+    assert view.start_for(view.preempted[0]).by_load
+    load_s = Prices.of(TokenFlowConfig(), view).resume_s["a"]
+    assert load_s < recompute_price_s(view.estimator, view.preempted[0])
+    assert bridge.num_copies_lost == 0
+    view.kv.check_integrity()
+
+
+def test_a_paused_copy_the_pool_evicted_is_priced_as_a_recompute():
+    bridge = make_bridge(vllm_pool=True, offload_block_bytes=4096)
+    request = _paused_in_the_pool(bridge, held_tokens=16)
+    view = bridge.view([], [request], PoolState(10, {}, {"a": 0}), now_s=2.0)  # LRU evicted it
+    paused = view.preempted[0]
+    assert not view.start_for(paused).by_load and paused.num_computed_tokens == 0
+    assert Prices.of(TokenFlowConfig(), view).resume_s["a"] == recompute_price_s(
+        view.estimator, paused
+    )
+    assert bridge.num_copies_lost == 1 and bridge.paused_copy_ids == []
+    assert bridge.kv.num_free_host_blocks == 20
+    view.kv.check_integrity()
+
+
+def test_a_pause_the_pool_holds_nothing_of_is_a_recompute_and_drops_the_written_copy():
+    bridge = make_bridge(vllm_pool=True, offload_block_bytes=4096)
+    _paused_in_the_pool(bridge, held_tokens=0)  # e.g. the pool had no room for its stores
+    assert bridge.num_offloads == 0 and bridge.paused_copy_ids == []
+    assert bridge.kv.synced_tokens("a") == 0 and bridge.kv.num_free_host_blocks == 20
+    bridge.kv.check_integrity()
+
+
+def _random_run_bridge(offload: str) -> PolicyBridge:
+    config = SchedulerConfig(max_num_seqs=8)
+    is_pool = offload == "pool"
+    shape = PoolShape(
+        48,
+        16,
+        2.0,
+        0.01,
+        offload_block_bytes=None if offload == "none" else 4096,
+        write_through=is_pool,
+        copies_may_be_evicted=is_pool,
+    )
+    return PolicyBridge(make_policy("tokenflow", config, TokenFlowConfig()), config, shape)
+
+
+def _views_of_a_random_run(seed: int, offload: str, num_steps: int = 120):
     """Bridge views of a random run: 14 streams read at 1-8 tok/s from a slow engine, some
     prefilling in chunks, decoding, paused (offloaded or not), resumed and finished, in a pool
-    of 48 blocks."""
+    of 48 blocks; `offload`: "none", "host_kv", or "pool" (vLLM's, which at random holds less
+    of a paused copy than it stored: the LRU pool evicts from the front, all, or the back)."""
     rng = random.Random(seed)
-    config = SchedulerConfig(max_num_seqs=8)
-    shape = PoolShape(48, 16, 2.0, 0.01, offload_block_bytes=4096 if offload else None)
-    bridge = PolicyBridge(make_policy("tokenflow", config, TokenFlowConfig()), config, shape)
+    bridge = _random_run_bridge(offload)
     fakes = [
         FakeRequest(f"r{i}", [1] * rng.randint(8, 60), max_tokens=rng.randint(20, 90))
         for i in range(14)
@@ -253,7 +373,8 @@ def _views_of_a_random_run(seed: int, offload: bool, num_steps: int = 120):
                 bridge.forget(fake.request_id)
             elif rng.random() < 0.05:  # vLLM pauses it (the policy's move or its own)
                 running.remove(fake)
-                computed = fake.num_computed_tokens if offload and rng.random() < 0.7 else 0
+                stored = offload != "none" and rng.random() < 0.7
+                computed = fake.num_computed_tokens if stored else 0
                 bridge.preempted(fake.request_id, computed)
                 fake.num_preemptions += 1
                 fake.num_computed_tokens = computed
@@ -264,18 +385,24 @@ def _views_of_a_random_run(seed: int, offload: bool, num_steps: int = 120):
         bridge.observe_step(len(running), 0, 0.05 + 0.03 * len(running))
         blocks = {f.request_id: -(-max(f.num_computed_tokens, 1) // 16) for f in running}
         free = 48 - sum(blocks.values())
+        kept = {i: bridge.kv.synced_tokens(i) for i in bridge.paused_copy_ids}
+        held = {i: rng.choice((n, n, n, 0, n // 2)) for i, n in kept.items()}
+        held = held if offload == "pool" else None
         if free >= 0:
-            yield bridge.view(running, waiting, PoolState(free, blocks), now_s=now)
+            yield bridge.view(running, waiting, PoolState(free, blocks, held), now_s=now), held
+            bridge.kv.check_integrity()
 
 
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("offload", ["none", "host_kv", "pool"])
 @pytest.mark.parametrize("seed", range(6))
 def test_the_policy_decides_on_random_bridge_views_with_moves_vllm_can_carry_out(seed, offload):
-    # Pauses name running mirrors, starts name paused or waiting ones, and a start by load
-    # has a host copy to load.
+    # Pauses name running mirrors, starts name paused or waiting ones, a start by load has a
+    # host copy to load, and (vLLM's pool) no paused copy is larger than what the pool holds.
     policy = make_policy("tokenflow", SchedulerConfig(max_num_seqs=8), TokenFlowConfig())
     num_decisions = num_moves = 0
-    for view in _views_of_a_random_run(seed, offload):
+    for view, held in _views_of_a_random_run(seed, offload):
+        for paused in view.preempted if held is not None else ():
+            assert view.kv.synced_tokens(paused.request_id) <= held.get(paused.request_id, 0)
         moves = policy.decide(view)
         running = {r.request_id for r in view.running}
         off_device = {r.request_id: r for r in [*view.preempted, *view.waiting]}

@@ -7,24 +7,32 @@ timestamped as they appear, so the reader's virtual buffer is the core's own mod
 
 - each mirrored request running in vLLM owns as many mirror blocks as it owns vLLM blocks;
 - requests without a rate (and vLLM's own overheads, e.g. prefix-cached blocks shared between
-  requests) are charged to a placeholder owner, so the mirror's free count equals vLLM's;
-- the host tier mirrors the host KV connector (`host_kv.py`) when vLLM runs with it: an
-  `OFFLOAD` the connector stores becomes a host copy (`KVTierManager.evict`), with the real
-  bytes per block and the link speed the scheduler measured, so the policy's pause threshold
-  and its reload-vs-recompute choice see what a pause and a resume really cost.  A resumed
-  stream's copy goes when vLLM runs it again (the connector loaded and released it);
-- without the connector, the host tier is virtual: every `OFFLOAD` is carried out as a
-  recompute, every start is a recompute (`Start.by_load` is False), the tier's size only bounds
-  the working set (W_static counts device + host blocks), and the per-block "link" time
-  follows the measured recompute (prefill) time of a block, so the policy's pause threshold
-  charges a paused stream its recompute.
+  requests) are charged to a placeholder owner, so the mirror's free count equals vLLM's.
+
+The host tier mirrors whichever connector keeps paused streams' KV, so the policy's pause
+threshold and its reload-vs-recompute choice see what a pause and a resume really cost:
+
+- **the host KV connector** (`host_kv.py`, vLLM's CPU platform): an `OFFLOAD` the connector
+  stores becomes a host copy (`KVTierManager.evict`), with the real bytes per block and the
+  link speed the scheduler measured.  The copy stays until vLLM runs the stream again (the
+  connector loaded and released it) or the stream is dropped;
+- **vLLM's `OffloadingConnector`** (`offload_pool.py`, CUDA-alike and XPU): every full block is
+  written through to an LRU pool, so running mirrors' full blocks count as synced
+  (`write_through`: a pause costs its unsynced tail), a pause keeps what the pool holds of the
+  stream, and, since the pool may evict a paused copy (`copies_may_be_evicted`), every step
+  the mirror drops a paused copy the pool no longer holds in full (`PoolState.held_tokens_of`):
+  that resume is then priced, and chosen, as a recompute;
+- **no connector**: the host tier is virtual.  Every `OFFLOAD` is carried out as a recompute,
+  every start is a recompute (`Start.by_load` is False), the tier's size only bounds the working
+  set (W_static counts device + host blocks), and the per-block "link" time follows the
+  measured recompute (prefill) time of a block, so the pause threshold charges a recompute.
 
 Requests are read through the small `VllmRequestLike` protocol, so tests can use fakes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -59,9 +67,13 @@ class PoolShape:
     block_size: int  # tokens per block
     host_factor: float  # host tier = host_factor x device blocks (bounds the working set)
     recompute_block_s: float  # seconds to recompute one block's KV (the virtual link's cost)
-    # Real host tier (the host KV connector): bytes of one block, all layers, K and V.  None: the
-    # host tier is virtual and a pause is priced as its recompute.
+    # Real host tier (a connector keeps paused streams' KV): bytes of one block, all layers, K
+    # and V.  None: the host tier is virtual and a pause is priced as its recompute.
     offload_block_bytes: int | None = None
+    # vLLM's OffloadingConnector: running streams' full blocks are on the host already ...
+    write_through: bool = False
+    # ... and a paused stream's copy lasts only while the LRU pool keeps it (PoolState says).
+    copies_may_be_evicted: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,9 @@ class PoolState:
 
     num_free_blocks: int
     blocks_of: dict[str, int]  # device blocks owned by each mirrored running request
+    # Evictable copies (`PoolShape.copies_may_be_evicted`): leading tokens the pool holds now of
+    # each request in `PolicyBridge.paused_copy_ids`; None: copies are kept until released.
+    held_tokens_of: Mapping[str, int] | None = None
 
 
 class PolicyBridge:
@@ -85,6 +100,7 @@ class PolicyBridge:
         self.policy = policy
         self.config = config
         self.can_offload = shape.offload_block_bytes is not None
+        self.write_through = self.can_offload and shape.write_through
         block_bytes = shape.offload_block_bytes or self._block_bytes(shape.recompute_block_s)
         num_host = max(0, round(shape.num_device_blocks * shape.host_factor))
         self.kv = KVTierManager(
@@ -99,6 +115,7 @@ class PolicyBridge:
         self.num_preemptions_total = 0
         self.num_offloads_as_recompute = 0
         self.num_offloads = 0
+        self.num_copies_lost = 0  # paused copies the offloading pool evicted before the resume
         self._num_seen = 0
 
     # -- requests in and out ----------------------------------------------------------------------
@@ -137,6 +154,15 @@ class PolicyBridge:
     def has_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def paused_copy_ids(self) -> list[str]:
+        """Paused mirrors with a host copy, in arrival order (what `held_tokens_of` covers)."""
+        return [
+            request_id
+            for request_id, request in self.requests.items()
+            if request.state is _PREEMPTED and self.kv.synced_tokens(request_id)
+        ]
+
     # -- one step -------------------------------------------------------------------------------
     def view(
         self,
@@ -154,9 +180,14 @@ class PolicyBridge:
                 self.kv.free_device(request_id)
                 request.num_computed_tokens = 0
         for request in mirrored_running:
-            if self.kv.synced_tokens(request.request_id):  # resumed: vLLM released the copy
-                self.kv.drop(request.request_id)
+            if not self.write_through and self.kv.synced_tokens(request.request_id):
+                self.kv.drop(request.request_id)  # resumed: the connector released the copy
             self._resize(request.request_id, pool.blocks_of.get(request.request_id, 0))
+        if self.write_through:  # vLLM stores every full block as it is computed
+            candidates = [(r.request_id, r.num_computed_tokens) for r in mirrored_running]
+            self.kv.plan_write_through(candidates, self.kv.config.num_host_blocks)
+        if pool.held_tokens_of is not None:
+            self._drop_lost_copies(pool.held_tokens_of)
         self._charge_unmirrored(pool.num_free_blocks)
         if not self.can_offload:
             self._price_recompute()
@@ -195,7 +226,8 @@ class PolicyBridge:
         if request is None:
             return
         offloaded = num_offloaded_tokens > 0 and self._evict(request_id, num_offloaded_tokens)
-        self.kv.free_device(request_id)
+        if not offloaded:
+            self.kv.drop(request_id)  # its KV is gone (a write-through copy included)
         request.state = RequestState.PREEMPTED
         request.num_computed_tokens = num_offloaded_tokens if offloaded else 0
         self.num_offloads += offloaded
@@ -208,6 +240,19 @@ class PolicyBridge:
         if request is not None and request.state is _PREEMPTED:
             self.kv.drop(request_id)
             request.num_computed_tokens = 0
+
+    def _drop_lost_copies(self, held_tokens_of: Mapping[str, int]) -> None:
+        """A paused copy the pool no longer holds in full is dropped: the resume is priced as a
+        recompute (what vLLM still loads of it only makes that resume cheaper)."""
+        for request_id, held_tokens in held_tokens_of.items():
+            request = self.requests.get(request_id)
+            if request is None or request.state is not _PREEMPTED:
+                continue
+            synced_tokens = self.kv.synced_tokens(request_id)
+            if synced_tokens and synced_tokens > held_tokens:
+                self.kv.drop(request_id)
+                request.num_computed_tokens = 0
+                self.num_copies_lost += 1
 
     def _evict(self, request_id: str, num_tokens: int) -> bool:
         """Move the mirror's blocks to its host tier (vLLM stored them this step)."""

@@ -83,10 +83,8 @@ class HostKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(f"{CONNECTOR_NAME} supports models with one KV cache group")
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-        self.block_size = spec.block_size
-        self.block_bytes = spec.page_size_bytes * num_layers  # all layers, K and V
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.block_bytes = kv_block_bytes(kv_cache_config)
         self.num_device_blocks = kv_cache_config.num_blocks
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         settings = IntegrationSettings.from_additional_config(vllm_config.additional_config)
@@ -252,6 +250,12 @@ class HostKVConnector(KVConnectorBase_V1):
             copy_blocks(pairs, copies, to_host=True)
             best_s = min(best_s, time.perf_counter() - start)
         return num_blocks * self.block_bytes / max(best_s, 1e-9)
+
+
+def kv_block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one block of the first KV cache group: all its layers, K and V."""
+    group = kv_cache_config.kv_cache_groups[0]
+    return group.kv_cache_spec.page_size_bytes * len(group.layer_names)
 
 
 def copy_blocks(

@@ -6,10 +6,13 @@ Use with `--scheduler-cls tokenflow.integrations.vllm.TokenFlowScheduler`.  Each
 2. the core policy (`make_policy("tokenflow", ...)`, the same object the native engine uses)
    returns `Moves`: preemptions and starts;
 3. preemptions are carried out with vLLM's `_preempt_request`.  With the host KV connector
-   (`host_kv.py`, which `serve` enables) an `OFFLOAD` first plans the store of the stream's
-   blocks, and vLLM loads them back when the stream resumes; a start the policy makes by
-   recompute drops the copy.  Without it (or with its host memory full) a pause is a
-   **recompute**, counted and logged as such;
+   (`host_kv.py`, which `serve` enables on vLLM's CPU platform) an `OFFLOAD` first plans the
+   store of the stream's blocks, and vLLM loads them back when the stream resumes; a start the
+   policy makes by recompute drops the copy.  With vLLM's `OffloadingConnector` (`serve`'s
+   choice on CUDA-alike and XPU platforms, `offload_pool.py`) the blocks are written through
+   as they are computed, a pause keeps what the pool holds, and the pool is asked each step
+   whether it still holds the paused copies.  Without either (or with no host copy) a pause is
+   a **recompute**, counted and logged as such;
 4. only the policy's starts (and requests without a rate) are left in the waiting queue while
    vLLM's own `schedule()` runs; the others are held back and put back in order afterwards.
 
@@ -32,7 +35,8 @@ from vllm.v1.request import Request, RequestStatus
 from tokenflow.core.policies import Moves, make_policy
 from tokenflow.core.request import PreemptMode
 from tokenflow.integrations.vllm.bridge import PolicyBridge, PoolShape, PoolState
-from tokenflow.integrations.vllm.host_kv import HostKVConnector
+from tokenflow.integrations.vllm.host_kv import HostKVConnector, kv_block_bytes
+from tokenflow.integrations.vllm.offload_pool import OffloadPool
 from tokenflow.integrations.vllm.settings import IntegrationSettings
 
 
@@ -56,21 +60,14 @@ class TokenFlowScheduler(AsyncScheduler):
         settings = IntegrationSettings.from_additional_config(self.vllm_config.additional_config)
         connector = self.connector
         self.host_kv = connector if isinstance(connector, HostKVConnector) else None
+        self.offload_pool = OffloadPool.of(connector, kv_block_bytes(self.kv_cache_config))
         core_config = settings.core_config(
             max_num_seqs=self.scheduler_config.max_num_seqs,
             max_prefill_tokens=self.scheduler_config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             **self._link_speed(settings),
         )
-        num_device_blocks = self.cache_config.num_gpu_blocks - 1  # less vLLM's null block
-        host = self.host_kv
-        shape = PoolShape(
-            num_device_blocks=num_device_blocks,
-            block_size=self.block_size,
-            host_factor=host.num_host_blocks / num_device_blocks if host else settings.host_factor,
-            recompute_block_s=core_config.initial_prefill_token_s * self.block_size,
-            offload_block_bytes=host.block_bytes if host else None,
-        )
+        shape = self._pool_shape(settings, core_config.initial_prefill_token_s)
         policy = make_policy("tokenflow", core_config, settings.policy)
         self.bridge = PolicyBridge(policy, core_config, shape, settings.default_rate_tps)
         self._scheduled_at: dict[int, StepStamp] = {}
@@ -80,11 +77,39 @@ class TokenFlowScheduler(AsyncScheduler):
             shape.num_device_blocks,
             self.block_size,
             settings.default_rate_tps,
-            f"offload to {host.num_host_blocks} host blocks at "
-            f"{core_config.link_bytes_per_s / 1e9:.1f} GB/s"
-            if host
-            else "by recompute (no host KV connector: OFFLOAD moves fall back to recompute)",
+            self._pauses_in_words(shape, core_config.link_bytes_per_s),
         )
+
+    def _pool_shape(self, settings: IntegrationSettings, prefill_token_s: float) -> PoolShape:
+        """The device pool, and the host tier of the connector in use (none: a virtual one)."""
+        num_device_blocks = self.cache_config.num_gpu_blocks - 1  # less vLLM's null block
+        host, pool = self.host_kv, self.offload_pool
+        host_factor, block_bytes = settings.host_factor, None  # no connector: a virtual tier
+        if host is not None:
+            host_factor, block_bytes = host.num_host_blocks / num_device_blocks, host.block_bytes
+        elif pool is not None:
+            host_factor, block_bytes = pool.num_blocks / num_device_blocks, pool.block_bytes
+        return PoolShape(
+            num_device_blocks=num_device_blocks,
+            block_size=self.block_size,
+            host_factor=host_factor,
+            recompute_block_s=prefill_token_s * self.block_size,
+            offload_block_bytes=block_bytes,
+            write_through=pool is not None and pool.offloads_decode_blocks,
+            copies_may_be_evicted=pool is not None,
+        )
+
+    def _pauses_in_words(self, shape: PoolShape, link_bytes_per_s: float) -> str:
+        if self.host_kv is None and self.offload_pool is None:
+            return "by recompute (no KV offload connector: OFFLOAD moves fall back to recompute)"
+        kind = "host KV connector" if self.host_kv else "vLLM OffloadingConnector (LRU pool)"
+        words = (
+            f"offload to {round(shape.host_factor * shape.num_device_blocks)} host blocks "
+            f"({kind}) at {link_bytes_per_s / 1e9:.1f} GB/s"
+        )
+        if self.offload_pool is not None and not self.offload_pool.offloads_decode_blocks:
+            words += "; offload_prompt_only is set: decoded KV is recomputed on resume"
+        return words
 
     def _link_speed(self, settings: IntegrationSettings) -> dict[str, float]:
         """The host link's speed for the policy's pause and reload costs: as configured, else
@@ -131,7 +156,9 @@ class TokenFlowScheduler(AsyncScheduler):
             self._restore(orig, held)
         oom = sorted(set(output.preempted_req_ids or ()) - policy_preempted)
         for request_id in oom:
-            self.bridge.preempted(request_id)
+            pool = self.offload_pool  # the pool may hold what it wrote through
+            held = pool.held_tokens(self.requests[request_id]) if pool else 0
+            self.bridge.preempted(request_id, held)
         if oom:
             self.bridge.out_of_memory()
         return self._stamp(output)
@@ -143,7 +170,14 @@ class TokenFlowScheduler(AsyncScheduler):
             if request.request_id in self.bridge.requests:
                 groups = manager.get_block_ids(request.request_id)
                 blocks_of[request.request_id] = len(groups[0]) if groups else 0
-        return PoolState(manager.block_pool.get_num_free_blocks(), blocks_of)
+        held_tokens_of = None
+        if self.offload_pool is not None:
+            held_tokens_of = {
+                request_id: self.offload_pool.held_tokens(self.requests[request_id])
+                for request_id in self.bridge.paused_copy_ids
+                if request_id in self.requests
+            }
+        return PoolState(manager.block_pool.get_num_free_blocks(), blocks_of, held_tokens_of)
 
     def _preempt(self, moves: Moves, now: float) -> set[str]:
         done: set[str] = set()
@@ -164,16 +198,21 @@ class TokenFlowScheduler(AsyncScheduler):
                 logger.debug("request %s: no offload, preempted by recompute", request.request_id)
         if done:
             logger.info(
-                "TokenFlow preempted %d stream(s) (%d offloaded, %d offloads recomputed so far)",
+                "TokenFlow preempted %d stream(s) (so far %d offloaded, %d offloads recomputed, "
+                "%d paused copies evicted by the offloading pool)",
                 len(done),
                 self.bridge.num_offloads,
                 self.bridge.num_offloads_as_recompute,
+                self.bridge.num_copies_lost,
             )
         return done
 
     def _store(self, request: Request) -> int:
         """Plan the host store of a stream about to be paused; the tokens stored (0: none, the
-        pause is a recompute: no host KV connector, or its host memory is full)."""
+        pause is a recompute: no connector, or the host KV connector's memory is full).  vLLM's
+        pool stored the full blocks as they were computed: what it holds of them now."""
+        if self.offload_pool is not None:
+            return self.offload_pool.held_tokens(request)
         if self.host_kv is None:
             return 0
         num_tokens = min(request.num_computed_tokens, request.num_tokens)

@@ -8,13 +8,21 @@ is the same as
     python -m vllm.entrypoints.openai.api_server --model DIR [vLLM flags...] \\
         --scheduler-cls tokenflow.integrations.vllm.TokenFlowScheduler \\
         --middleware tokenflow.integrations.vllm.middleware.StreamRateMiddleware \\
-        --kv-transfer-config '{"kv_connector": "HostKVConnector", "kv_role": "kv_both",
-            "kv_connector_module_path": "tokenflow.integrations.vllm.host_kv"}' \\
-        [--additional-config '{"tokenflow": {"default_rate": R}}']
+        --kv-transfer-config CONNECTOR [--additional-config '{"tokenflow": {"default_rate": R}}']
 
-The host KV connector (paused streams' KV kept in host memory) is left out with `--no-host-kv`
-or when the vLLM flags already choose a connector (`--kv-transfer-config`,
-`--kv-offloading-size`); pauses are then recomputes.
+with the connector that keeps paused streams' KV in host memory on this platform:
+
+- CUDA-alike and XPU GPUs: vLLM's own `OffloadingConnector` (write-through to an LRU host
+  pool), `{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+  "kv_connector_extra_config": {"offload_prompt_only": false}}`, sized by vLLM's
+  `--kv-offloading-size` GiB (default 16), with `--enable-prefix-caching`;
+- elsewhere (vLLM's CPU platform, where vLLM's connectors do not run): our `HostKVConnector`,
+  `{"kv_connector": "HostKVConnector", "kv_role": "kv_both",
+  "kv_connector_module_path": "tokenflow.integrations.vllm.host_kv"}`.
+
+No connector is added with `--no-host-kv`, or when the vLLM flags choose one
+(`--kv-transfer-config`, `--kv-offloading-backend`; `--kv-offloading-size` on a CPU); pauses
+are then recomputes unless that connector is one of the two above.
 
 Run it with a Python that has vLLM installed (`pip install tokenflow[vllm]`).
 """
@@ -29,14 +37,26 @@ import runpy
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 SCHEDULER_CLS = "tokenflow.integrations.vllm.TokenFlowScheduler"
 MIDDLEWARE = "tokenflow.integrations.vllm.middleware.StreamRateMiddleware"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SERVE_MODULE = "tokenflow.integrations.vllm.serve"
-# vLLM flags that choose a KV connector: the user's choice then replaces our host KV connector.
-CONNECTOR_FLAGS = ("--kv-transfer-config", "--kv-offloading-size")
+# vLLM flags that choose a KV connector: the user's choice then replaces ours.
+CONNECTOR_FLAGS = ("--kv-transfer-config", "--kv-offloading-backend")
+OFFLOADING_SIZE_FLAG = "--kv-offloading-size"  # GiB of vLLM's host pool (all TP ranks together)
+DEFAULT_OFFLOADING_GIB = 16.0  # best set to about host_factor (3) x the device KV pool
+PREFIX_CACHING_FLAGS = ("--enable-prefix-caching", "--no-enable-prefix-caching")
 HOST_KV_MODULE = "tokenflow.integrations.vllm.host_kv"
+
+
+class PlatformLike(Protocol):
+    """What the launcher asks of `vllm.platforms.current_platform`."""
+
+    def is_cuda_alike(self) -> bool: ...
+
+    def is_xpu(self) -> bool: ...
 
 
 def host_kv_transfer_config() -> dict[str, object]:
@@ -48,8 +68,44 @@ def host_kv_transfer_config() -> dict[str, object]:
     }
 
 
-def vllm_server_args(argv: Sequence[str]) -> list[str]:
-    """vLLM server arguments for `argv` (ours: `--default-rate`; the rest go to vLLM as given).
+def offloading_transfer_config() -> dict[str, object]:
+    """vLLM's `--kv-transfer-config` for its own `OffloadingConnector`, storing decoded blocks
+    too (its `offload_prompt_only` defaults to true); `--kv-offloading-size` sizes the pool."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"offload_prompt_only": False},
+    }
+
+
+def vllm_offloads_here(platform: PlatformLike | None = None) -> bool:
+    """True where vLLM's `OffloadingConnector` runs: CUDA-alike and XPU platforms, the test in
+    vLLM 0.32's `CPUOffloadingSpec.get_worker` (`v1/kv_offload/cpu/spec.py`)."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    return bool(platform.is_cuda_alike() or platform.is_xpu())
+
+
+def connector_args(vllm_args: Sequence[str], vllm_offloads: bool) -> list[str]:
+    """The flags that add this platform's KV offload connector, unless `vllm_args` choose one."""
+    flags = {arg.split("=")[0] for arg in vllm_args}
+    if flags & set(CONNECTOR_FLAGS):
+        return []
+    if not vllm_offloads:
+        if OFFLOADING_SIZE_FLAG in flags:
+            return []  # vLLM's choice, which does not run on a CPU (docs/vllm.md)
+        return ["--kv-transfer-config", json.dumps(host_kv_transfer_config())]
+    args = ["--kv-transfer-config", json.dumps(offloading_transfer_config())]
+    if OFFLOADING_SIZE_FLAG not in flags:
+        args += [OFFLOADING_SIZE_FLAG, str(DEFAULT_OFFLOADING_GIB)]
+    if not flags & set(PREFIX_CACHING_FLAGS):
+        args.append("--enable-prefix-caching")
+    return args
+
+
+def vllm_server_args(argv: Sequence[str], vllm_offloads: bool = False) -> list[str]:
+    """vLLM server arguments for `argv` (ours: `--default-rate`, `--no-host-kv`; the rest go to
+    vLLM as given), on a platform where vLLM's own offloading runs (`vllm_offloads`) or not.
 
     ValueError when `--additional-config` is not a JSON object.
     """
@@ -59,9 +115,8 @@ def vllm_server_args(argv: Sequence[str]) -> list[str]:
     parser.add_argument("--no-host-kv", action="store_true")
     ours, rest = parser.parse_known_args(list(argv))
     args = ["--scheduler-cls", SCHEDULER_CLS, "--middleware", MIDDLEWARE, *rest]
-    has_connector = any(a.split("=")[0] in CONNECTOR_FLAGS for a in rest)
-    if not (ours.no_host_kv or has_connector):  # pauses offload to host memory
-        args += ["--kv-transfer-config", json.dumps(host_kv_transfer_config())]
+    if not ours.no_host_kv:  # pauses offload to host memory
+        args += connector_args(rest, vllm_offloads)
     extra = json.loads(ours.additional_config) if ours.additional_config else {}
     if not isinstance(extra, dict):
         raise ValueError("--additional-config must be a JSON object")
@@ -75,7 +130,7 @@ def vllm_server_args(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run vLLM's API server in this process with TokenFlow's scheduler."""
     try:
-        args = vllm_server_args(sys.argv[1:] if argv is None else argv)
+        args = vllm_server_args(sys.argv[1:] if argv is None else argv, vllm_offloads_here())
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
