@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -70,6 +71,8 @@ def server_command(
     ]  # fmt: skip
     if ours and args.no_host_kv:
         cmd.append("--no-host-kv")  # pauses by recompute, as vLLM's own preemption
+    if ours:
+        cmd += shlex.split(args.ours_vllm_args)  # e.g. --kv-offloading-size on a GPU
     if ours and args.tokenflow_settings:
         cmd += [
             "--additional-config",
@@ -176,6 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--tiny", action="store_true", help="the earlier tiny burst (see the module docstring)")
     add("--no-host-kv", action="store_true", help="ours only: no host KV connector (recompute)")
     add("--ours-first", action="store_true", help="run ours first (the load may drift)")
+    add("--ours-vllm-args", default="", help="ours only: extra vLLM flags (quoted as one)")
     add(
         "--tokenflow-settings",
         default=None,

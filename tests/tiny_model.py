@@ -1,15 +1,16 @@
 """A tiny random-weight Llama with the embedded SmolLM2 tokenizer, saved as an HF directory.
 
 Real format (config.json + model.safetensors + tokenizer.json + tokenizer_config.json), real
-tokenizer and chat template, and a model small enough that engine tests run in seconds.
+tokenizer and chat template, and a model small enough that engine tests run in seconds.  The
+tokenizer comes from the embedded GGUF, or from the files in `TOKENFLOW_TOKENIZER_DIR` where
+the GGUF is not installed (a GPU machine: `benchmarks/gpu_check.py --prepare` writes them).
 """
 
 from __future__ import annotations
 
-import json
+import os
+import shutil
 from pathlib import Path
-
-from gguf import GGUFReader
 
 from tokenflow.engine.loader import default_model_path
 from tokenflow.engine.tokenizer import Tokenizer
@@ -22,20 +23,8 @@ def build_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    reader = GGUFReader(default_model_path())
-    metadata = {name: field.contents() for name, field in reader.fields.items()}
-    tokenizer = Tokenizer.from_gguf_metadata(metadata)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.backend.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "chat_template": tokenizer.chat_template,
-                "bos_token": tokenizer.bos_token,
-                "eos_token": tokenizer.eos_token,
-            }
-        )
-    )
+    tokenizer = _write_tokenizer(directory)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
@@ -52,3 +41,21 @@ def build_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
     )
     LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def _write_tokenizer(directory: Path) -> Tokenizer:
+    """tokenizer.json and tokenizer_config.json into `directory`; the tokenizer they hold."""
+    source = os.environ.get("TOKENFLOW_TOKENIZER_DIR")
+    if source:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(source) / name, directory / name)
+        tokenizer = Tokenizer.from_directory(directory)
+        assert tokenizer is not None, f"no tokenizer.json in {source}"
+        return tokenizer
+    from gguf import GGUFReader
+
+    reader = GGUFReader(default_model_path())
+    metadata = {name: field.contents() for name, field in reader.fields.items()}
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    tokenizer.save_directory(directory)
+    return tokenizer

@@ -6,11 +6,22 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
 from tokenflow.core.plan import BlockCopy, ScheduledChunk, StepPlan
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine import LlamaModel, ModelExecutor, TieredKVCache, build_model_inputs
+
+# Devices a test runs on: the CPU always, CUDA as a `gpu` test where a CUDA device exists.
+CUDA = pytest.param(
+    "cuda",
+    marks=(
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+)
+DEVICES = ("cpu", CUDA)
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 # Greedy with EOS masked, as transformers' `min_new_tokens` does in `hf_greedy`.
@@ -133,7 +144,8 @@ def our_logits(
 def hf_next_logits(hf_model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     """transformers' logits [vocab] for the token after `token_ids` (no cache)."""
     with torch.inference_mode():
-        return hf_model(torch.tensor([list(token_ids)])).logits[0, -1].float()
+        input_ids = torch.tensor([list(token_ids)], device=hf_model.device)
+        return hf_model(input_ids).logits[0, -1].float()
 
 
 def greedy_generate(
@@ -173,8 +185,8 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: Sequence[int], num_new: int) ->
     """transformers `generate(do_sample=False)` with exactly `num_new` new tokens."""
     with torch.inference_mode():
         out = hf_model.generate(
-            torch.tensor([list(prompt)]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([list(prompt)], device=hf_model.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf_model.device),
             do_sample=False,
             max_new_tokens=num_new,
             min_new_tokens=num_new,

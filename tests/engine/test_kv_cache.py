@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.helpers import GREEDY_NO_EOS, chunk, greedy_generate, plan
+from tests.engine.helpers import DEVICES, GREEDY_NO_EOS, chunk, greedy_generate, plan
 from tokenflow.core.plan import BlockCopy, CopyKind
 from tokenflow.engine import (
     ModelConfig,
@@ -73,13 +73,15 @@ def test_blocks_for_bytes():
     assert blocks_for_bytes(CONFIG, 16, torch.bfloat16, per_block - 1) == 0
 
 
-def test_offload_scribble_and_reload_elsewhere_continues_identically(tiny_checkpoints):
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_scribble_and_reload_elsewhere_continues_identically(tiny_checkpoints, device):
     """Evict a request to the host tier mid-decode, trash its device blocks, load it back into
-    different device blocks, and keep decoding: the tokens equal an uninterrupted run."""
+    different device blocks, and keep decoding: the tokens equal an uninterrupted run (on CUDA:
+    real copies between the device and the pinned host tier, on the copy stream)."""
     _, directory = tiny_checkpoints["llama"]
-    model, config, _ = load_model(str(directory), "cpu", torch.float32)
-    cache = TieredKVCache(config, 16, 8, 4, "cpu", torch.float32)
-    executor = ModelExecutor(model, config, cache, "cpu")
+    model, config, _ = load_model(str(directory), device, torch.float32)
+    cache = TieredKVCache(config, 16, 8, 4, device, torch.float32)
+    executor = ModelExecutor(model, config, cache, device)
     prompt, table = [3, 14, 15, 92, 65, 35, 89, 79, 32], [1, 4, 6, 9, 11]
     [expected] = greedy_generate(executor, [prompt], [table], num_new=10)
 

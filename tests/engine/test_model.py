@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from tests.engine.helpers import (
+    DEVICES,
     bf16_logit_bound,
     chunk,
     greedy_generate,
@@ -26,17 +29,21 @@ TABLES = (
 )
 
 
-def _setup(tiny_checkpoints, kind: str) -> tuple[object, ModelExecutor]:
+def _setup(tiny_checkpoints, kind: str, device: str = "cpu") -> tuple[object, ModelExecutor]:
+    """transformers' model and our executor, both on `device`, from one tiny checkpoint."""
     hf_model, directory = tiny_checkpoints[kind]
-    model, config, tokenizer = load_model(str(directory), "cpu", torch.float32)
+    if device != "cpu":
+        hf_model = copy.deepcopy(hf_model).to(device)  # the session's model stays on the CPU
+    model, config, tokenizer = load_model(str(directory), device, torch.float32)
     assert tokenizer is None  # a bare checkpoint directory has no tokenizer files
-    kv_cache = TieredKVCache(config, 32, 8, BLOCK_SIZE, "cpu", torch.float32)
-    return hf_model, ModelExecutor(model, config, kv_cache, "cpu")
+    kv_cache = TieredKVCache(config, 32, 8, BLOCK_SIZE, device, torch.float32)
+    return hf_model, ModelExecutor(model, config, kv_cache, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_batched_prefill_and_decode_logits_match_transformers(tiny_checkpoints, kind):
-    hf_model, executor = _setup(tiny_checkpoints, kind)
+def test_batched_prefill_and_decode_logits_match_transformers(tiny_checkpoints, kind, device):
+    hf_model, executor = _setup(tiny_checkpoints, kind, device)
     model, kv_cache = executor.model, executor.kv_cache
     sequences = [list(p) for p in PROMPTS]
     chunks = [chunk(f"r{i}", p, 0, TABLES[i]) for i, p in enumerate(PROMPTS)]
@@ -52,9 +59,10 @@ def test_batched_prefill_and_decode_logits_match_transformers(tiny_checkpoints, 
         ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_generation_matches_transformers_token_for_token(tiny_checkpoints, kind):
-    hf_model, executor = _setup(tiny_checkpoints, kind)
+def test_greedy_generation_matches_transformers_token_for_token(tiny_checkpoints, kind, device):
+    hf_model, executor = _setup(tiny_checkpoints, kind, device)
     ours = greedy_generate(executor, PROMPTS, TABLES, num_new=12)
     for prompt, tokens in zip(PROMPTS, ours, strict=True):
         assert tokens == hf_greedy(hf_model, prompt, 12)
@@ -90,12 +98,13 @@ def test_block_table_too_short_is_rejected(tiny_checkpoints):
         our_logits(executor.model, executor.kv_cache, [chunk("a", PROMPTS[0], 0, [1, 2])])
 
 
-def test_bfloat16_logits_stay_close_to_float32(tiny_checkpoints):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_logits_stay_close_to_float32(tiny_checkpoints, device):
     _, directory = tiny_checkpoints["llama"]
     results = []
     for dtype in (torch.float32, torch.bfloat16):
-        model, config, _ = load_model(str(directory), "cpu", dtype)
-        kv_cache = TieredKVCache(config, 32, 1, BLOCK_SIZE, "cpu", dtype)
+        model, config, _ = load_model(str(directory), device, dtype)
+        kv_cache = TieredKVCache(config, 32, 1, BLOCK_SIZE, device, dtype)
         results.append(our_logits(model, kv_cache, [chunk("a", PROMPTS[0], 0, TABLES[0])]))
     fp32, bf16 = results
     assert (fp32 - bf16).abs().max() < bf16_logit_bound(fp32, config.num_layers)

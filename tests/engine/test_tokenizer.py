@@ -85,6 +85,19 @@ def test_partial_stop_length():
     assert partial_stop_length("x<|im", ["<|im_end|>", "<"]) == 4
 
 
+def test_saved_directory_reads_back_as_the_same_tokenizer(smollm, tmp_path):
+    tokenizer = smollm.tokenizer
+    tokenizer.save_directory(tmp_path)
+    again = Tokenizer.from_directory(tmp_path)
+    text = "Hello, world! Ünïcödé and <|im_end|>"
+    assert again.encode(text) == tokenizer.encode(text)
+    assert (again.eos_token_id, again.bos_token, again.eos_token) == (
+        tokenizer.eos_token_id, tokenizer.bos_token, tokenizer.eos_token
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "Hi"}]
+    assert again.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+
+
 def test_tokenizer_from_directory(tmp_path):
     vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4, "Ġ": 5}
     model = tokenizers.models.BPE(vocab=vocab, merges=[("a", "b")])

@@ -1,14 +1,17 @@
 """Preemption is exact on the real engine: streams that are offloaded and reloaded (or dropped
-and recomputed) produce exactly the tokens they produce when run alone (greedy)."""
+and recomputed) produce exactly the tokens they produce when run alone (greedy), on the CPU
+and (a `gpu` test) on CUDA, with real copies to the pinned host tier, in float32."""
 
 import pytest
 
+from tests.engine.helpers import DEVICES
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
 
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(6)]
 PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+DTYPE = {"cpu": None, "cuda": "float32"}  # the CPU's default; CUDA's (bfloat16) is not exact
 
 
 class StepClock:
@@ -40,9 +43,9 @@ def run(engine: LLMEngine, rate_tps: float) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.fixture(scope="module")
-def alone(tiny_model_dir):
-    engine = LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", policy="fcfs"))
+def run_alone(model_dir: str, device: str) -> dict[str, list[int]]:
+    args = EngineArgs(model=model_dir, device=device, dtype=DTYPE[device], policy="fcfs")
+    engine = LLMEngine(args)
     result = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", engine.tokenizer.encode(prompt), PARAMS)
@@ -53,11 +56,22 @@ def alone(tiny_model_dir):
     return result
 
 
-def test_offload_and_reload_many_times_is_exact(tiny_model_dir, alone):
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir, device):
+    return run_alone(tiny_model_dir, device)
+
+
+def test_offload_and_reload_many_times_is_exact(tiny_model_dir, device, alone):
     # 12 blocks of 8 tokens hold two of six ~50-token streams; slow readers build big buffers.
     args = EngineArgs(
         model=tiny_model_dir,
-        device="cpu",
+        device=device,
+        dtype=DTYPE[device],
         policy="tokenflow",
         block_size=8,
         device_kv_tokens=96,
@@ -71,10 +85,11 @@ def test_offload_and_reload_many_times_is_exact(tiny_model_dir, alone):
     assert tokens == alone
 
 
-def test_recompute_after_oom_retraction_is_exact(tiny_model_dir, alone):
+def test_recompute_after_oom_retraction_is_exact(tiny_model_dir, device, alone):
     args = EngineArgs(
         model=tiny_model_dir,
-        device="cpu",
+        device=device,
+        dtype=DTYPE[device],
         policy="fcfs",
         block_size=8,
         device_kv_tokens=96,

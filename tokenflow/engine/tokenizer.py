@@ -108,6 +108,15 @@ class Tokenizer:
         eos_id = backend.token_to_id(eos) if eos else None
         return cls(backend, eos_id, template, bos, eos)
 
+    def save_directory(self, directory: str | Path) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` (chat template, BOS and EOS
+        tokens): what `from_directory` reads back."""
+        directory = Path(directory)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {"chat_template": self.chat_template, "bos_token": self.bos_token}
+        config["eos_token"] = self.eos_token
+        (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Rebuild a byte-level BPE tokenizer ("gpt2" in llama.cpp terms) from GGUF metadata."""
