@@ -98,7 +98,7 @@ class Forwarder:
         self._num_by_replica: dict[str, int] = {}
 
     async def replicas(self) -> JSONResponse:
-        """Requests answered so far by each replica (by its actor name)."""
+        """Generation requests answered so far by each replica (by its actor name)."""
         return JSONResponse(dict(sorted(self._num_by_replica.items())))
 
     async def forward(self, request: Request, path: str) -> StreamingResponse | JSONResponse:
@@ -115,7 +115,8 @@ class Forwarder:
         except Exception as err:  # noqa: BLE001 - a replica that died before answering
             return _unavailable(err)
         replica = str(start["replica"])
-        self._num_by_replica[replica] = self._num_by_replica.get(replica, 0) + 1
+        if request.method == "POST":  # (generations, not /v1/models)
+            self._num_by_replica[replica] = self._num_by_replica.get(replica, 0) + 1
         response_headers = {k: v for k, v in start["headers"] if k.lower() not in _HOP_HEADERS}
         response_headers[REPLICA_HEADER] = replica
         return StreamingResponse(
