@@ -23,14 +23,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from tokenflow.machine import cpu_facts, cpu_use, read_cpu_times
 from tokenflow.profile_probe import serving_costs
-from tokenflow.sweep import SweepSpec, run_sweep, sweep_device_blocks
+from tokenflow.sweep import StepSample, SweepSpec, run_sweep, sweep_device_blocks
+
+if TYPE_CHECKING:  # torch-side types, imported when a profile is taken, not at start-up
+    from tokenflow.core.plan import StepPlan, StepResult
+    from tokenflow.engine.engine_args import EngineArgs
+    from tokenflow.engine.llm_engine import LLMEngine
+    from tokenflow.engine.tokenizer import Tokenizer
+    from tokenflow.sim.profile_costs import Residuals, StepCosts
+    from tokenflow.sim.profile_file import ProbePoint, Profile, PromptTokens
 
 _BURST_REQUESTS = 16
 _BURST_PROMPT_TOKENS = 48
@@ -76,7 +85,9 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def take_profile(served: Any, spec: SweepSpec, progress: bool = True, probe: bool = True) -> Any:
+def take_profile(
+    served: EngineArgs, spec: SweepSpec, progress: bool = True, probe: bool = True
+) -> Profile:
     """Build the engine `served` describes (its device tier widened to the sweep's largest
     point), measure it, fit, and return the `Profile`."""
     from tokenflow.engine.llm_engine import LLMEngine
@@ -117,7 +128,7 @@ def take_profile(served: Any, spec: SweepSpec, progress: bool = True, probe: boo
     return replace(profile, probe=tuple(points))
 
 
-def serving_probe(engine: Any, served: Any) -> list[Any]:
+def serving_probe(engine: LLMEngine, served: EngineArgs) -> list[ProbePoint]:
     """Bursts through a real server and through `engine`, alternated (profile_probe.py)."""
     from tokenflow.profile_probe import probe_serving_path
 
@@ -126,7 +137,7 @@ def serving_probe(engine: Any, served: Any) -> list[Any]:
     return probe_serving_path(engine_flags(served), engine, chat.tokens)
 
 
-def engine_flags(served: Any) -> list[str]:
+def engine_flags(served: EngineArgs) -> list[str]:
     """`serve` flags that rebuild the profiled engine's executor (tiers and policy aside)."""
     from dataclasses import fields
 
@@ -146,7 +157,9 @@ def engine_flags(served: Any) -> list[str]:
     return flags
 
 
-def measure_server_overhead(engine: Any, on_step: Any) -> tuple[float, float]:
+def measure_server_overhead(
+    engine: LLMEngine, on_step: Callable[[int], object]
+) -> tuple[float, float]:
     """A short burst through the engine's whole step: (fixed, per chunk) seconds a step costs
     beyond its forward pass and the scheduler charge the simulator adds on its own."""
     from tokenflow.core.request import SamplingParams
@@ -184,12 +197,12 @@ def measure_server_overhead(engine: Any, on_step: Any) -> tuple[float, float]:
 class _TimedExecutor:
     """The engine's executor, with the duration of its latest `execute()` kept."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any) -> None:  # the engine's executor (any of its kinds)
         self.inner = inner
         self.last_s = 0.0
-        self.last_plan: Any = None
+        self.last_plan: StepPlan | None = None
 
-    def execute(self, plan: Any) -> Any:
+    def execute(self, plan: StepPlan) -> StepResult:
         self.last_plan = plan
         begin = time.perf_counter()
         try:
@@ -198,12 +211,12 @@ class _TimedExecutor:
             self.last_s = time.perf_counter() - begin
 
 
-def prompt_tokens(tokenizer: Any) -> dict[str, Any]:
+def prompt_tokens(tokenizer: Tokenizer) -> dict[str, PromptTokens]:
     """Tokens the server makes of bench prompts, fitted as fixed + per word, per endpoint."""
     from tokenflow.bench.client import synthetic_prompt
     from tokenflow.sim.profile_file import PromptTokens
 
-    def fit(count: Any) -> PromptTokens:
+    def fit(count: Callable[[str], int]) -> PromptTokens:
         points = [(n, count(synthetic_prompt(n, i))) for n in _PROMPT_WORDS for i in range(3)]
         mean_n = sum(n for n, _ in points) / len(points)
         mean_t = sum(t for _, t in points) / len(points)
@@ -216,7 +229,7 @@ def prompt_tokens(tokenizer: Any) -> dict[str, Any]:
     return {"chat": chat, "completions": fit(lambda text: len(tokenizer.encode(text)))}
 
 
-def _machine_facts(engine: Any) -> dict[str, Any]:
+def _machine_facts(engine: LLMEngine) -> dict[str, Any]:
     import torch
 
     return {
@@ -227,7 +240,7 @@ def _machine_facts(engine: Any) -> dict[str, Any]:
     }
 
 
-def _model_facts(engine: Any) -> dict[str, Any]:
+def _model_facts(engine: LLMEngine) -> dict[str, Any]:
     from tokenflow.engine.loader import default_model_path
 
     config = engine.model_config
@@ -250,8 +263,13 @@ def _model_facts(engine: Any) -> dict[str, Any]:
 
 
 def _assemble(
-    engine: Any, served: Any, machine: dict, costs: Any, fit_residuals: Any, samples: Any
-) -> Any:
+    engine: LLMEngine,
+    served: EngineArgs,
+    machine: dict[str, Any],
+    costs: StepCosts,
+    fit_residuals: Sequence[Residuals],
+    samples: Sequence[StepSample],
+) -> Profile:
     from tokenflow.engine.build import context_length
     from tokenflow.engine.llm_engine import _MIN_PREFILL_CHUNK_TOKENS  # the engine's floor
     from tokenflow.sim.profile_file import EngineFacts, Profile
@@ -284,7 +302,7 @@ def _assemble(
     )
 
 
-def _print_summary(profile: Any, path: str) -> None:
+def _print_summary(profile: Profile, path: str) -> None:
     costs = profile.costs
     took_s = profile.machine["profile_s"]
     print(f"wrote {path}: {len(profile.samples)} timed steps in {took_s:.0f} s")

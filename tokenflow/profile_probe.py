@@ -18,7 +18,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tokenflow.bench.client import ClientConfig, run_workload
 from tokenflow.bench.compare import local_server
@@ -26,6 +26,9 @@ from tokenflow.core.request import SamplingParams
 from tokenflow.sim.profile_costs import nonnegative_lstsq
 from tokenflow.sim.profile_file import ProbePoint
 from tokenflow.workload import WorkloadRequest
+
+if TYPE_CHECKING:
+    from tokenflow.engine.llm_engine import LLMEngine
 
 PROBE_BATCHES = (4, 16)
 _PROMPT_WORDS = 32
@@ -53,7 +56,7 @@ def median_gap_s(token_times: Sequence[Sequence[float]]) -> float:
     return statistics.median(gaps)
 
 
-def in_process_step_s(engine: Any, batch: int, prompt_tokens: int) -> float:
+def in_process_step_s(engine: LLMEngine, batch: int, prompt_tokens: int) -> float:
     """The median decode step of the same burst through the profiled engine's whole step
     (scheduler, forward pass, output processing, the stats the server reads), in this process."""
     params = SamplingParams(max_tokens=_OUTPUT_TOKENS, min_tokens=_OUTPUT_TOKENS, ignore_eos=True)
@@ -75,7 +78,7 @@ def in_process_step_s(engine: Any, batch: int, prompt_tokens: int) -> float:
 
 def probe_serving_path(
     serve_args: Sequence[str],
-    engine: Any,
+    engine: LLMEngine,
     prompt_tokens: Callable[[int], int],
     repeats: int = 2,
 ) -> list[ProbePoint]:
