@@ -60,7 +60,7 @@ def test_sigint_lets_a_live_stream_finish(tiny_model_dir):
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 300  # a hang guard: start-up took over 90 s under load
         while True:
             assert process.poll() is None and time.monotonic() < deadline
             try:
