@@ -82,12 +82,16 @@ def verdict(setup: str, runs: dict[str, list[dict]]) -> str:
         )
     else:
         worse = {
-            key: (1 / ratio(key) if key in HIGHER_IS_BETTER else ratio(key)) for key in COMPARED
+            key: (1 / ratio(key) if key in HIGHER_IS_BETTER else ratio(key))
+            for key in COMPARED
+            if lo[key].median and tf[key].median
         }
-        checks = [f"worst metric {max(worse.values()):.3f}x ({max(worse, key=worse.get)})"]
-        passed = all(
-            v <= 1.05 or tf[k].median - lo[k].median <= 0.05 and k.startswith("rebuffer")
-            for k, v in worse.items()
+        worst = max(worse, key=worse.get)
+        stall_keys = [k for k in COMPARED if k.startswith("rebuffer")]
+        checks = [f"worst ratio {worse[worst]:.3f}x ({worst})"]
+        checks += [f"{k} {tf[k].median:.2f} s vs {lo[k].median:.2f} s" for k in stall_keys]
+        passed = all(v <= 1.05 for v in worse.values()) and all(
+            tf[k].median <= 1.05 * lo[k].median + 0.05 for k in stall_keys
         )
     return (
         f"TokenFlow rule vs least-outstanding: {', '.join(checks)}: {'pass' if passed else 'FAIL'}"
