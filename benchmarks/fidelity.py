@@ -9,10 +9,12 @@ rounds.  Beside each real run: the CPU steal and busy shares of the VM while it 
 (`/proc/stat`), the 1-minute load before it, and the server's preemption counter (`/metrics`).
 With `--max-load L` a run waits (up to `--max-wait-s`) until the load average is below L.
 
-Predictions: the same traces through `simulate --profile`, each real run's on the profile taken
-just before it (`--profile-every round` or `workload`), the median over a workload and
-policy's runs, metric by metric (`--pooled`: all profiles fitted together instead).  The error
-of a metric is
+Predictions: the same traces through `simulate --profile`.  A shared CPU's speed drifts by tens
+of percent within minutes, so each real run is predicted from the moments nearest it: the
+profile taken just before it (`--profile-every round` or `workload`; its sweep scaled by the
+serving probe that ended it) and the sweep of the profile taken next, averaged; a workload and
+policy's prediction is the median over its runs, metric by metric (`--pooled`: every profile
+fitted together instead).  The error of a metric is
 |predicted - median of the real runs| / median, mean stall also as an absolute difference (the
 target allows 0.5 s).  The policy order holds on a workload when, on P99 TTFT, mean TTFT,
 effective throughput and QoE, the simulator and the real runs' medians rank the two policies
@@ -32,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -148,7 +150,7 @@ def measure_round(index: int, out_dir: Path, args: argparse.Namespace) -> list[d
     runs = []
     for position, w in enumerate(workloads):
         if position == 0 or args.profile_every == "workload":
-            profile = out_dir / f"profile-{index}-{position}.json"
+            profile = out_dir / f"profile-{index}-{position}.json"  # ROUND-POSITION: the order
             take_profile(profile, args)
         policies = POLICIES if index % 2 == 0 else tuple(reversed(POLICIES))
         for policy in policies:
@@ -169,21 +171,46 @@ def simulate_run(profile_path: Path, workload: Workload, policy: str, out_dir: P
     return run_engine(requests, policy, engine, SimConfig()).summary.to_dict()
 
 
+def profile_order(out_dir: Path) -> list[str]:
+    """The profiles of a run in the order they were taken (profile-ROUND-POSITION.json)."""
+    paths = out_dir.glob("profile-[0-9]*-[0-9]*.json")
+    return [p.name for p in sorted(paths, key=lambda p: tuple(map(int, p.stem.split("-")[1:])))]
+
+
+def bracketed_prediction(run: dict, order: list[str], workload: Workload, out_dir: Path) -> dict:
+    """A real run's prediction from the moments nearest it: the profile before it as of its end
+    (its sweep scaled by the probe that ended it), and the sweep of the profile after it (taken
+    right after the run, unscaled); the mean of the two, metric by metric."""
+    index = order.index(run["profile"])
+    summaries = [simulate_run(out_dir / order[index], workload, run["policy"], out_dir)]
+    if index + 1 < len(order):
+        after = load_profile(out_dir / order[index + 1])
+        unscaled = out_dir / f"unscaled-{order[index + 1]}"
+        replace(after, costs=replace(after.costs, speed_factor=1.0)).save(unscaled)
+        summaries.append(simulate_run(unscaled, workload, run["policy"], out_dir))
+    return {k: statistics.fmean(s[k] for s in summaries) for k in summaries[0]}
+
+
 def predict(runs: list[dict], out_dir: Path, pooled: bool) -> list[dict]:
     """Per workload and policy: the median, metric by metric, of the predictions for its real
-    runs, each from the profile taken just before it (or all from the pooled profile)."""
+    runs (each bracketed by the profiles before and after it; or all from the pooled profile)."""
     by_name = {w.name: w for w in WORKLOADS}
+    order = profile_order(out_dir)
     if pooled:
-        paths = sorted(out_dir.glob("profile-[0-9]*.json"))
-        pool_profiles([load_profile(p) for p in paths]).save(out_dir / "profile-pooled.json")
+        pool_profiles([load_profile(out_dir / p) for p in order]).save(
+            out_dir / "profile-pooled.json"
+        )
     predictions = []
     for name, policy in dict.fromkeys((r["workload"], r["policy"]) for r in runs):
         mine = [r for r in runs if (r["workload"], r["policy"]) == (name, policy)]
-        profiles = ["profile-pooled.json"] if pooled else sorted({r["profile"] for r in mine})
-        summaries = [simulate_run(out_dir / p, by_name[name], policy, out_dir) for p in profiles]
+        if pooled:
+            summaries = [simulate_run(out_dir / "profile-pooled.json", by_name[name], policy,
+                                      out_dir)]  # fmt: skip
+        else:
+            summaries = [bracketed_prediction(r, order, by_name[name], out_dir) for r in mine]
         median = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
         predictions.append({"workload": name, "policy": policy, "summary": median,
-                            "per_profile": summaries})  # fmt: skip
+                            "per_run": summaries})  # fmt: skip
     return predictions
 
 
@@ -228,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             save_trace(out_dir / f"{w.name}.jsonl", generate(w.spec))
         runs = [run for i in range(args.rounds) for run in measure_round(i, out_dir, args)]
         real_path.write_text(json.dumps(runs, indent=1))
+        take_profile(out_dir / f"profile-{args.rounds}-0.json", args)  # brackets the last runs
     runs = json.loads(real_path.read_text())
     predictions = predict(runs, out_dir, args.pooled)
     (out_dir / "predicted.json").write_text(json.dumps(predictions, indent=1))

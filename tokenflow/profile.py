@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from tokenflow.machine import cpu_facts, cpu_use, read_cpu_times
-from tokenflow.profile_probe import serving_costs
+from tokenflow.profile_probe import PROBE_PROMPT_WORDS, serving_costs, speed_factor
 from tokenflow.sweep import StepSample, SweepSpec, run_sweep, sweep_device_blocks
 
 if TYPE_CHECKING:  # torch-side types, imported when a profile is taken, not at start-up
@@ -112,11 +112,16 @@ def take_profile(
     points = serving_probe(engine, served) if probe else ()
     engine.close()
     threshold = served.serial_below_tokens if engine.device.type == "cpu" else 0
+    fitted = replace(
+        fit_step_costs(samples, threshold), server_step_s=server_s, server_per_chunk_s=per_chunk_s
+    )
     extra_s, extra_per_stream_s = serving_costs(points) if points else (0.0, 0.0)
+    probe_prompt = prompt_tokens(engine.tokenizer)["chat"].tokens(PROBE_PROMPT_WORDS)
     costs = replace(
-        fit_step_costs(samples, threshold),
+        fitted,
         server_step_s=server_s + extra_s,
         server_per_chunk_s=per_chunk_s + extra_per_stream_s,
+        speed_factor=speed_factor(fitted, points, probe_prompt),
     )
     use = cpu_use(started, read_cpu_times())
     machine = {
@@ -316,6 +321,7 @@ def _print_summary(profile: Profile, path: str) -> None:
         f"  server   {costs.server_step_s * 1e3:.3g} ms/step + "
         f"{costs.server_per_chunk_s * 1e6:.3g} us/chunk beyond the forward pass"
     )
+    print(f"  speed    the sweep's fit x {costs.speed_factor:.3f} (the probe's in-process steps)")
     for p in profile.probe:
         print(
             f"  probe    batch {p.batch:2d}: a step every {p.step_gap_s * 1e3:.1f} ms through "

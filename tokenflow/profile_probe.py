@@ -10,6 +10,11 @@ through the profiled engine's whole step in this process, alternating with the s
 both meet the same machine: what the server's step exceeds the in-process one by is the
 serving path's cost at batch B (the simulator charges the in-process step already), and two
 batch sizes give its fixed and per-stream parts.
+
+The in-process bursts also anchor the sweep in time: a shared CPU's speed drifts by tens of
+percent within minutes, so the sweep's fit is scaled by how fast the machine ran the probe's
+in-process steps (at the end of the profile, the moment nearest to what is simulated next)
+against what the fit predicts for them (`speed_factor`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import TYPE_CHECKING
 from tokenflow.bench.client import ClientConfig, run_workload
 from tokenflow.bench.compare import local_server
 from tokenflow.core.request import SamplingParams
-from tokenflow.sim.profile_costs import nonnegative_lstsq
+from tokenflow.sim.overhead import default_overhead
+from tokenflow.sim.profile_costs import StepCosts, nonnegative_lstsq
 from tokenflow.sim.profile_file import ProbePoint
 from tokenflow.workload import WorkloadRequest
 
@@ -31,7 +37,7 @@ if TYPE_CHECKING:
     from tokenflow.engine.llm_engine import LLMEngine
 
 PROBE_BATCHES = (4, 16)
-_PROMPT_WORDS = 32
+PROBE_PROMPT_WORDS = 32
 _OUTPUT_TOKENS = 48
 _SKIP_TOKENS = 8  # the first gaps hold the prefill and the batch filling up
 _UNREAD_RATE_TPS = 1000.0
@@ -39,7 +45,7 @@ _UNREAD_RATE_TPS = 1000.0
 
 def probe_requests(batch: int) -> list[WorkloadRequest]:
     return [
-        WorkloadRequest(f"p{batch}-{i}", 0.0, _PROMPT_WORDS, _OUTPUT_TOKENS, _UNREAD_RATE_TPS)
+        WorkloadRequest(f"p{batch}-{i}", 0.0, PROBE_PROMPT_WORDS, _OUTPUT_TOKENS, _UNREAD_RATE_TPS)
         for i in range(batch)
     ]
 
@@ -85,7 +91,7 @@ def probe_serving_path(
     """Start a server; per probe batch, alternate a burst through it with the same burst
     through `engine` in this process, `repeats` times each (so both meet the same machine)."""
     points = []
-    num_prompt = prompt_tokens(_PROMPT_WORDS)
+    num_prompt = prompt_tokens(PROBE_PROMPT_WORDS)
     with local_server("fcfs", list(serve_args)) as url:
         config = ClientConfig(url=url, show_progress=False, timeout_s=600.0)
         asyncio.run(run_workload(probe_requests(2), config))  # warm the server up
@@ -97,6 +103,27 @@ def probe_serving_path(
                 steps.append(in_process_step_s(engine, batch, num_prompt))
             points.append(ProbePoint(batch, statistics.median(gaps), statistics.median(steps)))
     return points
+
+
+def in_process_prediction_s(costs: StepCosts, batch: int, prompt_tokens: int) -> float:
+    """What `costs` (as fitted, before any speed factor) predict for a step of the in-process
+    probe burst: the forward pass at its mean context, the scheduler's charge, the engine's
+    own time."""
+    context = prompt_tokens + _SKIP_TOKENS + (_OUTPUT_TOKENS - _SKIP_TOKENS) // 2
+    fit = costs.compute_fit(batch)
+    compute_s = fit.time_s(batch, batch * context, 0, 0)
+    engine_s = costs.server_step_s + costs.server_per_chunk_s * batch
+    return compute_s + default_overhead("fcfs").step_s(batch) + engine_s
+
+
+def speed_factor(costs: StepCosts, points: Sequence[ProbePoint], prompt_tokens: int) -> float:
+    """How much slower (> 1) or faster the machine ran the probe's in-process steps, at the
+    end of the profile, than the sweep's fit predicts: the median over the probe's batches."""
+    ratios = [
+        p.in_process_step_s / in_process_prediction_s(costs, p.batch, prompt_tokens)
+        for p in points
+    ]
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def serving_costs(points: Sequence[ProbePoint]) -> tuple[float, float]:

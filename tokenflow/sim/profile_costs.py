@@ -71,6 +71,10 @@ class StepCosts:
     # decision (inputs, sampling bookkeeping, detokenizing, delivering): fixed + per chunk.
     server_step_s: float = 0.0
     server_per_chunk_s: float = 0.0
+    # The forward pass and copies as fitted, times this: the machine's speed when the profile
+    # ended against during its sweep (the serving probe's in-process steps against the fit's
+    # prediction of them, tokenflow/profile_probe.py); a shared CPU's speed drifts by minutes.
+    speed_factor: float = 1.0
 
     def compute_fit(self, num_tokens: int) -> ComputeFit:
         """The regime a forward pass of `num_tokens` tokens runs in."""
@@ -241,14 +245,17 @@ class ProfiledCostModel:
         if num_tokens == 0:
             return 0.0
         fit = self.costs.compute_fit(num_tokens)
-        return fit.time_s(
+        compute_s = fit.time_s(
             num_decode_seqs, decode_context_tokens, num_prefill_tokens, prefill_attention_pairs
         )
+        return compute_s * self.costs.speed_factor
 
     def block_copy_time_s(self, block_bytes: int) -> float:
         """Seconds per block of a long copy, the slower direction (the link's rate)."""
-        return max(self.costs.d2h.block_s, self.costs.h2d.block_s, 1e-12)
+        block_s = max(self.costs.d2h.block_s, self.costs.h2d.block_s, 1e-12)
+        return block_s * self.costs.speed_factor
 
     def copies_time_s(self, num_d2h_blocks: int, num_h2d_blocks: int, block_bytes: int) -> float:
         """A step's copies: one worker thread, device -> host and then host -> device."""
-        return self.costs.d2h.time_s(num_d2h_blocks) + self.costs.h2d.time_s(num_h2d_blocks)
+        copies_s = self.costs.d2h.time_s(num_d2h_blocks) + self.costs.h2d.time_s(num_h2d_blocks)
+        return copies_s * self.costs.speed_factor

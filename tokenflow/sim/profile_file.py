@@ -187,6 +187,7 @@ def pool_profiles(profiles: list[Profile]) -> Profile:
             **costs.__dict__,
             "server_step_s": statistics.median(s for s, _ in serving),
             "server_per_chunk_s": statistics.median(c for _, c in serving),
+            "speed_factor": statistics.median(p.costs.speed_factor for p in profiles),
         }
     )
     machine = {**first.machine, "pooled_profiles": len(profiles)}
