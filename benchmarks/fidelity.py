@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.fidelity_ablations import ABLATIONS, DEPLOYMENT, ablated
 from benchmarks.fidelity_report import analyse, write_doc, write_plot
 from tokenflow.bench.client import ClientConfig, run_workload
 from tokenflow.bench.compare import local_server
@@ -161,12 +162,17 @@ def measure_round(index: int, out_dir: Path, args: argparse.Namespace) -> list[d
     return runs
 
 
-def simulate_run(profile_path: Path, workload: Workload, policy: str, out_dir: Path) -> dict:
-    """The summary `simulate --profile` predicts for one real run (its workload's trace)."""
-    profile = load_profile(profile_path)
+def simulate_run(
+    profile_path: Path, workload: Workload, policy: str, out_dir: Path, ablation: str | None = None
+) -> dict:
+    """The summary `simulate --profile` predicts for one real run (its workload's trace), with
+    one of the simulator's charges taken out if `ablation` names it (fidelity_ablations.py)."""
+    profile = ablated(load_profile(profile_path), ablation)
     trace = out_dir / f"{workload.name}.jsonl"
     requests = generate(WorkloadSpec(kind="trace", trace_path=str(trace)))
-    deployment = ProfiledDeployment(profile, device_kv_tokens=workload.device_kv_tokens)
+    deployment = ProfiledDeployment(
+        profile, device_kv_tokens=workload.device_kv_tokens, **DEPLOYMENT.get(ablation or "", {})
+    )
     engine = build_profiled_engine(deployment, policy)
     return run_engine(requests, policy, engine, SimConfig()).summary.to_dict()
 
@@ -177,21 +183,26 @@ def profile_order(out_dir: Path) -> list[str]:
     return [p.name for p in sorted(paths, key=lambda p: tuple(map(int, p.stem.split("-")[1:])))]
 
 
-def bracketed_prediction(run: dict, order: list[str], workload: Workload, out_dir: Path) -> dict:
+def bracketed_prediction(
+    run: dict, order: list[str], workload: Workload, out_dir: Path, ablation: str | None = None
+) -> dict:
     """A real run's prediction from the moments nearest it: the profile before it as of its end
     (its sweep scaled by the probe that ended it), and the sweep of the profile after it (taken
     right after the run, unscaled); the mean of the two, metric by metric."""
     index = order.index(run["profile"])
-    summaries = [simulate_run(out_dir / order[index], workload, run["policy"], out_dir)]
-    if index + 1 < len(order):
+    policy = run["policy"]
+    summaries = [simulate_run(out_dir / order[index], workload, policy, out_dir, ablation)]
+    if index + 1 < len(order) and ablation != "anchoring":
         after = load_profile(out_dir / order[index + 1])
         unscaled = out_dir / f"unscaled-{order[index + 1]}"
         replace(after, costs=replace(after.costs, speed_factor=1.0)).save(unscaled)
-        summaries.append(simulate_run(unscaled, workload, run["policy"], out_dir))
+        summaries.append(simulate_run(unscaled, workload, policy, out_dir, ablation))
     return {k: statistics.fmean(s[k] for s in summaries) for k in summaries[0]}
 
 
-def predict(runs: list[dict], out_dir: Path, pooled: bool) -> list[dict]:
+def predict(
+    runs: list[dict], out_dir: Path, pooled: bool, ablation: str | None = None
+) -> list[dict]:
     """Per workload and policy: the median, metric by metric, of the predictions for its real
     runs (each bracketed by the profiles before and after it; or all from the pooled profile)."""
     by_name = {w.name: w for w in WORKLOADS}
@@ -207,7 +218,9 @@ def predict(runs: list[dict], out_dir: Path, pooled: bool) -> list[dict]:
             summaries = [simulate_run(out_dir / "profile-pooled.json", by_name[name], policy,
                                       out_dir)]  # fmt: skip
         else:
-            summaries = [bracketed_prediction(r, order, by_name[name], out_dir) for r in mine]
+            summaries = [
+                bracketed_prediction(r, order, by_name[name], out_dir, ablation) for r in mine
+            ]
         median = {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
         predictions.append({"workload": name, "policy": policy, "summary": median,
                             "per_run": summaries})  # fmt: skip
@@ -240,6 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pooled", action="store_true", help="predict from all profiles pooled into one fit"
     )
     parser.add_argument("--predict-only", action="store_true", help="reuse OUT_DIR's real runs")
+    parser.add_argument(
+        "--ablations", action="store_true", help="also predict with each charge taken out"
+    )
     parser.add_argument("--doc", default=None, help="write the report (markdown) here")
     parser.add_argument("--plot", default=None, help="write the predicted-vs-measured PNG here")
     return parser.parse_args(argv)
@@ -259,7 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = json.loads(real_path.read_text())
     predictions = predict(runs, out_dir, args.pooled)
     (out_dir / "predicted.json").write_text(json.dumps(predictions, indent=1))
-    result = analyse(runs, predictions, [w.name for w in WORKLOADS])
+    names = [w.name for w in WORKLOADS]
+    result = analyse(runs, predictions, names)
+    if args.ablations:
+        result = replace(result, ablations={
+            a: analyse(runs, predict(runs, out_dir, args.pooled, a), names).median_error
+            for a in ABLATIONS
+        })  # fmt: skip
     (out_dir / "fidelity.json").write_text(json.dumps(asdict(result), indent=1))
     print(result.text)
     if args.plot:

@@ -22,6 +22,8 @@ def render_block(
 ) -> str:
     parts = [BEGIN, "", _command(args), "", *_workload_lines(workloads), ""]
     parts += [*_machine_lines(result), "", *_error_table(result), ""]
+    if result.ablations:
+        parts += [*_ablation_table(result), ""]
     if plot:
         parts += [f"![predicted against measured](results/{os.path.basename(plot)})", ""]
     parts += [*_run_tables(result), END]
@@ -91,6 +93,22 @@ def _error_table(result: FidelityResult) -> list[str]:
         for w, misses in result.order.items()
     )
     lines.append(f"Policy order (P99 and mean TTFT, effective throughput, QoE) preserved: {order}.")
+    return lines
+
+
+def _ablation_table(result: FidelityResult) -> list[str]:
+    """The median errors again with one of the simulator's charges taken out."""
+    from benchmarks.fidelity_ablations import ABLATIONS
+
+    metrics = [(m, label) for m, label in METRICS if m in TARGETS]
+    head = "| taken out | " + " | ".join(label for _, label in metrics) + " |"
+    lines = ["The same median errors with one thing the simulator charges taken out:", "", head]
+    lines.append("|---|" + "---|" * len(metrics))
+    rows = [("nothing (as above)", result.median_error)]
+    rows += [(ABLATIONS[name], errors) for name, errors in result.ablations.items()]
+    for label, errors in rows:
+        cells = " | ".join(f"{errors.get(m, float('nan')):.1%}" for m, _ in metrics)
+        lines.append(f"| {label} | {cells} |")
     return lines
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 METRICS = (
     ("ttft_mean_s", "TTFT mean s"),
@@ -62,6 +62,7 @@ class FidelityResult:
     order: dict[str, list[str]]  # workload -> the order metrics the simulator got wrong
     runs: list[dict]
     text: str
+    ablations: dict[str, dict[str, float]] = field(default_factory=dict)  # name -> median errors
 
 
 def analyse(runs: list[dict], predictions: list[dict], workloads: Sequence[str]) -> FidelityResult:
