@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from tokenflow.core.request import SamplingParams
+from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.client import (
     EngineDead,
     EngineHealth,
@@ -20,6 +20,7 @@ from tokenflow.engine.client import (
     EngineStats,
     GenerationDelta,
 )
+from tokenflow.engine.streams import StreamsSnapshot, StreamState
 
 EOS = "<eos>"
 
@@ -85,6 +86,7 @@ class FakeEngine:
     num_refused: int = 0  # generate() calls refused with EngineOverloaded
     death: str | None = None  # health() reports the loop dead, generate() raises EngineDead
     seconds_since_tick: float = 0.0
+    num_snapshots: int = 0  # streams() calls
 
     async def generate(
         self,
@@ -174,6 +176,50 @@ class FakeEngine:
 
     def health(self) -> EngineHealth:
         return EngineHealth(self.death is None, self.seconds_since_tick, self.death)
+
+    async def streams(self, limit: int) -> StreamsSnapshot:
+        """Every active request as a running reader with 1.5 s of buffer, no token yet read."""
+        if self.death is not None:
+            raise EngineDead(self.death)
+        self.num_snapshots += 1
+        streams = tuple(_fake_stream(request_id) for request_id in self.active_ids[:limit])
+        return StreamsSnapshot(
+            taken_s=0.0,
+            policy="fake",
+            streams=streams,
+            num_waiting=0,
+            num_running=len(self.active_ids),
+            num_loading=0,
+            num_paused=0,
+            capacity_tps=100.0,
+            demand_tps=self.default_rate_tps * len(self.active_ids),
+            num_device_blocks_used=1,
+            num_device_blocks=4,
+            num_host_blocks_used=2,
+            num_host_blocks=4,
+            num_preemptions_total=3,
+            num_loads_total=2,
+            num_recomputes_total=1,
+            last_moves=None,
+        )
+
+
+def _fake_stream(request_id: str) -> StreamState:
+    return StreamState(
+        request_id=request_id,
+        consumption=Consumption.READER,
+        rate_tps=20.0,
+        state="running",
+        is_kv_on_host=False,
+        num_output_tokens=0,
+        num_consumed_tokens=0,
+        buffered_s=1.5,
+        slack_s=1.5,
+        ttft_s=None,
+        stalled_s=None,
+        age_s=0.0,
+        num_preemptions=0,
+    )
 
 
 async def _opened(gate: threading.Event, timeout_s: float = 120.0) -> None:

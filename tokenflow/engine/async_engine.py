@@ -1,7 +1,8 @@
 """The serving engine: an `LLMEngine` stepped by one thread, behind `EngineClient`.
 
-Requests and aborts go to the thread through a command queue; deltas come back to each
-request's `_DeltaSink` via `loop.call_soon_threadsafe`.  What can go wrong, and who hears of it:
+Requests, aborts and snapshot requests (`streams()`) go to the thread through a command queue;
+deltas (and snapshots) come back to each asker via `loop.call_soon_threadsafe`, deltas through
+the request's `_DeltaSink`.  What can go wrong, and who hears of it:
 
 - one request fails (its sampling row, its text, its add): only that request gets an error;
 - a step's plan fails: only the plan's requests get an error (see `LLMEngine.step`);
@@ -35,6 +36,7 @@ from tokenflow.engine.client import (
 )
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
+from tokenflow.engine.streams import StreamsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    limit: int
+    future: asyncio.Future[StreamsSnapshot]
+    loop: asyncio.AbstractEventLoop
+
+
+_Command = _Add | _Abort | _Snapshot
+
+
 class AsyncEngine:
     """`EngineClient` over a real engine; one thread owns all engine state.
 
@@ -121,7 +133,7 @@ class AsyncEngine:
         self._max_num_requests = args.max_num_requests
         # SimpleQueue: its put() is reentrant, so stop() is safe from a signal handler that
         # interrupts this thread inside get() (a Queue's lock would deadlock there).
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._num_pending_adds = 0
         self._lock = threading.Lock()  # guards _num_pending_adds, _death and queueing adds
@@ -188,6 +200,18 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step."""
         return self._stats
+
+    async def streams(self, limit: int) -> StreamsSnapshot:
+        """The unfinished streams (the `limit` most urgent) and the scheduler's state, taken by
+        the engine thread between two steps: a step never waits for it, and no step pays for it
+        while nobody asks."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[StreamsSnapshot] = loop.create_future()
+        with self._lock:  # (a command queued before the loop died is answered by `_die`)
+            if self._death is not None:
+                raise EngineDead(self._death)
+            self._commands.put(_Snapshot(limit=limit, future=future, loop=loop))
+        return await future
 
     def health(self) -> EngineHealth:
         """Alive until the loop dies or shuts down; the age of its latest turn."""
@@ -263,6 +287,8 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add):
                 self._send(command, error)
+            elif isinstance(command, _Snapshot):
+                _settle(command, error)
         self._fail_all(error)
 
     def _drain(self, block: bool) -> bool:
@@ -282,7 +308,14 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Snapshot):
+            try:
+                _settle(command, self.engine.streams(command.limit))
+            except Exception as err:  # noqa: BLE001 - the asker hears of it; the loop goes on
+                logger.exception("the streams snapshot failed")
+                _settle(command, err)
+            return
         if isinstance(command, _Abort):
             delta = self.engine.abort(command.request_id)
             if delta is not None:
@@ -327,3 +360,18 @@ class AsyncEngine:
                 logger.exception("aborting %s failed", request_id)
             self._send(add, error)
         self._sinks.clear()
+
+
+def _settle(command: _Snapshot, item: StreamsSnapshot | BaseException) -> None:
+    """Hand a snapshot (or why there is none) to its asker's event loop."""
+
+    def settle() -> None:
+        if command.future.done():  # (the asker gave up waiting)
+            return
+        if isinstance(item, BaseException):
+            command.future.set_exception(item)
+        else:
+            command.future.set_result(item)
+
+    with contextlib.suppress(RuntimeError):  # its event loop is closed
+        command.loop.call_soon_threadsafe(settle)

@@ -2,8 +2,9 @@
 
 The server never touches the scheduler, the model or the KV cache: it tokenizes with
 `EngineClient.tokenizer`, submits with `generate()`, streams `GenerationDelta`s, and calls
-`abort()` when its client goes away.  The real implementation wraps the core's step loop in a
-background thread; tests use a fake with the same shape.
+`abort()` when its client goes away; `streams()` is what /v1/tokenflow/streams shows.  The
+real implementation wraps the core's step loop in a background thread; tests use a fake with
+the same shape.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenflow.core.request import SamplingParams
+from tokenflow.engine.streams import StreamsSnapshot
 
 
 class EngineOverloaded(Exception):
@@ -122,4 +124,9 @@ class EngineClient(Protocol):
 
     def health(self) -> EngineHealth:
         """Liveness of the engine loop, for /health."""
+        ...
+
+    async def streams(self, limit: int) -> StreamsSnapshot:
+        """The unfinished streams (the `limit` most urgent) and the scheduler's state, for
+        /v1/tokenflow/streams; raises EngineDead once the loop is gone."""
         ...

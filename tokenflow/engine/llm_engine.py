@@ -37,6 +37,7 @@ from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import EngineStats, GenerationDelta
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.output_processor import OutputProcessor
+from tokenflow.engine.streams import MoveWatch, StreamsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._plan: StepPlan | None = None
+        self._moves = MoveWatch()
 
     # -- requests ---------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -177,12 +179,14 @@ class LLMEngine:
         """
         self._plan = None
         self._size_prefill_chunks()
+        self._moves.before_step(self.scheduler)
         try:
             plan, outputs = self.core.step()
         except Exception as err:  # noqa: BLE001 - attributed to the plan's requests below
             if self._plan is None:
                 raise
             return True, self._fail_plan(self._plan, err)
+        self._moves.after_step(self.scheduler, self.core.clock.now())
         failed_rows = self.executor.last_failed_rows
         if failed_rows:
             outputs = [o for o in outputs if o.request_id not in failed_rows]
@@ -250,6 +254,11 @@ class LLMEngine:
                 r.slack_s(now) for r in running if r.state is RequestState.RUNNING
             ),
         )
+
+    def streams(self, limit: int) -> StreamsSnapshot:
+        """The unfinished streams (the `limit` most urgent) and the scheduler's state, now."""
+        now = self.core.clock.now()
+        return take_snapshot(self.scheduler, now, limit, self.args.policy, self._moves.last)
 
     def close(self) -> None:
         """Stop the executor (its copy worker, or llama.cpp's context)."""

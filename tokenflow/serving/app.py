@@ -10,6 +10,9 @@ sent at once, a `: keep-alive` comment every `ServerConfig.keepalive_s` (so prox
 timeouts keep a stream that waits for its first token or is paused), and the client's
 disconnect noticed while the stream waits.  While the server drains (see `drain.py`) /health
 and every /v1 route answer 503.
+
+`/v1/tokenflow/streams` (streams.py) shows what the scheduler does, behind the /v1 guards;
+`/dashboard` (dashboard.py) is a page that draws it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenflow.engine.client import EngineClient
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.config import ServerConfig
+from tokenflow.serving.dashboard import dashboard_router
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, CountInFlight, Drain
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import (
@@ -50,6 +54,7 @@ from tokenflow.serving.serving import (
     ServeResult,
     WaitForDisconnect,
 )
+from tokenflow.serving.streams import StreamsWatch, streams_router
 from tokenflow.serving.validation import ApiError
 
 # nginx-style "client closed request": logged, never seen by the (gone) client.
@@ -58,7 +63,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache"}  # sse-starlette adds X-Accel-Buffer
 KEEPALIVE_COMMENT = "keep-alive"  # sent as `: keep-alive\n\n`; clients ignore comments
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-_SOURCES = frozenset({"body", "header"})  # where FastAPI found a value, not its name
+_SOURCES = frozenset({"body", "header", "query"})  # where FastAPI found a value, not its name
 
 RateHeader = Annotated[RateTps | None, Header(alias=STREAM_RATE_HEADER)]
 ClassHeader = Annotated[str | None, Header(alias=STREAM_CLASS_HEADER, max_length=16)]
@@ -79,10 +84,13 @@ def build_app(
     app.state.metrics = metrics
     app.state.drain = drain
     app.state.serving = OpenAIServing(engine, metrics, class_rules=config.class_rules)
+    app.state.streams_watch = StreamsWatch(engine, metrics)
     app.state.started_s = int(time.time())
     _add_error_handlers(app)
     app.include_router(_openai_router())
+    app.include_router(streams_router(), prefix="/v1", dependencies=_v1_guards())
     app.include_router(_ops_router())
+    app.include_router(dashboard_router())
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(CountInFlight, drain=drain)  # outermost: counts until the last byte
     return app
@@ -115,9 +123,13 @@ def _stated(request: Request, rate_tps: float | None, stream_class: str | None) 
     return Stated(rate_tps, stream_class, api_key)
 
 
+def _v1_guards() -> list[Any]:
+    """What every /v1 route checks first: not draining, and the API key."""
+    return [Depends(_check_not_draining), Depends(_check_api_key)]
+
+
 def _openai_router() -> APIRouter:
-    dependencies = [Depends(_check_not_draining), Depends(_check_api_key)]
-    router = APIRouter(prefix="/v1", dependencies=dependencies)
+    router = APIRouter(prefix="/v1", dependencies=_v1_guards())
 
     @router.post("/completions")
     async def create_completion(
@@ -186,7 +198,9 @@ def _ops_router() -> APIRouter:
 
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
-        """Prometheus exposition of this app's registry."""
+        """Prometheus exposition of this app's registry; the capacity gauges from a fresh
+        scheduler snapshot when the engine answers within a second."""
+        await request.app.state.streams_watch.refresh_gauges()
         content, content_type = request.app.state.metrics.render()
         return Response(content=content, media_type=content_type)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -108,6 +108,14 @@ def _format_le(value: float) -> str:
     return repr(float(value))
 
 
+def _nan_gauge(name: str, documentation: str, registry: CollectorRegistry) -> Gauge:
+    """A gauge set from the scheduler snapshots (serving/streams.py), which /metrics refreshes;
+    NaN until the first one."""
+    gauge = Gauge(name, documentation, registry=registry)
+    gauge.set(math.nan)
+    return gauge
+
+
 class ServingMetrics:
     """The metrics of one app; the serving layer reports into it, /metrics renders it."""
 
@@ -147,6 +155,16 @@ class ServingMetrics:
             labelnames=["status"],
             registry=self.registry,
         )
+        self._capacity = _nan_gauge(
+            "tokenflow_capacity_tokens_per_second",
+            "Gamma: tokens/s the engine generates at the feasible batch (NaN before a snapshot).",
+            self.registry,
+        )
+        self._demand = _nan_gauge(
+            "tokenflow_reading_demand_tokens_per_second",
+            "Tokens/s the started streams' readers ask, each at most one share of Gamma.",
+            self.registry,
+        )
         self.registry.register(EngineStatsCollector(engine))
 
     def observe_ttft(self, seconds: float, stream_class: str) -> None:
@@ -165,6 +183,11 @@ class ServingMetrics:
         histogram.observe(max(gap_s, 0.0))
         for _ in range(num_tokens - 1):
             histogram.observe(0.0)
+
+    def observe_capacity(self, capacity_tps: float, demand_tps: float) -> None:
+        """Record the engine's capacity Gamma and the readers' demand, both tokens/s."""
+        self._capacity.set(capacity_tps)
+        self._demand.set(demand_tps)
 
     def count_finished(self, finish_reason: str) -> None:
         """Count a request that ended: an engine finish reason, "abort" or "error"."""

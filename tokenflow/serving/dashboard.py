@@ -1,0 +1,33 @@
+"""`GET /dashboard`: one static page (static/dashboard.html, inline script and style, nothing
+fetched from elsewhere) that polls /v1/tokenflow/streams once a second and draws it.
+
+The page itself is no secret, so it is not behind the API key; where the server has one, the
+page takes it from `?key=...` (or asks for it) and sends it as a bearer token.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse
+
+DASHBOARD_FILE = "static/dashboard.html"
+
+
+def dashboard_html() -> str:
+    """The page, as shipped in the package."""
+    return files("tokenflow.serving").joinpath(DASHBOARD_FILE).read_text(encoding="utf-8")
+
+
+def dashboard_router() -> APIRouter:
+    """The route serving the page (read once, when the app is built)."""
+    router = APIRouter()
+    page = dashboard_html()
+
+    @router.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        """The live page of the scheduler's streams."""
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    return router

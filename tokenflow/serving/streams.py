@@ -1,0 +1,243 @@
+"""`GET /v1/tokenflow/streams`: what the scheduler does, stream by stream.
+
+The answer is the engine's `StreamsSnapshot` (tokenflow/engine/streams.py) as JSON: the most
+urgent `limit` streams (smallest slack first), totals over all of them, the engine's capacity
+Gamma against the started streams' reading demand, KV blocks per tier and the latest moves.
+
+Every caller goes through one `StreamsWatch` per app: it takes at most one snapshot per
+`SNAPSHOT_INTERVAL_S` and shares it, so however many dashboards poll (and /metrics scrapes),
+the engine loop answers at most a few snapshot commands a second, between its steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from tokenflow.core.request import Consumption
+from tokenflow.engine.client import EngineClient, EngineDead
+from tokenflow.engine.streams import StreamsSnapshot, StreamState
+from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.validation import ApiError
+
+DEFAULT_LIMIT = 64  # streams listed when the query does not say
+MAX_LIMIT = 512  # the most one answer lists (the totals always count every stream)
+SNAPSHOT_INTERVAL_S = 0.25  # a snapshot younger than this is shared, not taken again
+SNAPSHOT_TIMEOUT_S = 10.0  # an engine that does not answer in this long is a 503
+METRICS_WAIT_S = 1.0  # /metrics renders the last capacity it has after this long
+
+StreamStateName = Literal["waiting", "running", "loading", "paused"]
+
+
+class StreamInfo(BaseModel):
+    """One unfinished request; times in seconds, None where a number has no meaning."""
+
+    id: str
+    stream_class: Literal["reader", "eager", "batch"]
+    rate_tps: float | None  # None: eager or batch (reads each token at once)
+    state: StreamStateName
+    kv_on_host: bool  # paused with its KV in the host tier (resumes by a load)
+    num_output_tokens: int
+    num_consumed_tokens: int  # by the reader model
+    buffer_s: float | None  # seconds of reading buffered; None unless a reader
+    slack_s: float  # until the reader wants a token not generated yet (<= 0: stalling)
+    ttft_s: float | None  # None before the first token
+    stall_s: float | None  # stalls so far; None unless a reader with a token
+    age_s: float
+    num_preemptions: int
+
+
+class StreamTotals(BaseModel):
+    num_unfinished: int
+    num_waiting: int
+    num_running: int
+    num_loading: int
+    num_paused: int
+
+
+class KVBlocks(BaseModel):
+    device_used_blocks: int
+    device_total_blocks: int
+    host_used_blocks: int
+    host_total_blocks: int
+
+
+class LastMoves(BaseModel):
+    """The latest step that moved streams."""
+
+    seconds_ago: float
+    num_preemptions: int
+    num_starts: int  # waiting requests started
+    num_loads: int  # paused streams resumed by loading their KV
+    num_recomputes: int  # paused streams resumed by recomputing it
+
+
+class StreamsResponse(BaseModel):
+    object: Literal["tokenflow.streams"] = "tokenflow.streams"
+    policy: str
+    capacity_tps: float | None  # Gamma; None only if the estimate is not a finite number
+    demand_tps: float  # the started streams' reading rates, each at most one share of Gamma
+    totals: StreamTotals
+    kv: KVBlocks
+    num_preemptions_total: int
+    num_loads_total: int
+    num_recomputes_total: int
+    last_moves: LastMoves | None
+    streams: list[StreamInfo]  # the most urgent first
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """`value` where it is a finite number, else None (JSON has no infinity)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def stream_info(stream: StreamState, batch_request_ids: Collection[str]) -> StreamInfo:
+    """One stream for the wire.  The engine sees a batch request as eager (both read each token
+    at once); the serving layer knows which requests are not streamed."""
+    consumption = stream.consumption
+    if consumption is Consumption.EAGER and stream.request_id in batch_request_ids:
+        consumption = Consumption.BATCH
+    return StreamInfo(
+        id=stream.request_id,
+        stream_class=consumption.value,
+        rate_tps=finite_or_none(stream.rate_tps),
+        state=stream.state,  # type: ignore[arg-type]  (a value of engine.streams.STATE_NAMES)
+        kv_on_host=stream.is_kv_on_host,
+        num_output_tokens=stream.num_output_tokens,
+        num_consumed_tokens=stream.num_consumed_tokens,
+        buffer_s=finite_or_none(stream.buffered_s),
+        slack_s=stream.slack_s,
+        ttft_s=stream.ttft_s,
+        stall_s=stream.stalled_s,
+        age_s=stream.age_s,
+        num_preemptions=stream.num_preemptions,
+    )
+
+
+def streams_response(
+    snapshot: StreamsSnapshot, batch_request_ids: Collection[str]
+) -> StreamsResponse:
+    """The snapshot for the wire."""
+    s = snapshot
+    moves = s.last_moves
+    last_moves = None
+    if moves is not None:
+        last_moves = LastMoves(
+            seconds_ago=max(s.taken_s - moves.at_s, 0.0),
+            num_preemptions=moves.num_preemptions,
+            num_starts=moves.num_starts,
+            num_loads=moves.num_loads,
+            num_recomputes=moves.num_recomputes,
+        )
+    return StreamsResponse(
+        policy=s.policy,
+        capacity_tps=finite_or_none(s.capacity_tps),
+        demand_tps=s.demand_tps,
+        totals=StreamTotals(
+            num_unfinished=s.num_waiting + s.num_running + s.num_loading + s.num_paused,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_loading=s.num_loading,
+            num_paused=s.num_paused,
+        ),
+        kv=KVBlocks(
+            device_used_blocks=s.num_device_blocks_used,
+            device_total_blocks=s.num_device_blocks,
+            host_used_blocks=s.num_host_blocks_used,
+            host_total_blocks=s.num_host_blocks,
+        ),
+        num_preemptions_total=s.num_preemptions_total,
+        num_loads_total=s.num_loads_total,
+        num_recomputes_total=s.num_recomputes_total,
+        last_moves=last_moves,
+        streams=[stream_info(stream, batch_request_ids) for stream in s.streams],
+    )
+
+
+@dataclass(frozen=True)
+class _Taken:
+    snapshot: StreamsSnapshot
+    limit: int
+    at_s: float  # on the watch's clock
+
+
+class StreamsWatch:
+    """At most one engine snapshot per `interval_s`, shared by every caller; each one taken
+    also sets the capacity and demand gauges of /metrics."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        metrics: ServingMetrics,
+        interval_s: float = SNAPSHOT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._taken: _Taken | None = None
+        self.num_taken = 0
+
+    async def latest(self, limit: int) -> StreamsSnapshot:
+        """A snapshot at most `interval_s` old listing up to `limit` streams; ApiError 503 when
+        the engine is gone or does not answer."""
+        async with self._lock:
+            taken = self._taken
+            if taken is None or not self._serves(taken, limit):
+                snapshot = await self._take(limit)
+                taken = _Taken(snapshot=snapshot, limit=limit, at_s=self._clock())
+                self._taken = taken
+        return taken.snapshot.top(limit)
+
+    def _serves(self, taken: _Taken, limit: int) -> bool:
+        """Whether `taken` is fresh enough and lists enough streams for `limit`."""
+        return taken.limit >= limit and self._clock() - taken.at_s < self._interval_s
+
+    async def refresh_gauges(self, wait_s: float = METRICS_WAIT_S) -> None:
+        """Refresh the capacity gauges if the engine answers within `wait_s` (else they keep
+        their last values: a scrape never waits long on a busy or dead engine)."""
+        with contextlib.suppress(ApiError, TimeoutError):
+            await asyncio.wait_for(self.latest(0), wait_s)
+
+    async def _take(self, limit: int) -> StreamsSnapshot:
+        try:
+            snapshot = await asyncio.wait_for(self._engine.streams(limit), SNAPSHOT_TIMEOUT_S)
+        except EngineDead as err:
+            raise ApiError(503, f"the engine is not running: {err}", type="server_error") from None
+        except TimeoutError:
+            message = f"the engine did not answer within {SNAPSHOT_TIMEOUT_S:g} s"
+            raise ApiError(503, message, type="server_error") from None
+        self.num_taken += 1
+        self._metrics.observe_capacity(snapshot.capacity_tps, snapshot.demand_tps)
+        return snapshot
+
+
+def streams_router() -> APIRouter:
+    """The route; the app mounts it under /v1 with the /v1 guards (API key, drain)."""
+    router = APIRouter()
+
+    @router.get("/tokenflow/streams")
+    async def list_streams(
+        request: Request,
+        limit: Annotated[int, Query(ge=0, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+    ) -> Response:
+        """Every unfinished stream's buffer and state (the `limit` most urgent), the totals,
+        Gamma against the reading demand, the KV tiers and the latest moves."""
+        watch: StreamsWatch = request.app.state.streams_watch
+        snapshot = await watch.latest(limit)
+        batch_ids = request.app.state.serving.batch_request_ids
+        body = streams_response(snapshot, batch_ids).model_dump_json()
+        return Response(body, media_type="application/json")
+
+    return router
