@@ -181,7 +181,8 @@ class Request:
         """Seconds of reading the buffer holds at `now_s` (0 when empty or before the first)."""
         if not self.output_token_ids:
             return 0.0
-        return max(self.last_consume_s - now_s, 0.0)
+        ahead_s = self.last_consume_s - now_s
+        return ahead_s if ahead_s > 0.0 else 0.0
 
     def slack_s(self, now_s: float) -> float:
         """Seconds until the reader asks for a token that does not exist yet (<= 0: stalling).

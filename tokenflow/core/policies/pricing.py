@@ -11,6 +11,8 @@ from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.policies.base import KVState, SchedulingView
 from tokenflow.core.request import Request, RequestState
 
+_RUNNING, _LOADING, _PREEMPTED = RequestState.RUNNING, RequestState.LOADING, RequestState.PREEMPTED
+
 
 def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> float:
     """U = v*dt + gamma*dt*exp(-T/dt) - switch cost, T the seconds of reading buffered.
@@ -30,7 +32,8 @@ def utility(config: TokenFlowConfig, buffered_s: float, is_resident: bool) -> fl
 def lifetime_blocks(request: Request, block_size: int) -> int:
     """beta's term: blocks at max(tokens now, prompt + max_tokens // 2), a stream's mean
     footprint over its life (output lengths are unknown; half the budget is the guess)."""
-    return -(-max(request.num_tokens, request.lifetime_tokens) // block_size)
+    now, lifetime = request.num_tokens, request.lifetime_tokens
+    return -(-(now if now > lifetime else lifetime) // block_size)
 
 
 def interval_footprint_blocks(request: Request, growth_tokens: int, block_size: int) -> int:
@@ -126,8 +129,7 @@ class Member:
 
 def unsynced_blocks(kv: KVState, r: Request) -> int:
     """Blocks of a stream's computed KV with no host copy yet (what its eviction copies)."""
-    synced_blocks = kv.synced_tokens(r.request_id) // kv.block_size
-    return kv.blocks_for(r.num_computed_tokens) - synced_blocks
+    return kv.blocks_for(r.num_computed_tokens) - kv.synced_tokens(r.request_id) // kv.block_size
 
 
 def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices) -> bool:
@@ -139,18 +141,14 @@ def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, price
 def _is_pausable(
     config: TokenFlowConfig, view: SchedulingView, r: Request, buffered_s: float, prices: Prices
 ) -> bool:
-    if r.state is not RequestState.RUNNING or buffered_s < prices.least_pause_threshold_s:
+    if r.state is not _RUNNING or buffered_s < prices.least_pause_threshold_s:
         return False  # (the threshold only grows with the stream's blocks)
     if r.is_prefilling:
         return False
     kv = view.kv
-    unsynced = unsynced_blocks(kv, r)
+    blocks, unsynced = kv.blocks_for(r.num_computed_tokens), unsynced_blocks(kv, r)
     threshold_s = pause_threshold_s(
-        config,
-        kv.blocks_for(r.num_computed_tokens),
-        unsynced,
-        prices.seconds_per_block,
-        prices.resume_queue_s,
+        config, blocks, unsynced, prices.seconds_per_block, prices.resume_queue_s
     )
     return unsynced <= kv.num_free_host_blocks and buffered_s >= threshold_s
 
@@ -160,7 +158,7 @@ def member(
 ) -> Member:
     """The member record of `r` at this decision."""
     now, state = view.now_s, r.state
-    resident = state is RequestState.RUNNING or state is RequestState.LOADING
+    resident = state is _RUNNING or state is _LOADING
     started = bool(r.output_token_ids)
     slack_s, buffered_s = r.slack_s(now), r.buffered_s(now)
     return Member(
@@ -168,8 +166,8 @@ def member(
         utility=utility(config, buffered_s, resident),
         footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size),
         is_resident=resident,
-        is_pausable=_is_pausable(config, view, r, buffered_s, prices),
+        is_pausable=state is _RUNNING and _is_pausable(config, view, r, buffered_s, prices),
         is_urgent=started and slack_s < config.critical_slack_s,
         is_overdue=started and slack_s <= -config.max_stall_s,
-        resume_s=prices.resume_s[r.request_id] if state is RequestState.PREEMPTED else 0.0,
+        resume_s=prices.resume_s[r.request_id] if state is _PREEMPTED else 0.0,
     )

@@ -114,10 +114,11 @@ class TokenFlowPolicy(Policy):
         cfg = self.config
         growth = self.growth_tokens(view)
         prices = Prices.of(self.config, view)
-        started = [member(cfg, view, r, growth, prices) for r in (*view.running, *view.preempted)]
+        started_requests = (*view.running, *view.preempted)
+        started = [member(cfg, view, r, growth, prices) for r in started_requests]
         capacity = measure_capacity(view)
         self._rate_cap_tps = capacity.rate_cap_tps
-        demand_tps = capacity.demand_tps(m.request for m in started)
+        demand_tps = capacity.demand_tps(started_requests)
         degraded = demand_tps > capacity.gamma_tps
         self.num_degraded_decisions += int(degraded)
         admitted = self._admission(view, started, capacity, demand_tps, degraded)
