@@ -4,6 +4,7 @@ import pytest
 
 from tokenflow.cli import main
 from tokenflow.workload import (
+    ClassMix,
     LengthDist,
     RateMix,
     WorkloadError,
@@ -29,6 +30,29 @@ def test_a_saved_trace_loads_back_to_the_same_requests(tmp_path):
     save_trace(path, requests)
     assert load_trace(path, default_rate_tps=1.0) == requests
     assert generate(WorkloadSpec(kind="trace", trace_path=str(path))) == requests
+
+
+def test_a_saved_trace_keeps_each_requests_class(tmp_path):
+    spec = WorkloadSpec(
+        kind="burst", num_requests=30, classes=ClassMix.parse("reader:0.5,eager:0.3,batch:0.2")
+    )
+    requests = generate(spec)
+    assert {r.consumption for r in requests} == {"reader", "eager", "batch"}
+    path = tmp_path / "t.jsonl"
+    save_trace(path, requests)
+    assert load_trace(path, default_rate_tps=1.0) == requests
+    # A stated class wins over the spec's mix; rows without one draw from it.
+    every_eager = WorkloadSpec(kind="trace", trace_path=str(path), classes=ClassMix.parse("eager"))
+    assert generate(every_eager) == requests
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 4}\n')
+    assert generate(every_eager)[0].consumption == "eager"
+
+
+def test_a_trace_with_an_unknown_class_names_file_and_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 4, "stream_class": "x"}')
+    with pytest.raises(WorkloadError, match=rf"^{path}:1: stream_class must be one of"):
+        load_trace(path, default_rate_tps=1.0)
 
 
 def test_an_unwritable_trace_is_one_line(tmp_path):

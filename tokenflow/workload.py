@@ -30,7 +30,9 @@ from dataclasses import dataclass, replace
 KINDS = ("burst", "poisson", "gamma", "trace")
 CLASSES = ("reader", "eager", "batch")  # consumption classes (tokenflow.core.request)
 TRACE_REQUIRED_KEYS = ("arrival_s", "prompt_tokens", "output_tokens")
-TRACE_OPTIONAL_KEYS = ("rate_tps",)
+TRACE_OPTIONAL_KEYS = ("rate_tps", "stream_class")
+# One trace line: arrival_s, prompt_tokens, output_tokens, rate_tps and stream_class (or None).
+TraceRow = tuple[float, int, int, float | None, str | None]
 
 
 class WorkloadError(ValueError):
@@ -248,21 +250,17 @@ class WorkloadSpec:
 def generate(spec: WorkloadSpec) -> list[WorkloadRequest]:
     """The requests of `spec`, sorted by arrival and numbered "req-0", "req-1", ... in that order.
 
-    For a trace, rows without `rate_tps` draw their rate from `spec.rates`.
+    For a trace, rows without `rate_tps` draw their rate from `spec.rates`, rows without
+    `stream_class` their class from `spec.classes`.
     """
     rate_rng = _stream_rng(spec.seed, "rates")
     if spec.kind == "trace":
         assert spec.trace_path is not None  # checked by WorkloadSpec
-        rows = [
-            (
-                arrival_s,
-                num_prompt,
-                num_output,
-                spec.rates.sample(rate_rng) if rate is None else rate,
-            )
-            for arrival_s, num_prompt, num_output, rate in _read_trace(spec.trace_path)
-        ]
-        return _with_classes(_numbered(rows), spec)
+        rows = _read_trace(spec.trace_path)
+        requests = _numbered(
+            [(a, p, o, spec.rates.sample(rate_rng) if r is None else r) for a, p, o, r, _ in rows]
+        )
+        return _with_stated_classes(_with_classes(requests, spec), rows)
     prompt_rng = _stream_rng(spec.seed, "prompt")
     output_rng = _stream_rng(spec.seed, "output")
     rows = [
@@ -287,7 +285,8 @@ def _with_classes(requests: list[WorkloadRequest], spec: WorkloadSpec) -> list[W
 
 def load_trace(path: str | os.PathLike[str], default_rate_tps: float) -> list[WorkloadRequest]:
     """Read a JSONL trace: one object per line with `arrival_s`, `prompt_tokens`,
-    `output_tokens` and optionally `rate_tps` (else `default_rate_tps`).
+    `output_tokens` and optionally `rate_tps` (else `default_rate_tps`) and `stream_class`
+    (reader, eager or batch; else reader).
 
     Blank lines are skipped.  Arrivals are seconds >= 0, token counts integers >= 1, rates
     finite numbers > 0; anything else (bad JSON, a missing, unknown or repeated key, a wrong
@@ -298,11 +297,20 @@ def load_trace(path: str | os.PathLike[str], default_rate_tps: float) -> list[Wo
         raise WorkloadError(
             f"default_rate_tps must be a finite number > 0, got {default_rate_tps!r}"
         )
-    rows = [
-        (arrival_s, num_prompt, num_output, default_rate_tps if rate is None else rate)
-        for arrival_s, num_prompt, num_output, rate in _read_trace(path)
+    rows = _read_trace(path)
+    requests = _numbered(
+        [(a, p, o, default_rate_tps if r is None else r) for a, p, o, r, _ in rows]
+    )
+    return _with_stated_classes(requests, rows)
+
+
+def _with_stated_classes(requests: list[WorkloadRequest], rows: list[TraceRow]) -> list:
+    """Each request's class as its trace row states it, if it does (`requests` in arrival
+    order, as `_numbered` sorts the rows)."""
+    stated = [row[4] for row in sorted(rows, key=lambda row: row[0])]
+    return [
+        r if c is None else replace(r, consumption=c) for r, c in zip(requests, stated, strict=True)
     ]
-    return _numbered(rows)
 
 
 # -- generation ---------------------------------------------------------------------------------
@@ -338,8 +346,9 @@ class _JsonObject(list):
     """The (key, value) pairs of one JSON object, repeated keys kept so they can be reported."""
 
 
-def _read_trace(path: str | os.PathLike[str]) -> list[tuple[float, int, int, float | None]]:
-    """(arrival_s, prompt_tokens, output_tokens, rate_tps or None) per non-blank line."""
+def _read_trace(path: str | os.PathLike[str]) -> list[TraceRow]:
+    """(arrival_s, prompt_tokens, output_tokens, rate_tps or None, stream_class or None) per
+    non-blank line."""
     try:
         with open(path, encoding="utf-8") as file:
             lines = file.read().splitlines()
@@ -357,7 +366,7 @@ def _read_trace(path: str | os.PathLike[str]) -> list[tuple[float, int, int, flo
     return rows
 
 
-def _parse_trace_line(line: str, where: str) -> tuple[float, int, int, float | None]:
+def _parse_trace_line(line: str, where: str) -> TraceRow:
     try:
         pairs = json.loads(line, object_pairs_hook=_JsonObject)
     except json.JSONDecodeError as error:
@@ -387,7 +396,12 @@ def _parse_trace_line(line: str, where: str) -> tuple[float, int, int, float | N
     rate = record.get("rate_tps")
     if "rate_tps" in record and not _is_positive(rate):
         raise WorkloadError(f"{where}: rate_tps must be a finite number > 0, got {rate!r}")
-    return float(arrival_s), record["prompt_tokens"], record["output_tokens"], rate
+    stream_class = record.get("stream_class")
+    if "stream_class" in record and stream_class not in CLASSES:
+        raise WorkloadError(
+            f"{where}: stream_class must be one of {', '.join(CLASSES)}, got {stream_class!r}"
+        )
+    return float(arrival_s), record["prompt_tokens"], record["output_tokens"], rate, stream_class
 
 
 def save_trace(path: str | os.PathLike[str], requests: list[WorkloadRequest]) -> None:
@@ -400,6 +414,7 @@ def save_trace(path: str | os.PathLike[str], requests: list[WorkloadRequest]) ->
                 "prompt_tokens": r.num_prompt_tokens,
                 "output_tokens": r.num_output_tokens,
                 "rate_tps": r.rate_tps,
+                "stream_class": r.consumption,
             }
         )
         for r in sorted(requests, key=lambda r: r.arrival_s)
