@@ -23,7 +23,7 @@ API_KEY = "secret-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GRAFANA_JSON = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tokenflow.json"
 # 8 readers of 24 + 128 tokens (10 blocks each) where the device tier holds 32 blocks: about
-# three run at once, the others wait, and streams with buffered reading are paused for them.
+# three fit at full length, so streams with buffered reading are paused for the others.
 BURST = burst_spec(num_requests=8, output_tokens=128, rate_tps=16)
 STREAM_FIELDS = {
     "id": str,
@@ -49,8 +49,17 @@ def served(tiny_model_dir):
     )
     engine = AsyncEngine(args)
     with serve_in_thread(build_app(engine, ServerConfig(api_key=API_KEY))) as url:
+        warm_up(url)
         yield engine, url
     engine.close()
+
+
+def warm_up(url: str) -> None:
+    """One short request first: the first decode compiles a kernel (seconds with a cold
+    compiler cache), during which the loop answers no snapshot."""
+    body = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=600)
+    assert response.status_code == 200, response.text
 
 
 def get_streams(url: str, limit: int | None = None) -> dict:
@@ -145,9 +154,10 @@ def test_a_burst_moves_streams_between_states_within_the_bounds(served):
             if not states or states[-1] != stream["state"]:
                 states.append(stream["state"])
     assert max(e["totals"]["num_unfinished"] for e, _ in answers) > 3  # totals count them all
-    assert any(e["totals"]["num_waiting"] for e, _ in answers)
+    # (whether some wait depends on how the arrivals fall between decisions; that the device
+    # tier cannot hold them all as they grow does not)
     assert any(e["totals"]["num_paused"] for e, _ in answers)
-    assert any(states[:2] == ["waiting", "running"] for states in seen_states.values())
+    assert any("paused" in states[1:] for states in seen_states.values())
     last = answers[-1][0]
     assert last["num_preemptions_total"] > 0 and last["last_moves"] is not None
     assert any(e["demand_tps"] > 0 for e, _ in answers)
