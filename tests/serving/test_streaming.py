@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -121,7 +122,7 @@ async def test_max_tokens_defaults_to_rest_of_context(engine: FakeEngine) -> Non
     assert engine.submitted[0][1].max_tokens == 9
 
 
-async def test_rate_resolution_body_then_header_then_default(
+async def test_rate_resolution_body_then_header_then_default_class(
     client: httpx.AsyncClient, engine: FakeEngine
 ) -> None:
     body = {"prompt": "x", "max_tokens": 1, "stream": True}
@@ -130,8 +131,10 @@ async def test_rate_resolution_body_then_header_then_default(
         "/v1/completions", json={**body, "stream_rate": 7}, headers={"X-Stream-Rate": "9"}
     )
     await client.post("/v1/completions", json=body, headers={"X-Stream-Rate": "12.5"})
-    await client.post("/v1/completions", json=body)
-    assert [rate for _, _, rate in engine.submitted] == [7.5, 7.0, 12.5, 20.0]
+    await client.post("/v1/completions", json=body)  # states nothing: eager, reads at once
+    await client.post("/v1/completions", json={**body, "stream_class": "reader"})
+    rates = [rate for _, _, rate in engine.submitted]
+    assert rates == [7.5, 7.0, 12.5, math.inf, 20.0]
 
 
 async def test_multi_token_deltas_with_continuous_usage() -> None:

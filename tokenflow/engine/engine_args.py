@@ -214,7 +214,8 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
         type=float,
         default=EngineArgs.default_rate_tps,
         dest="default_rate_tps",
-        help="tokens/s for requests that state no stream_rate",
+        help="tokens/s of a reader that states no stream_rate (a request stating nothing is "
+        "eager unless --default-class reader)",
     )
 
 

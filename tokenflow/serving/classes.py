@@ -8,7 +8,8 @@ Most clients state no rate: the OpenAI SDKs, agent frameworks and benchmark tool
    (batch needs `stream: false`);
 3. a stated rate (`stream_rate`, else `X-Stream-Rate`): a reader at that rate;
 4. the rule of the request's API key (`--api-key-class KEY=CLASS[:RATE]`);
-5. the server's default (`--default-class`, readers at `--default-rate`).
+5. the server's default (`--default-class`: eager, since a client that states nothing may read
+   at once and a pause would serve it worse than FCFS; readers at `--default-rate`).
 
 A reader's rate is the stated one, else its key rule's, else the default rate.  Eager and batch
 requests reach the engine with an infinite rate: they read each token the moment it exists.
@@ -54,7 +55,7 @@ class ClassRule:
 class ClassRules:
     """The server's rules: a default class and one rule per API key."""
 
-    default: ClassRule = ClassRule(Consumption.READER)
+    default: ClassRule = ClassRule(Consumption.EAGER)
     by_api_key: Mapping[str, ClassRule] = field(default_factory=dict)
 
     @classmethod

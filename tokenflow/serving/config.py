@@ -26,7 +26,7 @@ class ServerConfig:
     # default, terminationGracePeriodSeconds, before it kills the pod).
     drain_timeout_s: float = 30.0
     # Requests that state no class (serving/classes.py): the default, and rules by API key.
-    default_class: str = "reader"
+    default_class: str = "eager"
     api_key_classes: tuple[str, ...] = ()  # "KEY=CLASS[:RATE]" each
     class_rules: ClassRules = field(init=False, repr=False, compare=False)
 
@@ -87,8 +87,8 @@ class ServerConfig:
             "--default-class",
             default=defaults.default_class,
             choices=CLASS_NAMES,
-            help="class of a streamed request that states none: reader (at --default-rate), "
-            "eager (reads each token at once: agents, benchmark clients)",
+            help="class of a streamed request that states none: eager (reads each token at "
+            "once: agents, benchmark clients, the default), reader (at --default-rate)",
         )
         server.add_argument(
             "--api-key-class",
