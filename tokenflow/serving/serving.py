@@ -324,12 +324,12 @@ class OpenAIServing:
         submitted: _Submitted,
         progress: Progress,
     ) -> AsyncGenerator[str]:
-        """The data of each SSE event: the opening chunks, one chunk per delta, the usage chunk,
-        then `[DONE]`; an engine failure becomes one `{"error": ...}` event before `[DONE]`.
-        Releases the engine request however the iteration ends."""
+        """The data of each SSE event: the opening chunks with the first delta's (as vLLM
+        sends them, so that a client's time to first chunk is its TTFT), one chunk per delta,
+        the usage chunk, then `[DONE]`; an engine failure becomes one `{"error": ...}` event
+        before `[DONE]`.  Releases the engine request however the iteration ends."""
+        opening = fmt.opening_chunks(prepared)
         try:
-            for chunk in fmt.opening_chunks(prepared):
-                yield chunk.model_dump_json()
             while progress.finish_reason is None:
                 try:
                     delta = await submitted.next_delta()
@@ -338,6 +338,9 @@ class OpenAIServing:
                     error = ErrorInfo(message=self._on_failure(exc), type="server_error")
                     yield ErrorResponse(error=error).model_dump_json()
                     break
+                for chunk in opening:
+                    yield chunk.model_dump_json()
+                opening = []
                 self._record(prepared, progress, delta)
                 usage = usage_of(prepared, progress) if prepared.continuous_usage else None
                 chunk = fmt.delta_chunk(prepared, delta.text, delta.finish_reason, usage)
