@@ -14,7 +14,7 @@ import openai
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
-from tokenflow.serving.app import build_app
+from tokenflow.serving.app import _to_response, build_app
 from tokenflow.serving.config import ServerConfig
 
 KEEPALIVE = ServerConfig(keepalive_s=0.05)
@@ -110,3 +110,15 @@ def test_keepalives_fill_a_pause_between_tokens() -> None:
     between, _, _ = rest.partition('"finish_reason":"length"')
     assert between.count(KEEPALIVE_FRAME) >= 2
     assert text.endswith("data: [DONE]\n\n")
+
+
+def test_no_keepalive_comments_by_default() -> None:
+    """OpenAI and vLLM send no SSE comments, and `vllm bench serve` loses the events after one
+    (it strips each network read's trailing newlines): the default sends none."""
+
+    async def no_events():
+        yield "[DONE]"
+
+    assert ServerConfig().keepalive_s == 0
+    assert _to_response(no_events(), ServerConfig()).ping_interval == 0
+    assert _to_response(no_events(), KEEPALIVE).ping_interval == KEEPALIVE.keepalive_s

@@ -6,10 +6,11 @@ unknown routes, is answered in OpenAI's `{"error": {...}}` shape.  Request bodie
 `ServerConfig.max_body_bytes` are refused (413) before they are read in full or parsed.
 
 Streams are sse-starlette's `EventSourceResponse`: `data: {json}\n\n` frames, the 200 headers
-sent at once, a `: keep-alive` comment every `ServerConfig.keepalive_s` (so proxies with read
-timeouts keep a stream that waits for its first token or is paused), and the client's
-disconnect noticed while the stream waits.  While the server drains (see `drain.py`) /health
-and every /v1 route answer 503.
+sent at once, with `ServerConfig.keepalive_s` a `: keep-alive` comment that often (so proxies
+with read timeouts keep a stream that waits for its first token or is paused; off by default,
+as OpenAI and vLLM send none and some clients' parsers lose the events after a comment), and
+the client's disconnect noticed while the stream waits.  While the server drains (see
+`drain.py`) /health and every /v1 route answer 503.
 
 `/v1/tokenflow/streams` (streams.py) shows what the scheduler does, behind the /v1 guards;
 `/dashboard` (dashboard.py) is a page that draws it.
@@ -233,7 +234,8 @@ def _to_response(result: ServeResult | None, config: ServerConfig) -> Response:
 
 
 class _SseResponse(EventSourceResponse):
-    """Sends an `EventStream` as SSE frames with keep-alive comments, and always closes it, even
+    """Sends an `EventStream` as SSE frames (keep-alive comments every `keepalive_s`, 0: none),
+    and always closes it, even
     when the client left before the first event was pulled (then the engine request is
     aborted)."""
 

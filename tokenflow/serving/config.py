@@ -19,7 +19,8 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # require this bearer token on /v1
     log_level: str = "info"
-    keepalive_s: float = 15.0  # an SSE comment this often on every accepted stream
+    # An SSE comment this often on every accepted stream (0: none, as OpenAI and vLLM send).
+    keepalive_s: float = 0.0
     max_body_bytes: int = 2 << 20  # larger request bodies are refused (413) before parsing
     health_stall_s: float = 30.0  # /health is 503 when the engine loop has not ticked this long
     # On SIGTERM/SIGINT, streams in flight have this long to finish (Kubernetes waits 30 s by
@@ -35,10 +36,12 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("keepalive_s", "health_stall_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.health_stall_s) and self.health_stall_s > 0):
+            raise ValueError(
+                f"health_stall_s must be a finite number > 0, got {self.health_stall_s!r}"
+            )
+        if not (math.isfinite(self.keepalive_s) and self.keepalive_s >= 0):
+            raise ValueError(f"keepalive_s must be a finite number >= 0, got {self.keepalive_s!r}")
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise ValueError(
                 f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}"
@@ -62,7 +65,8 @@ class ServerConfig:
             "--keepalive-s",
             type=float,
             default=defaults.keepalive_s,
-            help="send an SSE comment (: keep-alive) this often on every accepted stream",
+            help="send an SSE comment (: keep-alive) this often on every accepted stream, for "
+            "proxies that cut idle connections (default 0: none, as OpenAI and vLLM)",
         )
         server.add_argument(
             "--max-body-bytes",
