@@ -44,6 +44,8 @@ def _command(args: argparse.Namespace) -> str:
     flags = f"--rounds {args.rounds} --out-dir {args.out_dir}"
     if args.max_load is not None:
         flags += f" --max-load {args.max_load:g}"
+    if args.ablations:
+        flags += " --ablations"
     return (
         "```bash\n"
         f".venv/bin/python -m benchmarks.fidelity {flags} \\\n"
