@@ -214,8 +214,7 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
         type=float,
         default=EngineArgs.default_rate_tps,
         dest="default_rate_tps",
-        help="tokens/s of a reader that states no stream_rate (a request stating nothing is "
-        "eager unless --default-class reader)",
+        help="tokens/s of a reader that states no rate (see --default-class)",
     )
 
 
