@@ -65,8 +65,7 @@ class ServerConfig:
             "--keepalive-s",
             type=float,
             default=defaults.keepalive_s,
-            help="send an SSE comment (: keep-alive) this often on every accepted stream, for "
-            "proxies that cut idle connections (default 0: none, as OpenAI and vLLM)",
+            help="an SSE comment (: keep-alive) this often on every stream (0: none, as vLLM)",
         )
         server.add_argument(
             "--max-body-bytes",
