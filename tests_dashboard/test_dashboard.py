@@ -26,7 +26,10 @@ from tokenflow.serving.config import ServerConfig
 
 API_KEY = "page-key"
 STREAMS_PATH = "/v1/tokenflow/streams"
-NUM_STREAMS = 6  # of 24 + 200 tokens (14 blocks) where the device tier holds 32 blocks
+MAX_TOKENS = 1000
+NUM_STREAMS = 6  # of 4 + 1000 tokens (63 blocks) where the device tier holds 128 blocks
+# (long answers: the tiny model makes hundreds of tokens a second, and the streams must still
+# be generating when the page is captured)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -58,7 +61,7 @@ def open_streams(url: str, num_streams: int) -> Iterator[None]:
     """Readers at 2 tokens/s reading their streams until the block ends (then they hang up,
     which aborts what is left of them in the engine)."""
     stop = threading.Event()
-    body = {"prompt": "Tell me a story", "max_tokens": 200, "stream": True, "stream_rate": 2}
+    body = {"prompt": "Tell me a story", "max_tokens": MAX_TOKENS, "stream": True, "stream_rate": 2}
     body["ignore_eos"] = True
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -122,7 +125,7 @@ def dump_dom(url: str, profile: Path) -> str:
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (make test-dashboard)")
 def test_the_page_polls_and_draws_a_bar_per_stream(tiny_model_dir, tmp_path):
     args = EngineArgs(
-        model=tiny_model_dir, device="cpu", device_kv_tokens=32 * 16, max_model_len=512
+        model=tiny_model_dir, device="cpu", device_kv_tokens=128 * 16, max_model_len=1024
     )
     engine = AsyncEngine(args)
     app = CountPageCalls(build_app(engine, ServerConfig(api_key=API_KEY)), STREAMS_PATH)
@@ -139,7 +142,8 @@ def test_the_page_polls_and_draws_a_bar_per_stream(tiny_model_dir, tmp_path):
     rows = re.findall(r'<div class="stream (\w+)[^"]*" data-id="(cmpl-[0-9a-f]+)"', dom)
     shown = re.search(r"streams <b>(\d+)</b>", dom)
     assert shown is not None, dom[-2000:]
-    assert len(rows) == int(shown.group(1)) >= 1, dom[-3000:]  # a bar per stream it was told of
+    page = dom.split("<script", 1)[0][-4000:]  # the drawn page, without its script
+    assert len(rows) == int(shown.group(1)) >= 1, page  # a bar per stream it was told of
     assert {state for state, _ in rows} <= {"waiting", "running", "loading", "paused"}
     assert still_unfinished >= 1  # (the page saw the burst, not its end)
     assert "<canvas" in dom and "policy tokenflow" in dom
