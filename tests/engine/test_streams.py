@@ -8,7 +8,9 @@ import math
 import pytest
 
 from tests.core.helpers import make_core, make_request
-from tokenflow.core.request import Consumption
+from tokenflow.core.request import Consumption, SamplingParams
+from tokenflow.engine.engine_args import EngineArgs
+from tokenflow.engine.llm_engine import LLMEngine
 from tokenflow.engine.streams import MoveWatch, stalled_s, stream_state, take_snapshot
 from tokenflow.metrics import rebuffer_time_s
 
@@ -79,3 +81,19 @@ def test_the_move_watch_ignores_a_step_that_moved_nothing() -> None:
     core.step()  # a decode: nobody starts, nobody pauses
     watch.after_step(core.scheduler, clock.now())
     assert watch.last is first
+
+
+def test_the_engine_keeps_the_class_it_is_given(tiny_model_dir) -> None:
+    engine = LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=256))
+    params = SamplingParams(max_tokens=4)
+    prompt = engine.tokenizer.encode("Hello")
+    engine.add_request("batch", prompt, params, math.inf, Consumption.BATCH)
+    engine.add_request("eager", prompt, params, math.inf)  # an infinite rate alone: eager
+    engine.add_request("reader", prompt, params, 3.0)
+    classes = {s.request_id: s.consumption for s in engine.streams(8).streams}
+    assert classes == {
+        "batch": Consumption.BATCH,
+        "eager": Consumption.EAGER,
+        "reader": Consumption.READER,
+    }
+    engine.close()

@@ -82,6 +82,7 @@ class FakeEngine:
     active_ids: list[str] = field(default_factory=list)
     aborted_ids: list[str] = field(default_factory=list)
     submitted: list[tuple[str, SamplingParams, float]] = field(default_factory=list)
+    consumptions: list[Consumption] = field(default_factory=list)  # each generate()'s class
     num_finished: int = 0
     num_refused: int = 0  # generate() calls refused with EngineOverloaded
     death: str | None = None  # health() reports the loop dead, generate() raises EngineDead
@@ -94,6 +95,7 @@ class FakeEngine:
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         rate_tps: float,
+        consumption: Consumption = Consumption.READER,
     ) -> AsyncIterator[GenerationDelta]:
         if self.death is not None:
             raise EngineDead(self.death)
@@ -104,6 +106,7 @@ class FakeEngine:
         if limit is not None and len(prompt_token_ids) > limit:
             raise EngineRequestError(f"prompt longer than {limit} tokens")
         self.submitted.append((request_id, sampling_params, rate_tps))
+        self.consumptions.append(consumption)
         self.active_ids.append(request_id)
         try:
             await asyncio.sleep(self.first_token_delay_s)

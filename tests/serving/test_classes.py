@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
+from tokenflow.core.request import Consumption
 from tokenflow.serving.app import build_app
 from tokenflow.serving.classes import ClassRules
 from tokenflow.serving.config import ServerConfig
@@ -35,6 +36,15 @@ async def test_a_non_streamed_request_is_batch_and_reads_at_once():
     batch = {**BODY, "stream": False}
     got = await rates(ServerConfig(), (batch, {}), ({**batch, "stream_class": "batch"}, {}))
     assert got == [math.inf, math.inf]
+
+
+async def test_the_engine_gets_each_requests_class():
+    engine = FakeEngine()
+    transport = httpx.ASGITransport(app=build_app(engine, ServerConfig()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for body in ({**BODY, "stream": False}, BODY, {**BODY, "stream_rate": 3}):
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+    assert engine.consumptions == [Consumption.BATCH, Consumption.EAGER, Consumption.READER]
 
 
 async def test_an_eager_stream_by_body_or_header_and_the_body_wins():

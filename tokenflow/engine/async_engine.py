@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from tokenflow.core.request import SamplingParams
+from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import (
     EngineDead,
@@ -90,6 +90,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     rate_tps: float
+    consumption: Consumption
     sink: _DeltaSink
     loop: asyncio.AbstractEventLoop
 
@@ -157,6 +158,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         rate_tps: float,
+        consumption: Consumption = Consumption.READER,
     ) -> AsyncIterator[GenerationDelta]:
         """Submit and stream deltas; raises before the first delta if refused."""
         prompt = list(prompt_token_ids)
@@ -177,7 +179,8 @@ class AsyncEngine:
                     retry_after_s=1.0,
                 )
             self._num_pending_adds += 1
-            self._commands.put(_Add(request_id, prompt, sampling_params, rate_tps, sink, loop))
+            add = _Add(request_id, prompt, sampling_params, rate_tps, consumption, sink, loop)
+            self._commands.put(add)
         finished = False
         try:
             while True:
@@ -326,7 +329,11 @@ class AsyncEngine:
             self._num_pending_adds -= 1
         try:
             self.engine.add_request(
-                command.request_id, command.prompt_token_ids, command.params, command.rate_tps
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                command.rate_tps,
+                command.consumption,
             )
         except ValueError as err:
             self._send(command, EngineRequestError(str(err)))

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenflow.core.request import SamplingParams
+from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.streams import StreamsSnapshot
 
 
@@ -105,9 +105,10 @@ class EngineClient(Protocol):
         prompt_token_ids: Sequence[int],
         sampling_params: SamplingParams,
         rate_tps: float,
+        consumption: Consumption = Consumption.READER,
     ) -> AsyncIterator[GenerationDelta]:
         """Submit a request and stream its deltas; `rate_tps` is its reader's tokens/s, or
-        math.inf for a client that uses each token at once (eager or batch).
+        math.inf for a client that uses each token at once (`consumption` eager or batch).
 
         Raises EngineOverloaded, EngineRequestError or EngineDead before the first delta if it
         cannot be accepted; RequestFailed or EngineDead later if it fails mid-way.

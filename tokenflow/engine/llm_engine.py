@@ -142,8 +142,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         rate_tps: float | None = None,
+        consumption: Consumption | None = None,
     ) -> None:
-        """Queue a request (ValueError if it is invalid or can never fit)."""
+        """Queue a request (ValueError if it is invalid or can never fit); its class is
+        `consumption`, else eager for an infinite rate and reader otherwise."""
         self.validate(prompt_token_ids, params)
         self.outputs.add(request_id, prompt_token_ids, params)
         request = Request(
@@ -151,7 +153,8 @@ class LLMEngine:
             prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
             rate_tps=rate_tps or self.args.default_rate_tps,
-            consumption=Consumption.READER if rate_tps != math.inf else Consumption.EAGER,
+            consumption=consumption
+            or (Consumption.READER if rate_tps != math.inf else Consumption.EAGER),
             arrival_s=self.core.clock.now(),
             eos_token_ids=self.model_config.eos_token_ids,
         )

@@ -97,8 +97,6 @@ class OpenAIServing:
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
-        # The requests not streamed (batch), while in the engine: it sees them as eager.
-        self.batch_request_ids: set[str] = set()
 
     # -- entry points ---------------------------------------------------------------------------
     async def create_completion(
@@ -198,12 +196,10 @@ class OpenAIServing:
         if prepared.stream:
             events = self._events(prepared, fmt, submitted, progress)
             return EventStream(events, lambda: self._release(submitted, progress))
-        self.batch_request_ids.add(prepared.request_id)
         try:
             collect = self._collect(prepared, submitted, progress)
             await self._race_disconnect(collect, wait_for_disconnect)
         finally:
-            self.batch_request_ids.discard(prepared.request_id)
             await self._release(submitted, progress)
         text = "".join(progress.text_parts)
         return fmt.response(prepared, text, progress.finish_reason, usage_of(prepared, progress))
@@ -217,6 +213,7 @@ class OpenAIServing:
                 prepared.prompt_token_ids,
                 prepared.sampling_params,
                 prepared.rate_tps,
+                prepared.consumption,
             )
         )
         submitted = _Submitted(prepared.request_id, deltas, asyncio.ensure_future(anext(deltas)))

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -23,7 +23,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from tokenflow.core.request import Consumption
 from tokenflow.engine.client import EngineClient, EngineDead
 from tokenflow.engine.streams import StreamsSnapshot, StreamState
 from tokenflow.serving.metrics import ServingMetrics
@@ -100,15 +99,11 @@ def finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def stream_info(stream: StreamState, batch_request_ids: Collection[str]) -> StreamInfo:
-    """One stream for the wire.  The engine sees a batch request as eager (both read each token
-    at once); the serving layer knows which requests are not streamed."""
-    consumption = stream.consumption
-    if consumption is Consumption.EAGER and stream.request_id in batch_request_ids:
-        consumption = Consumption.BATCH
+def stream_info(stream: StreamState) -> StreamInfo:
+    """One stream for the wire."""
     return StreamInfo(
         id=stream.request_id,
-        stream_class=consumption.value,
+        stream_class=stream.consumption.value,
         rate_tps=finite_or_none(stream.rate_tps),
         state=stream.state,  # type: ignore[arg-type]  (a value of engine.streams.STATE_NAMES)
         kv_on_host=stream.is_kv_on_host,
@@ -123,9 +118,7 @@ def stream_info(stream: StreamState, batch_request_ids: Collection[str]) -> Stre
     )
 
 
-def streams_response(
-    snapshot: StreamsSnapshot, batch_request_ids: Collection[str]
-) -> StreamsResponse:
+def streams_response(snapshot: StreamsSnapshot) -> StreamsResponse:
     """The snapshot for the wire."""
     s = snapshot
     moves = s.last_moves
@@ -159,7 +152,7 @@ def streams_response(
         num_loads_total=s.num_loads_total,
         num_recomputes_total=s.num_recomputes_total,
         last_moves=last_moves,
-        streams=[stream_info(stream, batch_request_ids) for stream in s.streams],
+        streams=[stream_info(stream) for stream in s.streams],
     )
 
 
@@ -236,8 +229,7 @@ def streams_router() -> APIRouter:
         Gamma against the reading demand, the KV tiers and the latest moves."""
         watch: StreamsWatch = request.app.state.streams_watch
         snapshot = await watch.latest(limit)
-        batch_ids = request.app.state.serving.batch_request_ids
-        body = streams_response(snapshot, batch_ids).model_dump_json()
+        body = streams_response(snapshot).model_dump_json()
         return Response(body, media_type="application/json")
 
     return router
