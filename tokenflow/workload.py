@@ -305,9 +305,9 @@ def load_trace(path: str | os.PathLike[str], default_rate_tps: float) -> list[Wo
 
 
 def _with_stated_classes(requests: list[WorkloadRequest], rows: list[TraceRow]) -> list:
-    """Each request's class as its trace row states it, if it does (`requests` in arrival
-    order, as `_numbered` sorts the rows)."""
-    stated = [row[4] for row in sorted(rows, key=lambda row: row[0])]
+    """Each request's class as its trace row states it, if it does (`requests` numbered from
+    these rows, in the order `_by_arrival` gives both)."""
+    stated = [row[4] for row in _by_arrival(rows)]
     return [
         r if c is None else replace(r, consumption=c) for r, c in zip(requests, stated, strict=True)
     ]
@@ -334,11 +334,15 @@ def _arrival_times_s(spec: WorkloadSpec) -> list[float]:
 
 def _numbered(rows: list[tuple[float, int, int, float]]) -> list[WorkloadRequest]:
     """Sort (arrival_s, prompt, output, rate) rows stably by arrival and give them ids."""
-    ordered = sorted(rows, key=lambda row: row[0])
     return [
         WorkloadRequest(f"req-{i}", float(arrival), num_prompt, num_output, float(rate))
-        for i, (arrival, num_prompt, num_output, rate) in enumerate(ordered)
+        for i, (arrival, num_prompt, num_output, rate) in enumerate(_by_arrival(rows))
     ]
+
+
+def _by_arrival(rows: list) -> list:
+    """Rows (arrival_s first) in arrival order, equal arrivals as given: the requests' order."""
+    return sorted(rows, key=lambda row: row[0])
 
 
 # -- trace files --------------------------------------------------------------------------------
