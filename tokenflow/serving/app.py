@@ -235,9 +235,8 @@ def _to_response(result: ServeResult | None, config: ServerConfig) -> Response:
 
 class _SseResponse(EventSourceResponse):
     """Sends an `EventStream` as SSE frames (keep-alive comments every `keepalive_s`, 0: none),
-    and always closes it, even
-    when the client left before the first event was pulled (then the engine request is
-    aborted)."""
+    and always closes it, even when the client left before the first event was pulled (then
+    the engine request is aborted)."""
 
     def __init__(self, stream: EventStream, keepalive_s: float) -> None:
         super().__init__(

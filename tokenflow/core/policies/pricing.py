@@ -166,7 +166,7 @@ def member(
         utility=utility(config, buffered_s, resident),
         footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size),
         is_resident=resident,
-        is_pausable=state is _RUNNING and _is_pausable(config, view, r, buffered_s, prices),
+        is_pausable=_is_pausable(config, view, r, buffered_s, prices),
         is_urgent=started and slack_s < config.critical_slack_s,
         is_overdue=started and slack_s <= -config.max_stall_s,
         resume_s=prices.resume_s[r.request_id] if state is _PREEMPTED else 0.0,
