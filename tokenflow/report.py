@@ -20,7 +20,13 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from tokenflow.metrics import RequestTrace, Summary, buffer_timeline
+from tokenflow.metrics import (
+    MetricsConfig,
+    RequestTrace,
+    Summary,
+    buffer_timeline,
+    summarize_by_class,
+)
 
 # (summary key, column title, format)
 TABLE_COLUMNS = (
@@ -47,6 +53,19 @@ def format_table(summaries: Mapping[str, Summary]) -> str:
         cells = [fmt.format(values[key]) for key, _, fmt in TABLE_COLUMNS]
         rows.append([name, done, *cells])
     return _aligned(rows)
+
+
+def class_summaries(
+    runs: Mapping[str, Sequence[RequestTrace]], config: MetricsConfig
+) -> dict[str, Summary]:
+    """Each run's consumption classes apart ("tokenflow reader", ...) when some run mixes
+    classes; empty when every run has one class (the main table says it all)."""
+    by_class = {
+        f"{name} {cls}": summary
+        for name, traces in runs.items()
+        for cls, summary in summarize_by_class(traces, config).items()
+    }
+    return by_class if len(by_class) > len(runs) else {}
 
 
 def _aligned(rows: list[list[str]]) -> str:

@@ -225,3 +225,21 @@ def test_an_eager_reader_asks_one_streams_share_of_gamma():
     core, clock, (r1, r2, r3) = three_streams(consumption=Consumption.EAGER)
     capacity = measure_capacity(core.scheduler.view(clock.t))
     assert capacity.demand_tps([r1]) == capacity.rate_cap_tps < math.inf
+
+
+def test_an_arrival_after_the_queue_drained_is_not_held_by_the_last_prefill_pace():
+    """The prefill budget paces a queue: spent on one long prompt, it does not hold a later
+    arrival that finds nobody waiting until the next decision (Poisson TTFT)."""
+    config = replace(OPTIMISTIC, initial_prefill_token_s=0.01)  # 60 tokens: 0.6 s > 0.5 s budget
+    core, clock, _ = make_core("tokenflow", step_s=0.05, scheduler_config=config)
+    eager = Consumption.EAGER
+    core.add_request(make_request("a", num_prompt=60, max_tokens=60, consumption=eager))
+    core.step()  # the decision at 0: a starts and overdraws the interval's prefill budget
+    core.step()  # nobody waits
+    policy = core.scheduler.policy
+    assert policy.num_decisions == 1
+    late = make_request("b", num_prompt=8, max_tokens=60, consumption=eager, arrival=clock.t)
+    core.add_request(late)
+    core.step()
+    assert clock.t < policy._next_decision_s and policy.num_decisions == 1
+    assert late.state is RequestState.RUNNING

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from tokenflow.bench.client import ENDPOINTS, BenchRun, ClientConfig, run_workload
-from tokenflow.metrics import MetricsConfig, Summary, summarize, summarize_by_class
-from tokenflow.report import format_table, plot_report, write_json
+from tokenflow.metrics import MetricsConfig, Summary, summarize
+from tokenflow.report import class_summaries, format_table, plot_report, write_json
 from tokenflow.workload import WorkloadRequest, save_trace
 from tokenflow.workload_cli import add_workload_arguments, workload_from_args
 
@@ -106,12 +106,8 @@ def report_runs(
     out = out if out is not None else sys.stdout
     summaries = {name: summarize(run.traces, config) for name, run in runs.items()}
     print(format_table(summaries), file=out)
-    by_class = {
-        f"{name} {cls}": summary
-        for name, run in runs.items()
-        for cls, summary in summarize_by_class(run.traces, config).items()
-    }
-    if len(by_class) > len(runs):  # some run mixes classes: each class apart too
+    by_class = class_summaries({name: run.traces for name, run in runs.items()}, config)
+    if by_class:
         print(format_table(by_class), file=out)
     for name, run in runs.items():
         if run.num_failed:

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES, parse_policy_names
-from tokenflow.report import format_table, plot_report, write_json
+from tokenflow.metrics import MetricsConfig
+from tokenflow.report import class_summaries, format_table, plot_report, write_json
 from tokenflow.sim.cost_model import CostModelConfig
 from tokenflow.sim.fleet_cli import add_fleet_arguments, is_fleet, run_fleet_simulate
 from tokenflow.sim.overhead import SchedulerOverhead
@@ -206,6 +207,9 @@ def _report(args: argparse.Namespace, results: list[SimResult], title: str) -> N
     summaries = {r.policy: r.summary for r in results}
     print(title)
     print(format_table(summaries))
+    by_class = class_summaries({r.policy: r.traces for r in results}, MetricsConfig())
+    if by_class:
+        print(format_table(by_class))
     for r in results:
         print(
             f"  {r.policy}: {r.num_steps} steps, {r.num_loads} loads, {r.num_recomputes} "

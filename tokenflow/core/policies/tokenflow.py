@@ -8,9 +8,8 @@ own module and each formula in `pricing.py`:
    batch.  When the members' reading rates exceed it the decision degrades: no admission, and
    the balance serves by arrival;
 2. admission (`admission.py`, section 4 step 1): waiting requests join in arrival order while
-   the working set is below W_sched, their rates fit the spare capacity (with
-   `capacity_headroom`), their prefills fit one interval, and each finds free device blocks
-   or blocks that safe pauses free (b_j >= mu * r_j * round trip, `pricing.pause_threshold_s`);
+   the working set, their rates, their prefills and their blocks fit (b_j >= mu * r_j * round
+   trip for a safe pause, `pricing.pause_threshold_s`);
 3. balancing (`balance.py`, section 4 step 2): who is on the device: pinned members, then
    streams stalled for `max_stall_s`, then by utility (or, degraded, by arrival), greedily
    while memory allows; resident members left out are paused (offloaded);
@@ -18,11 +17,10 @@ own module and each formula in `pricing.py`:
    host tier or recomputed, whichever is faster now.
 
 Overload rule (beyond the paper): a waiting request starts only while the working set's reading
-rates fit the engine's capacity, also between decisions, so a burst that wants more tokens/s than
-the engine makes waits in arrival order instead of joining and stalling everyone; unless the
-whole queue fits in `queue_headroom` x Gamma (off by default), when it may all join and the
-small deficit is spread as short stalls.  Admission trusts the lower median of recent Gammas
-(`capacity.CapacityFloor`), so one high estimate does not admit a burst.
+rates fit the engine's capacity (the lower median of recent Gammas, `capacity.CapacityFloor`),
+also between decisions, so a burst that wants more tokens/s than the engine makes waits in
+arrival order instead of joining and stalling everyone; unless the whole queue fits in
+`queue_headroom` x Gamma (off by default): then it all joins, the deficit spread as stalls.
 
 Eager and batch requests (`Consumption`: an agent reads each token at once; a pause only
 delays a non-streamed answer) read at an infinite rate: their buffer is always empty, so they
@@ -30,7 +28,8 @@ are never paused for it, rank as readers about to run dry, and ask one stream's 
 
 Between decisions the decided starts are carried out as memory frees; free memory then goes to
 the paused streams nearest to running dry, then to waiting requests within the rate and prefill
-budgets the last decision left (memory-aware FCFS).  Write-through copies go largest buffer
+budgets the last decision left (memory-aware FCFS); a queue that drains refills the prefill
+budget to one interval, so a lone arrival starts at once.  Write-through copies go largest buffer
 first (section 5: the likeliest to be paused is synced first).
 """
 
@@ -95,6 +94,8 @@ class TokenFlowPolicy(Policy):
 
     def plan_moves(self, view: SchedulingView) -> Moves:
         """A full decision at interval boundaries under stress; otherwise carry out the last one."""
+        if not view.waiting:  # (the prefill pace is for a queue: a lone arrival starts at once)
+            self._prefill_budget_s = max(self._prefill_budget_s, self.config.schedule_interval_s)
         if view.now_s >= self._next_decision_s and self.is_stressed(view):
             self._next_decision_s = view.now_s + self.config.schedule_interval_s
             return self.decide(view)
