@@ -195,7 +195,8 @@ def bracketed_prediction(
     if index + 1 < len(order) and ablation != "anchoring":
         after = load_profile(out_dir / order[index + 1])
         unscaled = out_dir / f"unscaled-{order[index + 1]}"
-        replace(after, costs=replace(after.costs, speed_factor=1.0)).save(unscaled)
+        as_swept = replace(after.costs, speed_factor=1.0, prefill_speed_factor=1.0)
+        replace(after, costs=as_swept).save(unscaled)
         summaries.append(simulate_run(unscaled, workload, policy, out_dir, ablation))
     return {k: statistics.fmean(s[k] for s in summaries) for k in summaries[0]}
 

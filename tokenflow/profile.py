@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from tokenflow.machine import cpu_facts, cpu_use, read_cpu_times
-from tokenflow.profile_probe import PROBE_PROMPT_WORDS, serving_costs, speed_factor
+from tokenflow.profile_probe import (
+    PROBE_PROMPT_WORDS,
+    prefill_speed_factor,
+    request_path_s,
+    serving_costs,
+    speed_factor,
+)
 from tokenflow.sweep import StepSample, SweepSpec, run_sweep, sweep_device_blocks
 
 if TYPE_CHECKING:  # torch-side types, imported when a profile is taken, not at start-up
@@ -117,11 +123,14 @@ def take_profile(
     )
     extra_s, extra_per_stream_s = serving_costs(points) if points else (0.0, 0.0)
     probe_prompt = prompt_tokens(engine.tokenizer)["chat"].tokens(PROBE_PROMPT_WORDS)
+    factor = speed_factor(fitted, points, probe_prompt)
     costs = replace(
         fitted,
         server_step_s=server_s + extra_s,
         server_per_chunk_s=per_chunk_s + extra_per_stream_s,
-        speed_factor=speed_factor(fitted, points, probe_prompt),
+        speed_factor=factor,
+        prefill_speed_factor=prefill_speed_factor(fitted, points, probe_prompt, factor),
+        request_path_s=request_path_s(points),
     )
     use = cpu_use(started, read_cpu_times())
     machine = {
@@ -321,7 +330,11 @@ def _print_summary(profile: Profile, path: str) -> None:
         f"  server   {costs.server_step_s * 1e3:.3g} ms/step + "
         f"{costs.server_per_chunk_s * 1e6:.3g} us/chunk beyond the forward pass"
     )
-    print(f"  speed    the sweep's fit x {costs.speed_factor:.3f} (the probe's in-process steps)")
+    print(
+        f"  speed    the sweep's fit x {costs.speed_factor:.3f}, its prefill terms "
+        f"x {costs.prefill_speed_factor:.3f} (the probe's in-process steps)"
+    )
+    print(f"  request  {costs.request_path_s * 1e3:.3g} ms to first token beyond the steps")
     for p in profile.probe:
         print(
             f"  probe    batch {p.batch:2d}: a step every {p.step_gap_s * 1e3:.1f} ms through "

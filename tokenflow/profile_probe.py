@@ -14,7 +14,12 @@ batch sizes give its fixed and per-stream parts.
 The in-process bursts also anchor the sweep in time: a shared CPU's speed drifts by tens of
 percent within minutes, so the sweep's fit is scaled by how fast the machine ran the probe's
 in-process steps (at the end of the profile, the moment nearest to what is simulated next)
-against what the fit predicts for them (`speed_factor`).
+against what the fit predicts for them: decode by the bursts' decode steps (`speed_factor`),
+prefill by a lone request's first step (`prefill_speed_factor`; one factor for both predicted
+prefills 12% short when the decode fit alone was off).  The lone request also prices the
+serving path once per request (`request_path_s`): its time to first token through the server
+and the client beyond the same request's in-process one (HTTP, tokenizing, the template, the
+first delta's way out), which no per-step charge holds.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from tokenflow.workload import WorkloadRequest
 if TYPE_CHECKING:
     from tokenflow.engine.llm_engine import LLMEngine
 
-PROBE_BATCHES = (4, 16)
+PROBE_BATCHES = (1, 4, 16)  # 1: the lone request
 PROBE_PROMPT_WORDS = 32
 _OUTPUT_TOKENS = 48
 _SKIP_TOKENS = 8  # the first gaps hold the prefill and the batch filling up
@@ -62,24 +67,32 @@ def median_gap_s(token_times: Sequence[Sequence[float]]) -> float:
     return statistics.median(gaps)
 
 
-def in_process_step_s(engine: LLMEngine, batch: int, prompt_tokens: int) -> float:
-    """The median decode step of the same burst through the profiled engine's whole step
-    (scheduler, forward pass, output processing, the stats the server reads), in this process."""
+def in_process_burst(engine: LLMEngine, batch: int, prompt_tokens: int) -> tuple[float, float]:
+    """The same burst through the profiled engine's whole step (scheduler, forward pass, output
+    processing, the stats the server reads), in this process: the median decode step, and the
+    median time from a request's arrival to its first token."""
     params = SamplingParams(max_tokens=_OUTPUT_TOKENS, min_tokens=_OUTPUT_TOKENS, ignore_eos=True)
+    added_s: dict[str, float] = {}
     for i in range(batch):
         prompt = [1000 + (13 * i + j) % 5000 for j in range(prompt_tokens)]
-        engine.add_request(f"probe-{batch}-{i}-{time.monotonic_ns()}", prompt, params, 1000.0)
-    steps_s, num_steps = [], 0
+        request_id = f"probe-{batch}-{i}-{time.monotonic_ns()}"
+        added_s[request_id] = time.perf_counter()
+        engine.add_request(request_id, prompt, params, 1000.0)
+    steps_s, ttfts_s, num_steps = [], [], 0
     while engine.has_work:
         begin = time.perf_counter()
-        engine.step()
+        _, deltas = engine.step()
         engine.stats()
+        end = time.perf_counter()
         num_steps += 1
         if num_steps > _SKIP_TOKENS + 1:
-            steps_s.append(time.perf_counter() - begin)
-    if not steps_s:
+            steps_s.append(end - begin)
+        for delta in deltas:
+            if delta.token_ids and delta.request_id in added_s:
+                ttfts_s.append(end - added_s.pop(delta.request_id))
+    if not steps_s or not ttfts_s:
         raise ValueError("the in-process probe burst ran too few steps")
-    return statistics.median(steps_s)
+    return statistics.median(steps_s), statistics.median(ttfts_s)
 
 
 def probe_serving_path(
@@ -96,12 +109,16 @@ def probe_serving_path(
         config = ClientConfig(url=url, show_progress=False, timeout_s=600.0)
         asyncio.run(run_workload(probe_requests(2), config))  # warm the server up
         for batch in PROBE_BATCHES:
-            gaps, steps = [], []
-            for _ in range(repeats):
-                run = asyncio.run(run_workload(probe_requests(batch), config))
-                gaps.append(median_gap_s([t.token_times_s for t in run.traces]))
-                steps.append(in_process_step_s(engine, batch, num_prompt))
-            points.append(ProbePoint(batch, statistics.median(gaps), statistics.median(steps)))
+            gaps, ttfts, steps, in_process_ttfts = [], [], [], []
+            for _ in range(repeats * 2 if batch == 1 else repeats):  # (lone: cheap, noisy)
+                traces = asyncio.run(run_workload(probe_requests(batch), config)).traces
+                gaps.append(median_gap_s([t.token_times_s for t in traces]))
+                ttfts.append(statistics.median(t.token_times_s[0] - t.arrival_s for t in traces))
+                step_s, ttft_s = in_process_burst(engine, batch, num_prompt)
+                steps.append(step_s)
+                in_process_ttfts.append(ttft_s)
+            medians = [statistics.median(xs) for xs in (gaps, steps, ttfts, in_process_ttfts)]
+            points.append(ProbePoint(batch, *medians))
     return points
 
 
@@ -120,10 +137,41 @@ def speed_factor(costs: StepCosts, points: Sequence[ProbePoint], prompt_tokens: 
     """How much slower (> 1) or faster the machine ran the probe's in-process steps, at the
     end of the profile, than the sweep's fit predicts: the median over the probe's batches."""
     ratios = [
-        p.in_process_step_s / in_process_prediction_s(costs, p.batch, prompt_tokens)
-        for p in points
+        p.in_process_step_s / in_process_prediction_s(costs, p.batch, prompt_tokens) for p in points
     ]
     return statistics.median(ratios) if ratios else 1.0
+
+
+def lone_point(points: Sequence[ProbePoint]) -> ProbePoint | None:
+    """The probe's lone request (batch 1, both times to first token measured), if any."""
+    lone = [p for p in points if p.batch == 1 and p.ttft_s > 0 and p.in_process_ttft_s > 0]
+    return lone[0] if lone else None
+
+
+def prefill_speed_factor(
+    costs: StepCosts, points: Sequence[ProbePoint], prompt_tokens: int, decode_factor: float
+) -> float:
+    """How much slower (> 1) the lone request's in-process first step ran its prefill than the
+    fit predicts, once the step's base (at `decode_factor`), the scheduler's charge and the
+    engine's own time are taken off; 1.0 without a lone request."""
+    lone = lone_point(points)
+    if lone is None:
+        return 1.0
+    fit = costs.compute_fit(prompt_tokens)
+    base_s = fit.time_s(0, 0, 0, 0)
+    pairs = prompt_tokens * (prompt_tokens + 1) // 2
+    prefill_s = fit.time_s(0, 0, prompt_tokens, pairs) - base_s
+    engine_s = costs.server_step_s + costs.server_per_chunk_s
+    fixed_s = base_s * decode_factor + default_overhead("fcfs").step_s(1) + engine_s
+    measured_s = lone.in_process_ttft_s - fixed_s
+    return max(measured_s / prefill_s, 0.1) if prefill_s > 0 else 1.0
+
+
+def request_path_s(points: Sequence[ProbePoint]) -> float:
+    """The serving path's time per request: the lone request's time to first token through the
+    server and the client beyond its in-process one, never below zero; 0 without one."""
+    lone = lone_point(points)
+    return max(lone.ttft_s - lone.in_process_ttft_s, 0.0) if lone else 0.0
 
 
 def serving_costs(points: Sequence[ProbePoint]) -> tuple[float, float]:

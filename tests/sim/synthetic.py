@@ -70,10 +70,11 @@ def synthetic_costs(slow_every: int = 0) -> tuple[StepCosts, list]:
     return fit_step_costs(samples, SERIAL_BELOW), samples
 
 
-def synthetic_profile(server_step_s: float = 0.001) -> Profile:
-    """A profile of the synthetic executor, as `tokenflow profile` would write it."""
+def synthetic_profile(server_step_s: float = 0.001, **costs_given: float) -> Profile:
+    """A profile of the synthetic executor, as `tokenflow profile` would write it (`costs_given`:
+    other `StepCosts` fields, e.g. request_path_s)."""
     costs, samples = synthetic_costs()
-    costs = StepCosts(**{**costs.__dict__, "server_step_s": server_step_s})
+    costs = StepCosts(**{**costs.__dict__, "server_step_s": server_step_s, **costs_given})
     engine = EngineFacts(
         block_size=16,
         block_bytes=16 * 1024,

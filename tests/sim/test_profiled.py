@@ -2,6 +2,7 @@
 the keys `bench` writes, and it sizes prefill chunks by the real engine's rule."""
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ from tests.sim.synthetic import synthetic_profile
 from tokenflow.cli import main
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.metrics import Summary
+from tokenflow.sim.profile_costs import ProfiledCostModel
 from tokenflow.sim.profile_file import ProfileError, load_profile
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine, prefill_chunk_budget
 from tokenflow.sim.runner import SimConfig, run_engine
@@ -109,3 +111,26 @@ def test_the_chunk_budget_is_the_real_engines(num_decodes, step_target_ms):
         estimator, num_decodes, step_target_ms / 1000, _MIN_PREFILL_CHUNK_TOKENS, 4096
     )
     assert ours == engine_budget(estimator, num_decodes, step_target_ms, 4096)
+
+
+def test_the_request_path_delays_a_lone_first_token_by_its_time(profile_path):
+    ttfts = [
+        run_engine(burst(1), "fcfs", build_profiled_engine(ProfiledDeployment(p), "fcfs"),
+                   SimConfig()).summary.ttft_mean_s
+        for p in (load_profile(profile_path), synthetic_profile(request_path_s=0.25))
+    ]  # fmt: skip
+    assert ttfts[1] == pytest.approx(ttfts[0] + 0.25, abs=1e-6)
+
+
+def test_prefill_terms_take_their_own_speed_factor():
+    costs = synthetic_profile().costs
+    slow_prefill = ProfiledCostModel(replace(costs, prefill_speed_factor=2.0), 1024)
+    as_fitted = ProfiledCostModel(costs, 1024)
+    decode = (0, 0, 4000, 8)  # 8 streams decoding over 4000 context tokens
+    assert slow_prefill.compute_time_s(*decode) == as_fitted.compute_time_s(*decode)
+    prefill_only = costs.parallel.time_s(8, 4000, 256, 256 * 257 // 2) - costs.parallel.time_s(
+        8, 4000, 0, 0
+    )
+    mixed = (256, 256 * 257 // 2, 4000, 8)
+    extra = slow_prefill.compute_time_s(*mixed) - as_fitted.compute_time_s(*mixed)
+    assert extra == pytest.approx(prefill_only * costs.speed_factor)

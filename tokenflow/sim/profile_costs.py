@@ -60,7 +60,7 @@ class CopyFit:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Everything the profiled simulator charges for one engine step."""
+    """Everything the profiled simulator charges for an engine step (and for a request)."""
 
     serial_below_tokens: int  # steps of fewer tokens ran on one thread (`serial`)
     serial: ComputeFit
@@ -74,7 +74,12 @@ class StepCosts:
     # The forward pass and copies as fitted, times this: the machine's speed when the profile
     # ended against during its sweep (the serving probe's in-process steps against the fit's
     # prediction of them, tokenflow/profile_probe.py); a shared CPU's speed drifts by minutes.
+    # A step's prefill terms (p0, p1, p2) take their own factor, from a lone request's prefill.
     speed_factor: float = 1.0
+    prefill_speed_factor: float = 1.0
+    # Once per request: its way from the client to the engine and its first token's way back
+    # (HTTP, tokenizing, the template, the first delta), beyond what the steps are charged.
+    request_path_s: float = 0.0
 
     def compute_fit(self, num_tokens: int) -> ComputeFit:
         """The regime a forward pass of `num_tokens` tokens runs in."""
@@ -245,10 +250,12 @@ class ProfiledCostModel:
         if num_tokens == 0:
             return 0.0
         fit = self.costs.compute_fit(num_tokens)
-        compute_s = fit.time_s(
+        decode_s = fit.time_s(num_decode_seqs, decode_context_tokens, 0, 0)
+        step_s = fit.time_s(
             num_decode_seqs, decode_context_tokens, num_prefill_tokens, prefill_attention_pairs
         )
-        return compute_s * self.costs.speed_factor
+        costs = self.costs
+        return decode_s * costs.speed_factor + (step_s - decode_s) * costs.prefill_speed_factor
 
     def block_copy_time_s(self, block_bytes: int) -> float:
         """Seconds per block of a long copy, the slower direction (the link's rate)."""

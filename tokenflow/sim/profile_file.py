@@ -12,7 +12,8 @@ One JSON object:
   (fixed + per_word x n), per endpoint: the chat template adds its own;
 - `costs`: the fitted `StepCosts`; `residuals`: the fit's relative residuals by kind of step;
 - `samples`: every timed step of the sweep, so the fit can be redone;
-- `probe`: the bursts through a real server that priced the serving path per step.
+- `probe`: the bursts through a real server that priced the serving path per step and per
+  request.
 
 Loading refuses unknown or missing keys with the key's path in the message.
 """
@@ -66,11 +67,14 @@ class EngineFacts:
 class ProbePoint:
     """A burst of `batch` unread streams through a real server and through the profiled engine
     in-process (tokenflow/profile_probe.py): the median gap between a stream's tokens there,
-    the median decode step here; the difference is the serving path's cost at that batch."""
+    the median decode step here (the difference is the serving path's cost at that batch),
+    and the median time to first token in each (0: not measured)."""
 
     batch: int
     step_gap_s: float
     in_process_step_s: float
+    ttft_s: float = 0.0
+    in_process_ttft_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -157,9 +161,7 @@ def _check_keys(record: Any, cls: type, where: str) -> None:
 
 def _optional(cls: type) -> set[str]:
     return {
-        f.name
-        for f in fields(cls)
-        if f.default is not MISSING or f.default_factory is not MISSING
+        f.name for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING
     }
 
 
@@ -188,6 +190,10 @@ def pool_profiles(profiles: list[Profile]) -> Profile:
             "server_step_s": statistics.median(s for s, _ in serving),
             "server_per_chunk_s": statistics.median(c for _, c in serving),
             "speed_factor": statistics.median(p.costs.speed_factor for p in profiles),
+            "prefill_speed_factor": statistics.median(
+                p.costs.prefill_speed_factor for p in profiles
+            ),
+            "request_path_s": statistics.median(p.costs.request_path_s for p in profiles),
         }
     )
     machine = {**first.machine, "pooled_profiles": len(profiles)}

@@ -18,7 +18,9 @@ real engine does around the core is charged too:
 - the prompt the server tokenizes: the bench client's n words plus the chat template's own
   tokens (the profile's `prompt` mapping);
 - the server loop's pause after a step in which nothing could run (2 ms, the serving
-  engine's `_NOTHING_RAN_WAIT_S`), instead of the simulator's usual 5 ms tick.
+  engine's `_NOTHING_RAN_WAIT_S`), instead of the simulator's usual 5 ms tick;
+- each request's way through the server and the client (the profile's `request_path_s`): the
+  engine sees it that much after its arrival, which its TTFT still counts from.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEng
         before_step=lambda: _size_chunks(scheduler, deployment),
         prompt_tokens=prompt.tokens,
         idle_tick_s=_NOTHING_RAN_WAIT_S,
+        arrival_delay_s=profile.costs.request_path_s,
     )
 
 

@@ -167,6 +167,7 @@ class SimEngine:
     before_step: Callable[[], None] | None = None  # e.g. the real engine's chunk sizing
     prompt_tokens: Callable[[int], int] | None = None  # workload prompt -> tokens served
     idle_tick_s: float | None = None  # the wait after a step that ran nothing (None: config's)
+    arrival_delay_s: float = 0.0  # a request's way to the engine (its TTFT still counts it)
 
 
 def run_simulation(
@@ -195,17 +196,18 @@ def run_engine(
     core, executor = engine.core, engine.executor
     clock = executor_clock(core)
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    delay_s = engine.arrival_delay_s
     requests: list[Request] = []
     bar = tqdm(total=len(workload), desc=policy, disable=not progress, unit="req", leave=False)
     idle_steps = 0
     while pending or core.has_work:
         now = clock.now()
-        while pending and pending[0].arrival_s <= now:
+        while pending and pending[0].arrival_s + delay_s <= now:
             request = make_request(pending.popleft(), engine.prompt_tokens)
             core.add_request(request)
             requests.append(request)
         if not core.has_work:
-            clock.advance_to(pending[0].arrival_s)
+            clock.advance_to(pending[0].arrival_s + delay_s)
             continue
         if engine.before_step is not None:
             engine.before_step()
@@ -215,7 +217,7 @@ def run_engine(
         if idle_steps > config.stall_limit_steps:
             raise SimulationStalled(f"{policy}: no token for {idle_steps} steps at t={now:.2f}s")
         if plan.is_empty:
-            next_arrival = pending[0].arrival_s if pending else float("inf")
+            next_arrival = pending[0].arrival_s + delay_s if pending else float("inf")
             tick_s = config.idle_tick_s if engine.idle_tick_s is None else engine.idle_tick_s
             clock.advance_to(min(next_arrival, now + tick_s))
     bar.close()

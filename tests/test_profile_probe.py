@@ -1,0 +1,37 @@
+"""The serving probe's arithmetic: a lone request's prefill factor and per-request path."""
+
+import pytest
+
+from tests.sim.synthetic import synthetic_profile
+from tokenflow.profile_probe import prefill_speed_factor, request_path_s
+from tokenflow.sim.overhead import default_overhead
+from tokenflow.sim.profile_file import ProbePoint
+
+
+def lone_ttft_s(costs, prompt: int, prefill_factor: float, decode_factor: float) -> float:
+    """A lone request's in-process first step on a machine running prefill `prefill_factor`
+    times slower than the fit: base, prefill terms, the scheduler's charge, the engine's time."""
+    fit = costs.compute_fit(prompt)
+    base_s = fit.time_s(0, 0, 0, 0)
+    prefill_s = fit.time_s(0, 0, prompt, prompt * (prompt + 1) // 2) - base_s
+    engine_s = costs.server_step_s + costs.server_per_chunk_s
+    fixed_s = default_overhead("fcfs").step_s(1) + engine_s
+    return base_s * decode_factor + prefill_s * prefill_factor + fixed_s
+
+
+@pytest.mark.parametrize("prefill_factor", [0.8, 1.0, 1.4])
+def test_the_prefill_factor_is_recovered_from_a_lone_request(prefill_factor):
+    costs = synthetic_profile().costs
+    ttft = lone_ttft_s(costs, 60, prefill_factor, decode_factor=0.9)
+    points = [ProbePoint(1, 0.05, 0.04, ttft + 0.03, ttft), ProbePoint(4, 0.06, 0.05)]
+    assert prefill_speed_factor(costs, points, 60, 0.9) == pytest.approx(prefill_factor)
+    assert request_path_s(points) == pytest.approx(0.03)
+
+
+def test_without_a_lone_request_nothing_is_scaled_or_charged():
+    costs = synthetic_profile().costs
+    points = [ProbePoint(4, 0.06, 0.05), ProbePoint(16, 0.09, 0.08)]  # an older profile's probe
+    assert prefill_speed_factor(costs, points, 60, 0.9) == 1.0
+    assert request_path_s(points) == 0.0
+    early = [ProbePoint(1, 0.05, 0.04, 0.10, 0.12)]  # through the server faster: no charge
+    assert request_path_s(early) == 0.0
