@@ -117,8 +117,16 @@ def probe_serving_path(
                 step_s, ttft_s = in_process_burst(engine, batch, num_prompt)
                 steps.append(step_s)
                 in_process_ttfts.append(ttft_s)
-            medians = [statistics.median(xs) for xs in (gaps, steps, ttfts, in_process_ttfts)]
-            points.append(ProbePoint(batch, *medians))
+            median = statistics.median
+            points.append(
+                ProbePoint(
+                    batch=batch,
+                    step_gap_s=median(gaps),
+                    in_process_step_s=median(steps),
+                    ttft_s=median(ttfts),
+                    in_process_ttft_s=median(in_process_ttfts),
+                )
+            )
     return points
 
 
