@@ -38,6 +38,8 @@ def _report(demand_tps: float, now_s: float = 1.0) -> LoadReport:
         num_lifetime_blocks=40,
         block_size=16,
         capacity_points=(CapacityPoint(1e6, 100.0, 8),),
+        num_device_blocks=200,
+        num_host_blocks=800,
     )
 
 

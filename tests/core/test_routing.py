@@ -41,6 +41,8 @@ def _report(
         num_lifetime_blocks=num_running * 10,
         block_size=16,
         capacity_points=(CapacityPoint(1e9, gamma_tps, batch),),
+        num_device_blocks=10_000,
+        num_host_blocks=0,
     )
 
 
@@ -110,10 +112,19 @@ def test_a_reader_faster_than_one_stream_s_share_counts_that_share():
     assert project(report, [_request(0, rate=50.0)]).load == pytest.approx(0.05)
 
 
-def test_an_unreported_replica_is_the_last_resort():
+def test_an_unreported_replica_is_taken_as_an_idle_copy_of_a_reported_one():
     router = TokenFlowRouter(["new", "old"])
-    router.report("old", _report(demand_tps=900))
-    assert router.choose(_request(0)) == "old"
+    router.report("old", _report(demand_tps=900, num_running=9, num_free_blocks=100))
+    assert router.choose(_request(0)) == "new"  # idle beats 90% loaded
+    router = TokenFlowRouter(["new", "old"])
+    router.report("old", _report())
+    burst = [router.choose(_request(i, rate=100.0)) for i in range(8)]
+    assert burst.count("new") == burst.count("old") == 4  # a burst at start-up is spread
+
+
+def test_with_no_report_at_all_a_burst_goes_round_the_replicas():
+    router = TokenFlowRouter(["a", "b", "c"])
+    assert [router.choose(_request(i)) for i in range(6)] == ["a", "b", "c"] * 2
 
 
 def test_a_removed_replica_gets_nothing_and_candidates_restrict():

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.capacity import measure_capacity
@@ -99,10 +99,27 @@ class LoadReport:
     num_lifetime_blocks: int  # all unfinished requests' lifetime footprints, summed
     block_size: int
     capacity_points: tuple[CapacityPoint, ...]  # Gamma at growing footprints (ascending)
+    num_device_blocks: int  # the tiers' sizes, free or not
+    num_host_blocks: int
 
     @property
     def num_unfinished(self) -> int:
         return self.num_running + self.num_preempted + self.num_waiting
+
+    def idle(self) -> LoadReport:
+        """This replica with nothing on it: what a peer of the same deployment that has not
+        reported yet is taken to be."""
+        return replace(
+            self,
+            working_demand_tps=0.0,
+            waiting_demand_tps=0.0,
+            num_running=0,
+            num_preempted=0,
+            num_waiting=0,
+            num_free_device_blocks=self.num_device_blocks,
+            num_free_host_blocks=self.num_host_blocks,
+            num_lifetime_blocks=0,
+        )
 
     def capacity_at(self, beta_blocks: float) -> CapacityPoint:
         """Gamma at `beta_blocks`, between the two sampled footprints around it (linear in
@@ -141,6 +158,8 @@ def load_report(view: SchedulingView) -> LoadReport:
         num_lifetime_blocks=sum(lifetime_blocks(r, block_size) for r in everyone),
         block_size=block_size,
         capacity_points=_capacity_points(view),
+        num_device_blocks=view.kv.config.num_device_blocks,
+        num_host_blocks=view.kv.config.num_host_blocks,
     )
 
 
@@ -236,14 +255,20 @@ class LeastOutstandingRouter(Router):
 
 @dataclass
 class TokenFlowRouter(Router):
-    """The smallest share of Gamma asked once the request joins, where memory holds it."""
+    """The smallest share of Gamma asked once the request joins, where memory holds it.
+
+    A replica that has not reported yet (just started) is taken to be an idle copy of the
+    first reported one: replicas of one deployment run the same engine on the same tiers."""
 
     name: str = "tokenflow"
 
     def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
         report = self.reports.get(replica_id)
-        if report is None:  # (never reported: unknown, last resort)
-            return (2.0, 0.0, float(len(self.routed_since[replica_id])))
+        if report is None:
+            peer = next((self.reports[r] for r in self.replica_ids if r in self.reports), None)
+            if peer is None:  # (no replica has reported: fewest routed first)
+                return (1.0, 0.0, float(len(self.routed_since[replica_id])))
+            report = peer.idle()
         projection = project(report, [*self.routed_since[replica_id], request])
         fits = projection.load <= 1.0 and projection.num_spare_blocks >= 0
         return (0.0 if fits else 1.0, projection.load, 0.0)
