@@ -11,7 +11,7 @@ from tests.core.helpers import make_request
 from tests.core.tokenflow_states import empty_view, full_view, member, three_streams
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.estimator import StepTimeEstimator
-from tokenflow.core.policies.admission import admit, carried_prefill_budget_s, working_set_limit
+from tokenflow.core.policies.admission import admit, refilled_prefill_budget_s, working_set_limit
 from tokenflow.core.policies.balance import select
 from tokenflow.core.policies.capacity import CapacityFloor, measure_capacity
 from tokenflow.core.policies.pricing import Prices, is_pausable, utility
@@ -164,9 +164,14 @@ def test_unused_prefill_time_carries_over_one_interval_at_most():
     waiting = [make_request(f"n{i}", num_prompt=prompt, max_tokens=1) for i in range(6)]
     first = admit(replace(view, waiting=waiting), [], 100, 1e9, _rate, 0.5)
     assert len(first.requests) == 1 and first.prefill_budget_s == pytest.approx(0.2, abs=0.02)
-    carried = carried_prefill_budget_s(0.5, first.prefill_budget_s)
+    carried = refilled_prefill_budget_s(0.5, first.prefill_budget_s, queue_drained=False)
     assert _admit(view, [], waiting[1:], budget_s=carried) == ["n1", "n2"]
-    assert carried_prefill_budget_s(0.5, 5.0) == 1.0  # a quiet spell carries one interval
+    assert refilled_prefill_budget_s(0.5, 5.0, False) == 1.0  # a quiet spell carries one interval
+
+
+def test_a_drained_queue_refills_the_prefill_budget_to_one_interval():
+    assert refilled_prefill_budget_s(0.5, -0.3, queue_drained=True) == 0.5
+    assert refilled_prefill_budget_s(0.5, 0.8, queue_drained=True) == 0.8  # (kept, not cut)
 
 
 def test_admission_credits_prompts_prefilled_together():

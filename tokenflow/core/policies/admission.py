@@ -36,10 +36,13 @@ def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks
     return math.ceil(w_static - config.working_set_smoothing * (w_static - num_running))
 
 
-def carried_prefill_budget_s(interval_s: float, unused_s: float) -> float:
-    """One interval of prefill time plus what the last interval left unused, at most one more
-    interval (a token bucket: prompts longer than half an interval still start two at a time)."""
-    return interval_s + min(max(unused_s, 0.0), interval_s)
+def refilled_prefill_budget_s(interval_s: float, left_s: float, queue_drained: bool) -> float:
+    """Prefill time newcomers may take, a token bucket: each decision adds one interval to what
+    the last left, up to two (prompts over half an interval still start in pairs); a drained
+    queue refills it to one, so a lone arrival starts at once, not at the last queue's pace."""
+    if queue_drained:
+        return max(left_s, interval_s)
+    return interval_s + min(max(left_s, 0.0), interval_s)
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,7 @@ class Admission:
 
 class _PauseQueue:
     """Pauses that free device memory for admission, least utility first (they lose least);
-    each needs host room for its unsynced tail, or it frees nothing.  Ordered when first
-    asked (most admissions need no pause)."""
+    each needs host room for its unsynced tail or frees nothing.  Sorted when first asked."""
 
     def __init__(self, members: Sequence[Member], view: SchedulingView) -> None:
         self._members = members
@@ -109,9 +111,7 @@ def admit(
                 break
         free -= need + view.reserve_blocks(request)
         admitted.append(request)
-        size += 1
-        rate += demand_tps
-        tokens = batch_tokens
+        size, rate, tokens = size + 1, rate + demand_tps, batch_tokens
     unused_s = prefill_budget_s - prefill_price_s(view, tokens) if admitted else prefill_budget_s
     return Admission(admitted, rate, unused_s)
 

@@ -28,9 +28,8 @@ are never paused for it, rank as readers about to run dry, and ask one stream's 
 
 Between decisions the decided starts are carried out as memory frees; free memory then goes to
 the paused streams nearest to running dry, then to waiting requests within the rate and prefill
-budgets the last decision left (memory-aware FCFS); a queue that drains refills the prefill
-budget to one interval, so a lone arrival starts at once.  Write-through copies go largest buffer
-first (section 5: the likeliest to be paused is synced first).
+budgets the last decision left (memory-aware FCFS; a drained queue refills the prefill budget).
+Write-through copies go largest buffer first (section 5: the likeliest paused is synced first).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from operator import attrgetter
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
     admit,
-    carried_prefill_budget_s,
+    refilled_prefill_budget_s,
     waiting_within_budget,
     working_set_limit,
 )
@@ -94,8 +93,9 @@ class TokenFlowPolicy(Policy):
 
     def plan_moves(self, view: SchedulingView) -> Moves:
         """A full decision at interval boundaries under stress; otherwise carry out the last one."""
-        if not view.waiting:  # (the prefill pace is for a queue: a lone arrival starts at once)
-            self._prefill_budget_s = max(self._prefill_budget_s, self.config.schedule_interval_s)
+        interval_s, left_s = self.config.schedule_interval_s, self._prefill_budget_s
+        if not view.waiting:
+            self._prefill_budget_s = refilled_prefill_budget_s(interval_s, left_s, True)
         if view.now_s >= self._next_decision_s and self.is_stressed(view):
             self._next_decision_s = view.now_s + self.config.schedule_interval_s
             return self.decide(view)
@@ -174,7 +174,7 @@ class TokenFlowPolicy(Policy):
         if not view.waiting:
             return []  # (and the last decision's prefill budget stands)
         limit = working_set_limit(cfg, view, capacity.beta_blocks)
-        budget_s = carried_prefill_budget_s(cfg.schedule_interval_s, self._prefill_budget_s)
+        budget_s = refilled_prefill_budget_s(cfg.schedule_interval_s, self._prefill_budget_s, False)
         admission = admit(view, started, limit, spare_tps, self._demand_tps, budget_s)
         self._prefill_budget_s = admission.prefill_budget_s
         self._spare_rate_tps = max(spare_tps - admission.rate_tps, 0.0)
