@@ -17,6 +17,7 @@ from tokenflow.core.policies.capacity import CapacityFloor, measure_capacity
 from tokenflow.core.policies.pricing import Prices, is_pausable, utility
 from tokenflow.core.policies.pricing import member as member_of
 from tokenflow.core.policies.resume import resume_start
+from tokenflow.core.request import Consumption
 
 # -- pricing --------------------------------------------------------------------------------------
 
@@ -219,6 +220,24 @@ def test_a_stream_stalled_past_the_bound_goes_first():
     early = member("early", 0.9, 4, resident=False, arrival=0.0, is_urgent=True)
     assert _select([early, stalled], 4) == ["stalled"]
     assert _select([early, stalled], 4, by_arrival=True) == ["stalled"]
+
+
+def test_a_paused_reader_about_to_run_dry_displaces_eager_and_batch_streams_latest_first():
+    eager = [
+        member(f"e{i}", 1.0, 4, pinned=True, arrival=i, consumption=Consumption.EAGER)
+        for i in range(3)
+    ]
+    batch = member("b", 1.0, 4, pinned=True, arrival=3.0, consumption=Consumption.BATCH)
+    dry = member("dry", 0.4, 6, resident=False, is_urgent=True)
+    assert _select([*eager, batch, dry], 16) == ["e0", "e1", "dry"]  # b and e2 yield
+    calm = member("calm", 0.4, 6, resident=False)  # (not about to run dry: waits)
+    assert _select([*eager, batch, calm], 16) == ["e0", "e1", "e2", "b"]
+
+
+def test_a_pinned_reader_never_yields_to_another_reader():
+    pinned = [member(f"r{i}", 1.0, 4, pinned=True, arrival=i) for i in range(4)]
+    dry = member("dry", 0.4, 6, resident=False, is_urgent=True)
+    assert _select([*pinned, dry], 16) == ["r0", "r1", "r2", "r3"]
 
 
 def test_equal_newcomers_start_by_arrival_so_none_is_passed_over():

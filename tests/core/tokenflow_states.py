@@ -9,7 +9,7 @@ from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.pricing import Member
-from tokenflow.core.request import Consumption
+from tokenflow.core.request import Consumption, RequestState
 
 OPTIMISTIC = SchedulerConfig(
     init_new_token_ratio=0.01,
@@ -53,13 +53,17 @@ def member(
     arrival: float = 0.0,
     rate: float = 20.0,
     started: bool = True,
+    consumption: Consumption = Consumption.READER,
     **fields: object,
 ) -> Member:
     """A member record with the given priority fields (pausable unless pinned)."""
-    request = make_request(name, arrival=arrival, rate=rate)
+    request = make_request(name, arrival=arrival, rate=rate, consumption=consumption)
     request.arrival_index = int(arrival * 1000)
     if started:
         request.append_token(7, arrival)
+    if resident and started:  # (decoding on the device)
+        request.state = RequestState.RUNNING
+        request.num_computed_tokens = request.num_tokens - 1
     values: dict = dict(is_urgent=False, is_overdue=False, resume_s=0.0)
     values.update(fields)
     pausable = resident and not pinned

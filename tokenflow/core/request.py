@@ -148,6 +148,11 @@ class Request:
         """True while some known tokens still need their KV computed before a token is sampled."""
         return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
 
+    @property
+    def is_decoding(self) -> bool:
+        """Running past its prefill: a pause frees its blocks with no work under way lost."""
+        return self.state is RequestState.RUNNING and not self.is_prefilling
+
     def token_ids_from(self, position: int, count: int) -> tuple[int, ...]:
         """Tokens [position, position + count) of prompt + outputs."""
         num_prompt = len(self.prompt_token_ids)

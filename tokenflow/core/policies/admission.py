@@ -21,12 +21,9 @@ DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
 
 
 def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks: float) -> int:
-    """W_sched from W_static = floor(M / beta), smoothed toward the running count by lambda.
-
-    M is the device tier plus `working_set_host_share` of it in the host tier (members not on
-    the device wait there; the share bounds how far rotation stretches the device); beta is the
-    members' mean lifetime footprint.
-    """
+    """W_sched from W_static = floor(M / beta), smoothed toward the running count by lambda: M
+    is the device tier plus `working_set_host_share` of it in the host tier (the share bounds
+    how far rotation stretches the device), beta the members' mean lifetime footprint."""
     kv = view.kv.config
     host = min(config.working_set_host_share * kv.num_device_blocks, kv.num_host_blocks)
     w_static = max(1, int((kv.num_device_blocks + host) / beta_blocks))

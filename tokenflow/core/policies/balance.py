@@ -2,7 +2,9 @@
 
 Members are taken greedily in priority order while device memory and max_num_seqs allow:
 
-- pinned members first (resident and not safely pausable: they stay whatever else holds);
+- pinned members first (resident and not safely pausable: they stay whatever else holds),
+  except that decoding eager and batch streams yield, latest first, to a paused reader about to
+  run dry that finds no room: a pause only delays their answers, a reader's stall shows;
 - then streams stalled for `max_stall_s` or longer (the stall bound, beyond the paper: an
   estimate that was off must not leave one reader stalled indefinitely);
 - then by utility, highest first; on equal utility started streams before newcomers, the
@@ -14,9 +16,6 @@ Members are taken greedily in priority order while device memory and max_num_seq
 Resumes of paused members share `resume_budget_s` of link (or recompute) time per decision, so
 rotation never asks more of the link than it moves in an interval; a resume that does not fit
 waits for the next decision (the first one always fits).
-
-The paper's adjacent-swap local search after the greedy pick is left out: in this order an
-unselected member ranked before a selected one lacked room, and a swap needs more room still.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenflow.core.policies.pricing import Member
+from tokenflow.core.request import Consumption
 
 
 def utility_order(m: Member) -> tuple:
@@ -55,12 +55,30 @@ def select(
     for m in order:
         if len(picked) >= max_seqs:
             break
-        if not m.is_pinned and used_blocks + m.footprint_blocks > capacity_blocks:
+        if m.resume_s > 0.0 and resume_s > 0.0 and resume_s + m.resume_s > resume_budget_s:
             continue
-        if m.resume_s > 0.0:
-            if resume_s > 0.0 and resume_s + m.resume_s > resume_budget_s:
+        shortfall = used_blocks + m.footprint_blocks - capacity_blocks
+        if not m.is_pinned and shortfall > 0:
+            yielding = _yielding_for(m, picked, shortfall)
+            if not yielding:
                 continue
-            resume_s += m.resume_s
+            picked = [p for p in picked if p not in yielding]
+            used_blocks -= sum(p.footprint_blocks for p in yielding)
+        resume_s += m.resume_s
         picked.append(m)
         used_blocks += m.footprint_blocks
     return picked
+
+
+def _yielding_for(m: Member, picked: list[Member], shortfall_blocks: int) -> list[Member]:
+    """Decoding eager and batch members, latest picked first, that free `shortfall_blocks` for
+    `m` if it is a paused reader about to run dry; else none."""
+    if not m.is_urgent or m.is_resident or m.request.consumption is not Consumption.READER:
+        return []
+    yielding, freed = [], 0
+    for p in reversed(picked):
+        r = p.request
+        if freed < shortfall_blocks and r.consumption is not Consumption.READER and r.is_decoding:
+            yielding.append(p)
+            freed += p.footprint_blocks
+    return yielding if freed >= shortfall_blocks else []

@@ -63,10 +63,9 @@ def measure_capacity(view: SchedulingView, beta: float | None = None) -> Capacit
 
 
 class CapacityFloor:
-    """The lower median of Gamma over the decisions of the last `window_s`: what admission
-    trusts.  One high estimate would admit a whole burst whose readers then stall until it
-    drains; so a rise is trusted once it holds for most of the window, a fall once it holds
-    for half of it (docs/design.md)."""
+    """The lower median of Gamma over the last `window_s` of decisions: what admission trusts.
+    One high estimate would admit a whole burst whose readers then stall; so a rise is trusted
+    once it holds for most of the window, a fall once it holds for half (docs/design.md)."""
 
     def __init__(self, window_s: float) -> None:
         self._window_s = window_s
@@ -74,8 +73,7 @@ class CapacityFloor:
         self._sorted: list[float] = []  # the window's Gamma values, ascending
 
     def observe(self, now_s: float, gamma_tps: float) -> float:
-        """Record this decision's Gamma; return the window's lower median (as
-        `statistics.median_low`)."""
+        """Record this decision's Gamma; the window's lower median (`statistics.median_low`)."""
         while self._recent and self._recent[0][0] < now_s - self._window_s:
             _, old = self._recent.popleft()
             del self._sorted[bisect_left(self._sorted, old)]

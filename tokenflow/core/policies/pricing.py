@@ -77,8 +77,7 @@ def resume_price_s(
 
 
 def prefill_price_s(view: SchedulingView, num_tokens: int) -> float:
-    """Time to prefill `num_tokens` prompt tokens started together (in steps of at most
-    `max_prefill_tokens`)."""
+    """Time to prefill `num_tokens` prompt tokens started together (steps of max_prefill_tokens)."""
     return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
 
 
@@ -141,10 +140,8 @@ def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, price
 def _is_pausable(
     config: TokenFlowConfig, view: SchedulingView, r: Request, buffered_s: float, prices: Prices
 ) -> bool:
-    if r.state is not _RUNNING or buffered_s < prices.least_pause_threshold_s:
+    if not r.is_decoding or buffered_s < prices.least_pause_threshold_s:
         return False  # (the threshold only grows with the stream's blocks)
-    if r.is_prefilling:
-        return False
     kv = view.kv
     blocks, unsynced = kv.blocks_for(r.num_computed_tokens), unsynced_blocks(kv, r)
     threshold_s = pause_threshold_s(

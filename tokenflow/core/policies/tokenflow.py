@@ -2,19 +2,10 @@
 
 Every `schedule_interval_s`, and only under stress (a request waits, or some started stream's
 reader is within `critical_slack_s` of running dry), one decision runs four phases, each in its
-own module and each formula in `pricing.py`:
-
-1. capacity (`capacity.py`, section 4.3): Gamma, what the engine generates at the feasible
-   batch.  When the members' reading rates exceed it the decision degrades: no admission, and
-   the balance serves by arrival;
-2. admission (`admission.py`, section 4 step 1): waiting requests join in arrival order while
-   the working set, their rates, their prefills and their blocks fit (b_j >= mu * r_j * round
-   trip for a safe pause, `pricing.pause_threshold_s`);
-3. balancing (`balance.py`, section 4 step 2): who is on the device: pinned members, then
-   streams stalled for `max_stall_s`, then by utility (or, degraded, by arrival), greedily
-   while memory allows; resident members left out are paused (offloaded);
-4. resume mode (`resume.py`, section 4 step 3): each member brought back is reloaded from the
-   host tier or recomputed, whichever is faster now.
+own module (each formula in `pricing.py`): capacity (`capacity.py`, section 4.3: Gamma; when the
+members' rates exceed it the decision degrades to arrival order), admission (`admission.py`,
+step 1), balancing (`balance.py`, step 2: who is on the device; resident members left out are
+paused by offload) and resume modes (`resume.py`, step 3: reload or recompute, the faster).
 
 Overload rule (beyond the paper): a waiting request starts only while the working set's reading
 rates fit the engine's capacity (the lower median of recent Gammas, `capacity.CapacityFloor`),
@@ -22,9 +13,9 @@ also between decisions, so a burst that wants more tokens/s than the engine make
 arrival order instead of joining and stalling everyone; unless the whole queue fits in
 `queue_headroom` x Gamma (off by default): then it all joins, the deficit spread as stalls.
 
-Eager and batch requests (`Consumption`: an agent reads each token at once; a pause only
-delays a non-streamed answer) read at an infinite rate: their buffer is always empty, so they
-are never paused for it, rank as readers about to run dry, and ask one stream's share of Gamma.
+Eager and batch requests (`Consumption`) read at an infinite rate: their buffer is always
+empty, so they are never paused for it, rank as readers about to run dry, ask one stream's share
+of Gamma, and yield the device only to a paused reader about to run dry (`balance.py`).
 
 Between decisions the decided starts are carried out as memory frees; free memory then goes to
 the paused streams nearest to running dry, then to waiting requests within the rate and prefill
@@ -132,11 +123,8 @@ class TokenFlowPolicy(Policy):
             resume_budget_s=cfg.schedule_interval_s,
         )
         chosen = {m.request.request_id for m in selected}
-        preemptions = tuple(
-            Preemption(r.request_id, PreemptMode.OFFLOAD)
-            for r in view.running
-            if r.request_id not in chosen
-        )
+        left_out = [r for r in view.running if r.request_id not in chosen]
+        preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in left_out)
         queued = queued_io_blocks(view)
         resumed = [m.request for m in selected if not m.is_resident]
         self._targets = [resume_start(view, r, queued) for r in resumed]
