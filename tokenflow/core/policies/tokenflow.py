@@ -84,8 +84,8 @@ class TokenFlowPolicy(Policy):
 
     def plan_moves(self, view: SchedulingView) -> Moves:
         """A full decision at interval boundaries under stress; otherwise carry out the last one."""
-        interval_s, left_s = self.config.schedule_interval_s, self._prefill_budget_s
         if not view.waiting:
+            interval_s, left_s = self.config.schedule_interval_s, self._prefill_budget_s
             self._prefill_budget_s = refilled_prefill_budget_s(interval_s, left_s, True)
         if view.now_s >= self._next_decision_s and self.is_stressed(view):
             self._next_decision_s = view.now_s + self.config.schedule_interval_s
