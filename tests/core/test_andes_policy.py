@@ -5,7 +5,7 @@ from dataclasses import replace
 from tests.core.helpers import make_core, make_request
 from tokenflow.core.config import AndesConfig, SchedulerConfig
 from tokenflow.core.policies.andes import AndesPolicy
-from tokenflow.core.request import PreemptMode
+from tokenflow.core.request import Consumption, PreemptMode
 
 OPTIMISTIC = SchedulerConfig(
     init_new_token_ratio=0.01,
@@ -48,6 +48,28 @@ def test_knapsack_preempts_the_stream_that_can_wait_by_recompute():
     assert [p.request_id for p in moves.preemptions] == ["ahead"]
     assert all(p.mode is PreemptMode.RECOMPUTE for p in moves.preemptions)
     assert [s.request_id for s in moves.starts] == ["late"]
+
+
+def test_eager_and_batch_requests_are_valued_at_one_stream_s_pace_not_divided_by_infinity():
+    core, clock, _ = pressured()
+    policy = AndesPolicy(AndesConfig(ttft_target_s=0.1))
+    view = core.scheduler.view(clock.t + 1.0)
+    for consumption in (Consumption.EAGER, Consumption.BATCH):
+        request = make_request("agent", max_tokens=60, arrival=clock.t, consumption=consumption)
+        alone_tps = 1.0 / view.estimator.decode_time_s(1)
+        assert policy.wanted_tps(view, request) == alone_tps
+        assert policy.gain(view, request, alone_tps) > 0.0  # (was a ZeroDivisionError)
+
+
+def test_a_mixed_burst_under_pressure_completes_every_request():
+    core, clock, requests = pressured()
+    for i, consumption in enumerate((Consumption.EAGER, Consumption.BATCH) * 2):
+        request = make_request(f"m{i}", max_tokens=30, arrival=clock.t, consumption=consumption)
+        core.add_request(request)
+        requests += (request,)
+    while core.has_work and clock.t < 120.0:
+        core.step()
+    assert all(r.is_finished for r in requests)
 
 
 def test_no_preemption_once_the_budget_per_request_is_spent():

@@ -19,7 +19,7 @@ from tokenflow.core.policies.base import (
     Start,
     fcfs_starts,
 )
-from tokenflow.core.request import PreemptMode, Request, RequestState
+from tokenflow.core.request import Consumption, PreemptMode, Request, RequestState
 
 
 class AndesPolicy(Policy):
@@ -44,6 +44,13 @@ class AndesPolicy(Policy):
         self._next_decision_s = view.now_s + cfg.decision_interval_s
         return self.knapsack(view)
 
+    def wanted_tps(self, view: SchedulingView, request: Request) -> float:
+        """Tokens/s the stream's consumer takes: a reader's rate; an eager or batch request
+        (infinite rate) takes what one stream alone is given, so it waits for any slower pace."""
+        if request.consumption is Consumption.READER:
+            return request.rate_tps
+        return 1.0 / view.estimator.decode_time_s(1)
+
     def stall_s(self, view: SchedulingView, request: Request, tokens_per_s: float) -> float:
         """Predicted seconds of reader delay over the horizon if served at `tokens_per_s`
         (0 = not served); before the first token, delay past the TTFT target counts."""
@@ -58,11 +65,11 @@ class AndesPolicy(Policy):
         exposed = max(0.0, horizon - slack)
         if tokens_per_s <= 0:
             return exposed
-        return exposed * max(0.0, 1.0 - tokens_per_s / request.rate_tps)
+        return exposed * max(0.0, 1.0 - tokens_per_s / self.wanted_tps(view, request))
 
     def gain(self, view: SchedulingView, request: Request, tokens_per_s: float) -> float:
         """QoE(served) - QoE(waits): avoided delay relative to the stream's whole duration."""
-        whole_s = request.sampling_params.max_tokens / request.rate_tps
+        whole_s = request.sampling_params.max_tokens / self.wanted_tps(view, request)
         avoided = self.stall_s(view, request, 0.0) - self.stall_s(view, request, tokens_per_s)
         return avoided / whole_s
 
