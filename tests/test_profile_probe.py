@@ -23,15 +23,26 @@ def lone_ttft_s(costs, prompt: int, prefill_factor: float, decode_factor: float)
 def test_the_prefill_factor_is_recovered_from_a_lone_request(prefill_factor):
     costs = synthetic_profile().costs
     ttft = lone_ttft_s(costs, 60, prefill_factor, decode_factor=0.9)
-    points = [ProbePoint(1, 0.05, 0.04, ttft + 0.03, ttft), ProbePoint(4, 0.06, 0.05)]
-    assert prefill_speed_factor(costs, points, 60, 0.9) == pytest.approx(prefill_factor)
+    points = [ProbePoint(1, 0.05, 0.04, ttft + 0.03, ttft, 60), ProbePoint(4, 0.06, 0.05, 0, 0, 30)]
+    assert prefill_speed_factor(costs, points, 0.9) == pytest.approx(prefill_factor)
     assert request_path_s(points) == pytest.approx(0.03)
 
 
 def test_without_a_lone_request_nothing_is_scaled_or_charged():
     costs = synthetic_profile().costs
     points = [ProbePoint(4, 0.06, 0.05), ProbePoint(16, 0.09, 0.08)]  # an older profile's probe
-    assert prefill_speed_factor(costs, points, 60, 0.9) == 1.0
+    assert prefill_speed_factor(costs, points, 0.9) == 1.0
     assert request_path_s(points) == 0.0
     early = [ProbePoint(1, 0.05, 0.04, 0.10, 0.12)]  # through the server faster: no charge
     assert request_path_s(early) == 0.0
+
+
+def test_the_lone_request_is_one_prefill_step_of_the_embedded_model():
+    from tokenflow.engine.llm_engine import _MIN_PREFILL_CHUNK_TOKENS
+    from tokenflow.engine.loader import read_gguf_header
+    from tokenflow.profile import prompt_tokens
+    from tokenflow.profile_probe import LONE_PROMPT_WORDS, prompt_words
+
+    chat = prompt_tokens(read_gguf_header().tokenizer)["chat"]
+    assert prompt_words(1) == LONE_PROMPT_WORDS and prompt_words(16) < LONE_PROMPT_WORDS
+    assert 96 <= chat.tokens(LONE_PROMPT_WORDS) <= _MIN_PREFILL_CHUNK_TOKENS

@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from tokenflow.machine import cpu_facts, cpu_use, read_cpu_times
 from tokenflow.profile_probe import (
-    PROBE_PROMPT_WORDS,
     prefill_speed_factor,
     request_path_s,
     serving_costs,
@@ -122,14 +121,13 @@ def take_profile(
         fit_step_costs(samples, threshold), server_step_s=server_s, server_per_chunk_s=per_chunk_s
     )
     extra_s, extra_per_stream_s = serving_costs(points) if points else (0.0, 0.0)
-    probe_prompt = prompt_tokens(engine.tokenizer)["chat"].tokens(PROBE_PROMPT_WORDS)
-    factor = speed_factor(fitted, points, probe_prompt)
+    factor = speed_factor(fitted, points)
     costs = replace(
         fitted,
         server_step_s=server_s + extra_s,
         server_per_chunk_s=per_chunk_s + extra_per_stream_s,
         speed_factor=factor,
-        prefill_speed_factor=prefill_speed_factor(fitted, points, probe_prompt, factor),
+        prefill_speed_factor=prefill_speed_factor(fitted, points, factor),
         request_path_s=request_path_s(points),
     )
     use = cpu_use(started, read_cpu_times())

@@ -16,10 +16,13 @@ percent within minutes, so the sweep's fit is scaled by how fast the machine ran
 in-process steps (at the end of the profile, the moment nearest to what is simulated next)
 against what the fit predicts for them: decode by the bursts' decode steps (`speed_factor`),
 prefill by a lone request's first step (`prefill_speed_factor`; one factor for both predicted
-prefills 12% short when the decode fit alone was off).  The lone request also prices the
-serving path once per request (`request_path_s`): its time to first token through the server
-and the client beyond the same request's in-process one (HTTP, tokenizing, the template, the
-first delta's way out), which no per-step charge holds.
+prefills 12% short when the decode fit alone was off).  The lone request's prompt is as long as
+the engine's smallest prefill chunk (128 tokens, so it is prefilled in one step), the size of
+the prefill steps a workload makes: a factor taken from a 62-token prompt, where the sweep's
+line fits worst, made the simulator's 1024-token prompts 13-47% late.  The lone request also
+prices the serving path once per request (`request_path_s`): its time to first token through
+the server and the client beyond the same request's in-process one (HTTP, tokenizing, the
+template, the first delta's way out), which no per-step charge holds.
 """
 
 from __future__ import annotations
@@ -42,15 +45,22 @@ if TYPE_CHECKING:
     from tokenflow.engine.llm_engine import LLMEngine
 
 PROBE_BATCHES = (1, 4, 16)  # 1: the lone request
-PROBE_PROMPT_WORDS = 32
+PROBE_PROMPT_WORDS = 32  # the bursts' streams: short, so their prefill ends in a few steps
+LONE_PROMPT_WORDS = 96  # the lone request: 126 tokens with the chat template (see above)
 _OUTPUT_TOKENS = 48
 _SKIP_TOKENS = 8  # the first gaps hold the prefill and the batch filling up
 _UNREAD_RATE_TPS = 1000.0
 
 
+def prompt_words(batch: int) -> int:
+    """The prompt (words) of each stream of a probe burst of `batch`."""
+    return LONE_PROMPT_WORDS if batch == 1 else PROBE_PROMPT_WORDS
+
+
 def probe_requests(batch: int) -> list[WorkloadRequest]:
+    words = prompt_words(batch)
     return [
-        WorkloadRequest(f"p{batch}-{i}", 0.0, PROBE_PROMPT_WORDS, _OUTPUT_TOKENS, _UNREAD_RATE_TPS)
+        WorkloadRequest(f"p{batch}-{i}", 0.0, words, _OUTPUT_TOKENS, _UNREAD_RATE_TPS)
         for i in range(batch)
     ]
 
@@ -104,11 +114,11 @@ def probe_serving_path(
     """Start a server; per probe batch, alternate a burst through it with the same burst
     through `engine` in this process, `repeats` times each (so both meet the same machine)."""
     points = []
-    num_prompt = prompt_tokens(PROBE_PROMPT_WORDS)
     with local_server("fcfs", list(serve_args)) as url:
         config = ClientConfig(url=url, show_progress=False, timeout_s=600.0)
         asyncio.run(run_workload(probe_requests(2), config))  # warm the server up
         for batch in PROBE_BATCHES:
+            num_prompt = prompt_tokens(prompt_words(batch))
             gaps, ttfts, steps, in_process_ttfts = [], [], [], []
             for _ in range(repeats * 2 if batch == 1 else repeats):  # (lone: cheap, noisy)
                 traces = asyncio.run(run_workload(probe_requests(batch), config)).traces
@@ -125,6 +135,7 @@ def probe_serving_path(
                     in_process_step_s=median(steps),
                     ttft_s=median(ttfts),
                     in_process_ttft_s=median(in_process_ttfts),
+                    prompt_tokens=num_prompt,
                 )
             )
     return points
@@ -141,11 +152,12 @@ def in_process_prediction_s(costs: StepCosts, batch: int, prompt_tokens: int) ->
     return compute_s + default_overhead("fcfs").step_s(batch) + engine_s
 
 
-def speed_factor(costs: StepCosts, points: Sequence[ProbePoint], prompt_tokens: int) -> float:
+def speed_factor(costs: StepCosts, points: Sequence[ProbePoint]) -> float:
     """How much slower (> 1) or faster the machine ran the probe's in-process steps, at the
     end of the profile, than the sweep's fit predicts: the median over the probe's batches."""
     ratios = [
-        p.in_process_step_s / in_process_prediction_s(costs, p.batch, prompt_tokens) for p in points
+        p.in_process_step_s / in_process_prediction_s(costs, p.batch, p.prompt_tokens)
+        for p in points
     ]
     return statistics.median(ratios) if ratios else 1.0
 
@@ -157,7 +169,7 @@ def lone_point(points: Sequence[ProbePoint]) -> ProbePoint | None:
 
 
 def prefill_speed_factor(
-    costs: StepCosts, points: Sequence[ProbePoint], prompt_tokens: int, decode_factor: float
+    costs: StepCosts, points: Sequence[ProbePoint], decode_factor: float
 ) -> float:
     """How much slower (> 1) the lone request's in-process first step ran its prefill than the
     fit predicts, once the step's base (at `decode_factor`), the scheduler's charge and the
@@ -165,6 +177,7 @@ def prefill_speed_factor(
     lone = lone_point(points)
     if lone is None:
         return 1.0
+    prompt_tokens = lone.prompt_tokens
     fit = costs.compute_fit(prompt_tokens)
     base_s = fit.time_s(0, 0, 0, 0)
     pairs = prompt_tokens * (prompt_tokens + 1) // 2

@@ -158,6 +158,20 @@ def test_compute_time_follows_the_cost_model() -> None:
     assert executor.total_compute_s == pytest.approx(expected)
 
 
+def test_decodes_are_also_given_as_a_dense_batch_padded_to_the_longest() -> None:
+    seen = {}
+
+    class Recording(CostModel):
+        def compute_time_s(self, *args, **kwargs) -> float:
+            seen.update(kwargs)
+            return super().compute_time_s(*args, **kwargs)
+
+    executor = SimExecutor(Recording(get_gpu("h200"), get_model("llama3-8b")), SimClock(), 16)
+    executor.execute(make_plan((decode("a", 40), decode("b", 9), decode("c", 99))))
+    assert seen["decode_context_tokens"] == 41 + 10 + 100
+    assert seen["padded_decode_keys"] == 3 * 112  # 100 keys -> 7 blocks of 16
+
+
 def test_clock_advances_by_the_step_duration() -> None:
     clock = SimClock(start_s=10.0)
     executor = SimExecutor(CostModel(get_gpu("h200"), get_model("llama3-8b")), clock, BLOCK_SIZE)

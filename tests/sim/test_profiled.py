@@ -134,3 +134,12 @@ def test_prefill_terms_take_their_own_speed_factor():
     mixed = (256, 256 * 257 // 2, 4000, 8)
     extra = slow_prefill.compute_time_s(*mixed) - as_fitted.compute_time_s(*mixed)
     assert extra == pytest.approx(prefill_only * costs.speed_factor)
+
+
+def test_the_engines_decode_attention_is_charged_on_its_padded_keys():
+    costs = synthetic_profile().costs
+    model = ProfiledCostModel(costs, 1024)
+    fit, speed = costs.compute_fit(2), costs.speed_factor
+    uneven = model.compute_time_s(0, 0, 100 + 900, 2, padded_decode_keys=2 * 912)
+    assert uneven == pytest.approx(fit.time_s(2, 2 * 912, 0, 0) * speed)
+    assert model.compute_time_s(0, 0, 1000, 2) == pytest.approx(fit.time_s(2, 1000, 0, 0) * speed)

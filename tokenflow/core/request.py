@@ -149,6 +149,11 @@ class Request:
         return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
 
     @property
+    def is_reader(self) -> bool:
+        """Read at a pace (`rate_tps`), rather than taken whole as it comes (eager, batch)."""
+        return self.consumption is Consumption.READER
+
+    @property
     def is_decoding(self) -> bool:
         """Running past its prefill: a pause frees its blocks with no work under way lost."""
         return self.state is RequestState.RUNNING and not self.is_prefilling

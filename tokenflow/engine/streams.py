@@ -91,7 +91,7 @@ def stalled_s(request: Request, now_s: float) -> float:
     c_n = g_1 + (n - 1)/r + (stalls so far): so they are read off the last consumption time in
     O(1) (`tokenflow.metrics` sums the same stalls from a finished trace); a reader waiting past
     its buffer now stalls for the time since it ran dry."""
-    if not request.output_token_ids or request.consumption is not Consumption.READER:
+    if not request.output_token_ids or not request.is_reader:
         return 0.0
     num = request.num_output_tokens
     past_s = request.last_consume_s - request.token_times_s[0] - (num - 1) / request.rate_tps
@@ -100,7 +100,7 @@ def stalled_s(request: Request, now_s: float) -> float:
 
 def stream_state(request: Request, now_s: float) -> StreamState:
     """What the endpoint tells of one unfinished request at `now_s`."""
-    is_reader = request.consumption is Consumption.READER
+    is_reader = request.is_reader
     has_token = bool(request.output_token_ids)
     num_output = request.num_output_tokens
     return StreamState(

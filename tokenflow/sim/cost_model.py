@@ -105,11 +105,13 @@ class CostModel:
         decode_context_tokens: int,
         num_decode_seqs: int,
         num_prefill_samples: int = 0,
+        padded_decode_keys: int = 0,
     ) -> float:
         """Seconds one forward pass takes; 0 when there is nothing to compute.
 
         `prefill_attention_pairs` sums, over prefill tokens, the context each attends to (itself
-        and everything before it); `decode_context_tokens` sums the decode sequences' contexts.
+        and everything before it); `decode_context_tokens` sums the decode sequences' contexts
+        (a paged kernel reads each one's own keys, so `padded_decode_keys` is not charged).
         Every decode sequence samples; `num_prefill_samples` prefill chunks also sample.
         """
         num_tokens = num_prefill_tokens + num_decode_seqs

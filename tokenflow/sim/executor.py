@@ -14,7 +14,10 @@ Timing of one step (plan.py's contract: copies and the forward pass run concurre
 
 Chunks are costed by shape, not role: a single-token chunk is memory-bound attention over its
 context (a decode), a longer one is a compute-bound prefill.  Every single-token chunk is
-assumed to run the lm_head (a decode always samples).
+assumed to run the lm_head (a decode always samples).  Decode attention is given two ways: the
+contexts' sum (what paged kernels read, the GPU roofline's charge) and the padded keys, every
+decode padded to the longest in whole blocks (what this project's engine reads: its decode batch
+is dense, tokenflow/engine/attention.py; the profiled model's charge).
 
 Token ids: the simulator does not model text.  A sampled token is a deterministic function of the
 seed and the request's output position, in [1, 1000): no EOS of the supported models (Llama 3:
@@ -48,8 +51,10 @@ class StepCostModel(Protocol):
         decode_context_tokens: int,
         num_decode_seqs: int,
         num_prefill_samples: int = 0,
+        padded_decode_keys: int = 0,
     ) -> float:
-        """Seconds of one forward pass of that shape."""
+        """Seconds of one forward pass of that shape.  `padded_decode_keys`: the keys a dense
+        decode batch reads, every sequence padded to the longest in whole blocks."""
         ...
 
     def block_copy_time_s(self, block_bytes: int) -> float:
@@ -165,6 +170,7 @@ class SimExecutor:
         prefill_pairs = 0
         num_prefill_samples = 0
         decode_context_tokens = 0
+        longest_decode_context = 0
         num_decode_seqs = 0
         for chunk in plan.chunks:
             n = len(chunk.token_ids)
@@ -172,6 +178,7 @@ class SimExecutor:
             if n == 1:
                 num_decode_seqs += 1
                 decode_context_tokens += start + 1
+                longest_decode_context = max(longest_decode_context, start + 1)
             else:
                 num_prefill_tokens += n
                 # Causal pairs: each of the n queries attends to itself and all before it.
@@ -183,7 +190,12 @@ class SimExecutor:
             decode_context_tokens=decode_context_tokens,
             num_decode_seqs=num_decode_seqs,
             num_prefill_samples=num_prefill_samples,
+            padded_decode_keys=num_decode_seqs * self._whole_blocks(longest_decode_context),
         )
+
+    def _whole_blocks(self, num_tokens: int) -> int:
+        """`num_tokens` rounded up to whole KV blocks."""
+        return -(-num_tokens // self._block_size) * self._block_size
 
     def _token_id(self, position: int, stop_token_ids: tuple[int, ...]) -> int:
         """Deterministic placeholder id in [1, 1000) for output `position`, not a stop token."""

@@ -1,8 +1,9 @@
 """Step costs fitted to a profile of a real engine, and the cost model the simulator charges.
 
 The form is the step-time model the core's estimator learns online (tokenflow/core/estimator.py):
-a decode step over B streams holding C context tokens takes a + b*B + c*C, a step that prefills
-T tokens adds p0 + p1*T, plus (here only) p2 per causal attention pair of the chunk, which
+a decode step over B streams holding C context tokens takes a + b*B + c*C (the simulator
+charges C as the engine's dense decode batch reads it: B x the longest context), a step that
+prefills T tokens adds p0 + p1*T, plus (here only) p2 per causal attention pair of the chunk, which
 matters for a chunk deep into a long prompt.  Two regimes are fitted apart, because on a CPU
 a step of fewer than `serial_below_tokens` tokens runs on one thread (tokenflow/engine/threads.py)
 and its costs are not on the line of the larger steps.
@@ -244,16 +245,18 @@ class ProfiledCostModel:
         decode_context_tokens: int,
         num_decode_seqs: int,
         num_prefill_samples: int = 0,
+        padded_decode_keys: int = 0,
     ) -> float:
-        """Seconds one forward pass takes; 0 when there is nothing to compute."""
+        """Seconds one forward pass takes; 0 when there is nothing to compute.  The engine's
+        decode batch is dense, so c is charged on the padded keys when they are given (the
+        sweep's decodes share one whole-block context: there the two counts agree)."""
         num_tokens = num_prefill_tokens + num_decode_seqs
         if num_tokens == 0:
             return 0.0
         fit = self.costs.compute_fit(num_tokens)
-        decode_s = fit.time_s(num_decode_seqs, decode_context_tokens, 0, 0)
-        step_s = fit.time_s(
-            num_decode_seqs, decode_context_tokens, num_prefill_tokens, prefill_attention_pairs
-        )
+        keys = padded_decode_keys or decode_context_tokens
+        decode_s = fit.time_s(num_decode_seqs, keys, 0, 0)
+        step_s = fit.time_s(num_decode_seqs, keys, num_prefill_tokens, prefill_attention_pairs)
         costs = self.costs
         return decode_s * costs.speed_factor + (step_s - decode_s) * costs.prefill_speed_factor
 

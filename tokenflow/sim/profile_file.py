@@ -75,6 +75,7 @@ class ProbePoint:
     in_process_step_s: float
     ttft_s: float = 0.0
     in_process_ttft_s: float = 0.0
+    prompt_tokens: int = 0  # each stream's prompt as the engine saw it
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from tokenflow.core.policies.base import (
     Start,
     fcfs_starts,
 )
-from tokenflow.core.request import Consumption, PreemptMode, Request, RequestState
+from tokenflow.core.request import PreemptMode, Request, RequestState
 
 
 class AndesPolicy(Policy):
@@ -47,7 +47,7 @@ class AndesPolicy(Policy):
     def wanted_tps(self, view: SchedulingView, request: Request) -> float:
         """Tokens/s the stream's consumer takes: a reader's rate; an eager or batch request
         (infinite rate) takes what one stream alone is given, so it waits for any slower pace."""
-        if request.consumption is Consumption.READER:
+        if request.is_reader:
             return request.rate_tps
         return 1.0 / view.estimator.decode_time_s(1)
 

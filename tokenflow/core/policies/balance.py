@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenflow.core.policies.pricing import Member
-from tokenflow.core.request import Consumption
 
 
 def utility_order(m: Member) -> tuple:
@@ -73,12 +72,12 @@ def select(
 def _yielding_for(m: Member, picked: list[Member], shortfall_blocks: int) -> list[Member]:
     """Decoding eager and batch members, latest picked first, that free `shortfall_blocks` for
     `m` if it is a paused reader about to run dry; else none."""
-    if not m.is_urgent or m.is_resident or m.request.consumption is not Consumption.READER:
+    if not m.is_urgent or m.is_resident or not m.request.is_reader:
         return []
     yielding, freed = [], 0
     for p in reversed(picked):
         r = p.request
-        if freed < shortfall_blocks and r.consumption is not Consumption.READER and r.is_decoding:
+        if freed < shortfall_blocks and not r.is_reader and r.is_decoding:
             yielding.append(p)
             freed += p.footprint_blocks
     return yielding if freed >= shortfall_blocks else []
