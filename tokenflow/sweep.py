@@ -42,7 +42,7 @@ class SweepSpec:
     """Which shapes to time, and how often."""
 
     decode_batches: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 24, 32)
-    decode_contexts: tuple[int, ...] = (64, 320, 640)  # whole blocks (of up to 64 tokens)
+    decode_contexts: tuple[int, ...] = (64, 320, 640, 1280)  # whole blocks (of up to 64 tokens)
     # Prefill chunks: the engine's are >= 128 tokens but for short prompts (a 32-token step ran
     # ~25% under the line through the larger ones).  Deep starts: on the project's CPU a
     # 160-token chunk after 1120 cached tokens took 380 ms against 214 fresh; after 384 a chunk
