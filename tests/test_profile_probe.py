@@ -23,7 +23,10 @@ def lone_ttft_s(costs, prompt: int, prefill_factor: float, decode_factor: float)
 def test_the_prefill_factor_is_recovered_from_a_lone_request(prefill_factor):
     costs = synthetic_profile().costs
     ttft = lone_ttft_s(costs, 60, prefill_factor, decode_factor=0.9)
-    points = [ProbePoint(1, 0.05, 0.04, ttft + 0.03, ttft, 60), ProbePoint(4, 0.06, 0.05, 0, 0, 30)]
+    lone = ProbePoint(batch=1, step_gap_s=0.05, in_process_step_s=0.04, ttft_s=ttft + 0.03,
+                      in_process_ttft_s=ttft, prompt_tokens=60)  # fmt: skip
+    burst = ProbePoint(batch=4, step_gap_s=0.06, in_process_step_s=0.05, prompt_tokens=30)
+    points = [lone, burst]
     assert prefill_speed_factor(costs, points, 0.9) == pytest.approx(prefill_factor)
     assert request_path_s(points) == pytest.approx(0.03)
 
