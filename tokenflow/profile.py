@@ -166,6 +166,8 @@ def engine_flags(served: EngineArgs) -> list[str]:
         flags.append("--compile-decode")
     if served.llama_cpp_repack:
         flags.append("--llama-cpp-repack")
+    if not served.kernel_cache:
+        flags.append("--no-kernel-cache")
     return flags
 
 

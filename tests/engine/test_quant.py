@@ -15,7 +15,7 @@ from tests.engine.helpers import (
     our_logits,
 )
 from tokenflow.engine import ModelExecutor, TieredKVCache, default_model_path, load_model
-from tokenflow.engine.model import INT4_MAX_ROWS
+from tokenflow.engine.kernels import EXPLICIT_INT4_MAX_ROWS as INT4_MAX_ROWS
 from tokenflow.engine.quant import GROUP_SIZE, Int4Weight, PackedInt4, decode_q4, quantize_int4
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"

@@ -17,6 +17,7 @@ import torch
 from tokenflow.core.plan import StepPlan, StepResult
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.executor import ModelExecutor
+from tokenflow.engine.kernels import ProbeSettings
 from tokenflow.engine.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
 from tokenflow.engine.loader import load_model
 from tokenflow.engine.model_config import ModelConfig, ModelLoadError
@@ -53,7 +54,8 @@ class ExecutorFactory(Protocol):
 def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecutor:
     """Our PyTorch model and its tiered KV cache."""
     dtype = _DTYPES[args.dtype] if args.dtype else None
-    model, config, tokenizer = load_model(args.model, device, dtype, args.weights)
+    probe = ProbeSettings(args.serial_below_tokens, use_cache=args.kernel_cache)
+    model, config, tokenizer = load_model(args.model, device, dtype, args.weights, probe)
     if tokenizer is None:
         raise ModelLoadError(f"model {args.model} has no tokenizer (tokenizer.json) beside it")
     dtype = next(model.parameters()).dtype

@@ -11,8 +11,9 @@ Between the calls, eagerly: the KV write and the attention (`attention.decode_at
 gather + SDPA, or the in-place kernel of paged_decode, as in the eager model).  A compiled
 graph that writes into a view of the shared KV tensor has its whole storage copied back (a
 mutated graph input), far slower than the step.  Shapes are dynamic (the batch); the compiler
-still specialises batch 1 and the two weight paths (`model.INT4_MAX_ROWS`), so `warm_up`
-compiles three shapes.  Prefills, and steps mixing them with decodes, keep `LlamaModel`.
+still specialises batch 1 and each row threshold of the model's kernel plan (the 4-bit
+kernel's, the LM head's bf16 copy's), so `warm_up` compiles a shape on either side of each.
+Prefills, and steps mixing them with decodes, keep `LlamaModel`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from tokenflow.engine.attention import DecodeGroup, LayerKV, decode_attention
-from tokenflow.engine.model import INT4_MAX_ROWS, DecoderLayer, LlamaModel, rope_cos_sin
+from tokenflow.engine.model import DecoderLayer, LlamaModel, rope_cos_sin
 
 
 def _first(
@@ -94,10 +95,12 @@ class CompiledDecoder:
         raise ValueError(f"{len(kv_cache)} KV layers for {len(layers)} model layers")
 
     def warm_up(self, kv_cache: Sequence[LayerKV], reads_in_place: bool) -> None:
-        """Compile the three specialisations (batch 1, int4 batches, dense batches)."""
+        """Compile the specialisations: batch 1, 2, and one batch past each plan threshold."""
         device = kv_cache[0].key.device
         block_size = kv_cache[0].key.shape[1]
-        for batch in (1, 2, INT4_MAX_ROWS + 1):
+        plan = self.model.kernel_plan
+        thresholds = (plan.int4_max_rows, plan.head_bf16_max_rows)
+        for batch in sorted({1, 2, *(rows + 1 for rows in thresholds if rows)}):
             table = torch.zeros(batch, 2, dtype=torch.long, device=device)
             lens = torch.full((batch,), 2 * block_size, dtype=torch.long, device=device)
             in_place = reads_in_place and batch > 1

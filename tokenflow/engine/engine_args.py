@@ -33,9 +33,11 @@ class EngineArgs:
     model: str | None = None  # GGUF file or HF safetensors directory; None: embedded SmolLM2
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: best for the device
-    # torch: "auto" (GGUF 4-bit packed on CPU), "int4", "dense" (dequantized); llama-cpp: "auto"
+    # torch: "auto" (on CPU with no dtype: the kernels this machine runs fastest, measured and
+    # cached, tokenflow/engine/kernels.py), "int4", "dense" (dequantized); llama-cpp: "auto"
     # (the GGUF as shipped) or "q8_0" (its Q4_1 tensors rewritten as Q8_0, faster in batches)
     weights: str = "auto"
+    kernel_cache: bool = True  # reuse this machine's stored kernel choice (False: probe again)
     policy: str = "tokenflow"
     block_size: int = 16
     device_kv_tokens: int = 8192  # device tier size, tokens (rounded down to whole blocks)
@@ -148,8 +150,15 @@ def _add_model_arguments(group: argparse._ArgumentGroup) -> None:
         "--weights",
         default="auto",
         choices=["auto", "int4", "dense", "q8_0"],
-        help="auto: a GGUF's 4-bit weights stay packed on CPU (bf16 activations); "
-        "dense: dequantize to --dtype; q8_0 (llama-cpp executor): Q4_1 rewritten as Q8_0",
+        help="auto: on CPU without --dtype, the kernels this machine runs fastest (measured "
+        "once, then cached); int4: a GGUF's 4-bit weights packed (bf16 activations); dense: "
+        "dequantize to --dtype; q8_0 (llama-cpp executor): Q4_1 rewritten as Q8_0",
+    )
+    group.add_argument(
+        "--no-kernel-cache",
+        action="store_false",
+        dest="kernel_cache",
+        help="measure the kernels again instead of reusing this machine's stored choice",
     )
     group.add_argument("--policy", default="tokenflow", choices=POLICY_NAMES)
     for name in (

@@ -2,8 +2,10 @@
 
 Weights: "dense" dequantizes everything to the model dtype; "int4" keeps a GGUF's 4-bit tensors
 as packed 4-bit groups run by torch's CPU kernel (see tokenflow.engine.quant), with bfloat16
-activations by default; "auto" picks int4 for a quantized GGUF on CPU (unless float32 or float16
-is asked for) and dense otherwise (CUDA, safetensors).
+activations by default.  "auto" on CPU with no dtype given measures which kernels this machine
+runs fastest and loads the model that way (tokenflow.engine.kernels: dtype, 4-bit threshold, LM
+head); with a dtype given it picks int4 for a quantized GGUF in bfloat16 and dense otherwise;
+on CUDA it is dense (bfloat16).
 
 Every failure (missing or corrupt file, missing tensor, wrong shape, unsupported model) raises
 `ModelLoadError` naming the file or tensor; a model is returned only once every weight is in.
@@ -13,12 +15,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
+from tokenflow.engine.kernels import (
+    BFLOAT16,
+    FLOAT32,
+    KernelChoice,
+    ModelShapes,
+    ProbeSettings,
+    choose_kernels,
+    explicit_plan,
+)
 from tokenflow.engine.model import Int4Getter, LlamaModel, TensorGetter
 from tokenflow.engine.model_config import ModelConfig, ModelLoadError
 from tokenflow.engine.quant import (
@@ -57,6 +70,7 @@ _GGUF_LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+logger = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -79,7 +93,7 @@ def default_model_path() -> str:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """float32 on CPU (bf16 matmuls measured 1.2-5x slower here), bfloat16 on CUDA."""
+    """float32 on CPU (where no kernel plan says otherwise), bfloat16 on CUDA."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
@@ -88,11 +102,14 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     weights: str = "auto",
+    probe: ProbeSettings | None = None,
 ) -> LoadedModel:
     """Load a GGUF file, an HF safetensors directory, or (path None) the embedded SmolLM2.
 
     `weights` is one of WEIGHT_FORMATS (see the module docstring); dtype is the activation
-    dtype (and that of every dense weight).
+    dtype (and that of every dense weight).  On CPU with neither given, the kernels are measured
+    and chosen (tokenflow.engine.kernels; `probe` sets the cache and thread rule); the choice
+    is `model.kernel_choice`.
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
@@ -101,17 +118,35 @@ def load_model(
     if not target.exists():
         raise ModelLoadError(f"model path {target} does not exist")
     is_gguf = not target.is_dir() and target.suffix == ".gguf"
-    use_int4 = _use_int4(weights, device, dtype, is_gguf)
-    if use_int4 and dtype is None:
-        dtype = torch.bfloat16  # the int4 kernel's fast path; float32 runs a slow reference
-    dtype = dtype or default_dtype(device)
-    if target.is_dir():
-        return _load_hf_directory(target, device, dtype)
+    if not target.is_dir() and not is_gguf:
+        raise ModelLoadError(
+            f"model path {target} is neither a directory (HF safetensors) nor a .gguf file"
+        )
+    measured = weights == "auto" and dtype is None and device.type == "cpu"
+    if measured:
+        settings = probe or ProbeSettings()
+
+        def choose(config: ModelConfig, has_int4: bool, dtypes: tuple[str, ...]) -> KernelChoice:
+            return choose_kernels(ModelShapes.of(config), target, dtypes, has_int4, settings)
+    else:
+        use_int4 = _use_int4(weights, device, dtype, is_gguf)
+        if use_int4 and dtype is None:
+            dtype = torch.bfloat16  # the int4 kernel's fast path; float32 runs a slow reference
+        plan = explicit_plan(dtype or default_dtype(device), use_int4)
+
+        def choose(config: ModelConfig, has_int4: bool, dtypes: tuple[str, ...]) -> KernelChoice:
+            return KernelChoice(plan, "flags")
+
     if is_gguf:
-        return _load_gguf(target, device, dtype, use_int4)
-    raise ModelLoadError(
-        f"model path {target} is neither a directory (HF safetensors) nor a .gguf file"
-    )
+        loaded = _load_gguf(target, device, choose)
+    else:
+        loaded = _load_hf_directory(target, device, choose)
+    logger.info("%s", loaded.model.kernel_choice.describe())
+    return loaded
+
+
+# (config, whether 4-bit codes exist, the dtypes its precision allows) -> the kernel choice
+ChooseKernels = Callable[[ModelConfig, bool, tuple[str, ...]], KernelChoice]
 
 
 def _use_int4(weights: str, device: torch.device, dtype: torch.dtype | None, is_gguf: bool) -> bool:
@@ -131,21 +166,28 @@ def build_model(
     config: ModelConfig,
     get: TensorGetter,
     device: torch.device,
-    dtype: torch.dtype,
+    choice: KernelChoice,
     get_int4: Int4Getter | None = None,
 ) -> LlamaModel:
-    """An empty model for `config`, filled from `get` (and 4-bit weights from `get_int4`)."""
-    model = LlamaModel.empty(config, device, dtype)
+    """An empty model for `config` in the choice's dtype, filled from `get` (and 4-bit weights
+    from `get_int4`, where the plan uses them)."""
+    model = LlamaModel.empty(config, device, getattr(torch, choice.plan.dtype))
     with torch.no_grad():
-        model.load_weights(get, get_int4)
+        model.load_weights(get, get_int4, choice.plan)
+    model.kernel_choice = choice
     return model
 
 
 # -- HF safetensors -----------------------------------------------------------------------------
-def _load_hf_directory(directory: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    config = ModelConfig.from_hf_config(_read_json(directory / "config.json"))
+def _load_hf_directory(directory: Path, device: torch.device, choose: ChooseKernels) -> LoadedModel:
+    raw_config = _read_json(directory / "config.json")
+    config = ModelConfig.from_hf_config(raw_config)
+    stored = raw_config.get("torch_dtype") or raw_config.get("dtype")
+    # Automatic choice never rounds below the checkpoint's own precision.
+    dtypes = (FLOAT32, BFLOAT16) if stored == BFLOAT16 else (FLOAT32,)
+    choice = choose(config, False, dtypes)
     with _SafetensorsCheckpoint(directory) as checkpoint:
-        model = build_model(config, checkpoint.get, device, dtype)
+        model = build_model(config, checkpoint.get, device, choice)
     return LoadedModel(model, config, Tokenizer.from_directory(directory))
 
 
@@ -215,15 +257,21 @@ class _SafetensorsCheckpoint:
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, int4: bool) -> LoadedModel:
+def _load_gguf(path: Path, device: torch.device, choose: ChooseKernels) -> LoadedModel:
     reader = _open_gguf(path)
     metadata = _gguf_metadata(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = ModelConfig.from_gguf_metadata(metadata, tensors.keys())
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    four_bit = (*PACKED_TYPES, *REQUANTIZED_TYPES)
+    has_int4 = any(t.tensor_type.name in four_bit for t in reader.tensors)
+    # A quantized file's weights are approximations already: bf16 activations are allowed.
+    is_quantized = any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in reader.tensors)
+    dtypes = (FLOAT32, BFLOAT16) if is_quantized else (FLOAT32,)
+    choice = choose(config, has_int4, dtypes)
     source = _GGUFTensors(path, tensors, config)
-    get_int4 = source.get_int4 if int4 else None
-    return LoadedModel(build_model(config, source.get, device, dtype, get_int4), config, tokenizer)
+    model = build_model(config, source.get, device, choice, source.get_int4)
+    return LoadedModel(model, config, tokenizer)
 
 
 class GGUFHeader(NamedTuple):

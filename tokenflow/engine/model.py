@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenflow.engine.attention import AttentionMetadata, LayerKV, paged_attention
+from tokenflow.engine.kernels import BFLOAT16, KernelChoice, KernelPlan, explicit_plan
 from tokenflow.engine.model_config import ModelConfig, ModelLoadError, RopeScaling
 from tokenflow.engine.quant import Int4Weight, PackedInt4, can_pack
 
@@ -22,8 +24,6 @@ from tokenflow.engine.quant import Int4Weight, PackedInt4, can_pack
 TensorGetter = Callable[[str], torch.Tensor]
 # HF weight name -> its 4-bit codes, or None where the checkpoint stores it otherwise.
 Int4Getter = Callable[[str], Int4Weight | None]
-# Inputs of up to this many rows use a projection's int4 kernel, larger ones its dense copy.
-INT4_MAX_ROWS = 16
 
 
 class RMSNorm(nn.Module):
@@ -99,10 +99,9 @@ class Projection(nn.Module):
     On CPU, MKL's plain (NN) GEMM measured 1.4-2.2x faster than nn.Linear's transposed (NT)
     GEMM for 8-32 rows, the decode batch sizes; equal for 1 row and for prefill-sized inputs.
     With `set_int4` the weight is also held as packed 4-bit groups (CPU kernel), used for inputs
-    of at most `INT4_MAX_ROWS` rows: decode steps, where reading the weight dominates.  Larger
-    inputs (big decode batches, prefill) are compute-bound and use the dense copy, whose GEMM
-    ran about 2x faster than the int4 kernel at 32 rows here (docs/design.md), as
-    llama.cpp switches to BLAS on dequantized weights for large batches.
+    of at most `int4_max_rows` rows: small decode steps, where reading the weight dominates.
+    Larger inputs are compute-bound and use the dense copy.  Where the crossover lies depends on
+    the CPU, so the kernel plan measured at start sets it (tokenflow.engine.kernels).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -110,14 +109,17 @@ class Projection(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.int4: PackedInt4 | None = None
+        self.int4_max_rows = 0
 
-    def set_int4(self, weight: Int4Weight) -> None:
-        """Use `weight` [out, in]: packed for the int4 kernel, and dequantized as the dense one."""
+    def set_int4(self, weight: Int4Weight, max_rows: int, dtype: torch.dtype) -> None:
+        """Use `weight` [out, in]: packed for the int4 kernel (activations in `dtype`) for
+        inputs of up to `max_rows` rows, and dequantized as the dense one."""
         if weight.shape != tuple(self.weight.shape):
             raise ModelLoadError(
                 f"4-bit weight {weight.shape}, expected {tuple(self.weight.shape)}"
             )
-        self.int4 = PackedInt4(weight, self.weight_t.dtype)
+        self.int4 = PackedInt4(weight, dtype)
+        self.int4_max_rows = max_rows
         self.weight.copy_(weight.dequantize())
 
     @property
@@ -127,8 +129,8 @@ class Projection(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] -> [T, out], plus `residual` [T, out] when given (fused into the GEMM)."""
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            out = self.int4.matmul(x)
+        if self.int4 is not None and x.shape[0] <= self.int4_max_rows:
+            out = self.int4.matmul(x.to(self.int4.dtype)).to(x.dtype)
             if self.bias is not None:
                 out = out.add_(self.bias)
             return out if residual is None else out.add_(residual)
@@ -145,16 +147,26 @@ class LMHead(nn.Module):
 
     Unlike the layers' projections, this one wide output runs faster as nn.Linear's transposed
     (NT) GEMM on CPU: 3.4 against 5.4 ms for one row, 4.3 against 6.3 for 8, 7.4 against 9.3
-    for 32 (SmolLM2's [49152, 576] in bfloat16, 2 threads).  A
-    tied embedding reads its rows.
+    for 32 (SmolLM2's [49152, 576] in bfloat16, 2 threads).  A tied embedding reads its rows.
+    For few rows the head is memory-bound, so a float32 model may keep a bfloat16 copy of it for
+    inputs of up to `bf16_max_rows` rows (the kernel plan decides; half the bytes to read).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.bf16_weight: torch.Tensor | None = None
+        self.bf16_max_rows = 0
+
+    def keep_bf16_copy(self, max_rows: int) -> None:
+        """Compute inputs of up to `max_rows` rows on a bfloat16 copy of the (loaded) weight."""
+        self.bf16_weight = self.weight.detach().bfloat16() if max_rows else None
+        self.bf16_max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> logits [T, vocab]."""
+        """x [T, H] -> logits [T, vocab] (the bf16 copy's in bfloat16)."""
+        if self.bf16_weight is not None and x.shape[0] <= self.bf16_max_rows:
+            return F.linear(x.bfloat16(), self.bf16_weight)
         return F.linear(x, self.weight)
 
 
@@ -270,6 +282,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.kernel_plan = KernelPlan()  # set by load_weights (tokenflow.engine.kernels)
+        self.kernel_choice = KernelChoice(self.kernel_plan, "flags")  # set by the loader
         self.requires_grad_(False)
 
     @classmethod
@@ -309,13 +323,20 @@ class LlamaModel(nn.Module):
         hidden = self.norm(hidden.index_select(0, attn.sample_rows))  # [S, H]
         return self.lm_head(hidden).float()  # [S, V]
 
-    def load_weights(self, get: TensorGetter, get_int4: Int4Getter | None = None) -> None:
+    def load_weights(
+        self, get: TensorGetter, get_int4: Int4Getter | None = None, plan: KernelPlan | None = None
+    ) -> None:
         """Copy every weight from a checkpoint with transformers names; fuse Q/K/V, gate/up.
 
-        With `get_int4`, the layers' projections whose parts all come back as 4-bit codes are
-        packed for the int4 kernel; the rest (and embeddings, norms) are loaded dense.
+        With `get_int4` and a plan that uses the 4-bit kernel, the layers' projections whose
+        parts all come back as 4-bit codes are packed for it; the rest (and embeddings, norms)
+        are loaded dense.  The plan also sets the LM head's bf16 copy.
         """
         config = self.config
+        plan = plan or explicit_plan(self.dtype, use_int4=get_int4 is not None)
+        self.kernel_plan = plan
+        if not plan.uses_int4:
+            get_int4 = None
         if self.embed_tokens is None:
             _copy(self.lm_head.weight, get, "model.embed_tokens.weight")
         else:
@@ -323,7 +344,8 @@ class LlamaModel(nn.Module):
             _copy(self.lm_head.weight, get, "lm_head.weight")
         _copy(self.norm.weight, get, "model.norm.weight")
         for index, layer in enumerate(self.layers):
-            _load_layer(layer, get, f"model.layers.{index}.", config, get_int4)
+            _load_layer(layer, get, f"model.layers.{index}.", config, get_int4, plan)
+        self.lm_head.keep_bf16_copy(plan.head_bf16_max_rows)
 
 
 def _load_layer(
@@ -332,39 +354,49 @@ def _load_layer(
     prefix: str,
     config: ModelConfig,
     get_int4: Int4Getter | None,
+    plan: KernelPlan,
 ) -> None:
     attn, mlp = layer.self_attn, layer.mlp
+    int4 = _Int4Packing(get_int4, plan) if get_int4 is not None else None
     _copy(layer.input_layernorm.weight, get, prefix + "input_layernorm.weight")
     _copy(layer.post_attention_layernorm.weight, get, prefix + "post_attention_layernorm.weight")
     qkv = [f"{prefix}self_attn.{p}_proj" for p in ("q", "k", "v")]
     kv_rows = config.num_kv_heads * config.head_dim
     qkv_rows = (config.num_heads * config.head_dim, kv_rows, kv_rows)
-    _load_projection(attn.qkv_proj, get, get_int4, [name + ".weight" for name in qkv], qkv_rows)
+    _load_projection(attn.qkv_proj, get, int4, [name + ".weight" for name in qkv], qkv_rows)
     if config.attention_bias:
         _copy_fused(attn.qkv_proj.bias, get, [name + ".bias" for name in qkv], qkv_rows)
     o_name = prefix + "self_attn.o_proj.weight"
-    _load_projection(attn.o_proj, get, get_int4, [o_name], [config.hidden_size])
+    _load_projection(attn.o_proj, get, int4, [o_name], [config.hidden_size])
     if config.attention_output_bias:
         _copy(attn.o_proj.bias, get, prefix + "self_attn.o_proj.bias")
     gate_up = [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"]
-    _load_projection(mlp.gate_up_proj, get, get_int4, gate_up, [config.intermediate_size] * 2)
+    _load_projection(mlp.gate_up_proj, get, int4, gate_up, [config.intermediate_size] * 2)
     down = prefix + "mlp.down_proj.weight"
-    _load_projection(mlp.down_proj, get, get_int4, [down], [config.hidden_size])
+    _load_projection(mlp.down_proj, get, int4, [down], [config.hidden_size])
+
+
+class _Int4Packing(NamedTuple):
+    """Where a layer's 4-bit codes come from, and the plan that says how to run them."""
+
+    get: Int4Getter
+    plan: KernelPlan
 
 
 def _load_projection(
     proj: Projection,
     get: TensorGetter,
-    get_int4: Int4Getter | None,
+    int4: _Int4Packing | None,
     names: Sequence[str],
     rows: Sequence[int],
 ) -> None:
     """Pack the parts as one int4 weight when all are 4-bit and the kernel takes the shape."""
-    parts = [get_int4(name) for name in names] if get_int4 is not None else []
-    if parts and all(p is not None for p in parts):
+    parts = [int4.get(name) for name in names] if int4 is not None else []
+    if int4 is not None and parts and all(p is not None for p in parts):
         fused = Int4Weight.concat_rows([p for p in parts if p is not None])
         if can_pack(fused.shape):
-            proj.set_int4(fused)
+            dtype = torch.bfloat16 if int4.plan.int4_dtype == BFLOAT16 else torch.float32
+            proj.set_int4(fused, int4.plan.int4_max_rows, dtype)
             return
     _copy_fused(proj.weight, get, names, rows)
 

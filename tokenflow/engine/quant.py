@@ -106,6 +106,7 @@ class PackedInt4:
         if not can_pack(weight.shape):
             raise ValueError(f"cannot pack a {weight.shape} weight into int4 groups")
         self.shape = weight.shape
+        self.dtype = dtype  # of the activations it takes and returns
         codes = weight.codes.to(torch.int32)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         zeros = weight.mins + 8 * weight.scales  # the kernel computes (q - 8) * scale + zero
