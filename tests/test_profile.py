@@ -20,6 +20,7 @@ def test_a_profile_of_a_tiny_model_holds_what_the_simulator_reads(tiny_model_dir
     assert profile.scheduler.max_num_seqs == 32 and profile.tokenflow.critical_slack_s == 1.0
     assert profile.prompt["chat"].fixed_tokens > profile.prompt["completions"].fixed_tokens
     assert profile.model["num_layers"] == 2 and profile.machine["num_cpus"] >= 1
+    assert profile.model["kernels"] == "kernels (checkpoint): float32"  # the choice, recorded
     assert all(s.duration_s > 0 for s in profile.samples)
 
 
@@ -27,3 +28,4 @@ def test_the_probe_server_gets_the_engine_flags_that_were_given():
     served = EngineArgs(model="m.gguf", num_threads=1, weights="dense")
     assert engine_flags(served) == ["--model", "m.gguf", "--weights", "dense", "--num-threads", "1"]
     assert engine_flags(EngineArgs()) == []
+    assert engine_flags(EngineArgs(kernel_cache=False)) == ["--no-kernel-cache"]

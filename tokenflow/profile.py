@@ -272,6 +272,7 @@ def _model_facts(engine: LLMEngine) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "executor": engine.args.executor,
         "weights": engine.args.weights,
+        "kernels": engine.kernels,
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
     }
 
@@ -320,6 +321,8 @@ def _print_summary(profile: Profile, path: str) -> None:
     costs = profile.costs
     took_s = profile.machine["profile_s"]
     print(f"wrote {path}: {len(profile.samples)} timed steps in {took_s:.0f} s")
+    if profile.model.get("kernels"):
+        print(f"  {profile.model['kernels']}")
     for name in ("serial", "parallel"):
         fit = asdict(getattr(costs, name))
         print(f"  {name:8s} " + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in fit.items()))

@@ -54,6 +54,13 @@ def test_stream_usage_and_finish_reason(served):
     assert chunks[-1]["usage"]["completion_tokens"] == 7
 
 
+def test_the_model_card_shows_the_kernel_choice(served):
+    engine, url = served
+    card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    # the tiny checkpoint is stored in float32: dense float32 is its only automatic path
+    assert card["kernels"] == "kernels (checkpoint): float32" == engine.kernels
+
+
 def test_non_streaming_completion_with_header_rate(served):
     engine, url = served
     body = {"prompt": "Once", "max_tokens": 5, "ignore_eos": True}

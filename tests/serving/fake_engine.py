@@ -68,6 +68,7 @@ class FakeEngine:
     max_model_len: int = 256
     vocab_size: int = 1 << 20
     default_rate_tps: float = 20.0
+    kernels: str | None = None
     token_delay_s: float = 0.0
     first_token_delay_s: float = 0.0
     eos_after: int | None = None

@@ -128,6 +128,7 @@ class AsyncEngine:
         self.engine = LLMEngine(args, build_executor)
         self.model_name = self.engine.model_name
         self.max_model_len = self.engine.max_model_len
+        self.kernels = self.engine.kernels
         self.vocab_size = self.engine.model_config.vocab_size
         self.default_rate_tps = args.default_rate_tps
         self.tokenizer = self.engine.tokenizer

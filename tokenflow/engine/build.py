@@ -45,6 +45,7 @@ class BuiltExecutor:
     block_bytes: int  # one KV block, all layers, K and V
     num_device_blocks: int
     max_model_len: int  # the served context: what the device tier holds, at most
+    kernels: str | None = None  # the kernel choice in one line (our PyTorch model's)
 
 
 class ExecutorFactory(Protocol):
@@ -72,7 +73,15 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
     executor = ModelExecutor(
         model, config, kv_cache, device, args.seed, args.compile_decode, args.serial_below_tokens
     )
-    return BuiltExecutor(executor, config, tokenizer, block_bytes, num_device_blocks, max_model_len)
+    return BuiltExecutor(
+        executor,
+        config,
+        tokenizer,
+        block_bytes,
+        num_device_blocks,
+        max_model_len,
+        model.kernel_choice.describe(),
+    )
 
 
 def size_device_tier(

@@ -94,6 +94,7 @@ class LLMEngine:
         self.executor = built.executor
         self.model_config, self.tokenizer = built.model_config, built.tokenizer
         self.max_model_len = built.max_model_len
+        self.kernels = built.kernels
         self.model_name = args.model or "SmolLM2-135M-Instruct"
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

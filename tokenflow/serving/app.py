@@ -171,6 +171,7 @@ def _openai_router() -> APIRouter:
             id=engine.model_name,
             created=request.app.state.started_s,
             max_model_len=engine.max_model_len,
+            kernels=engine.kernels,
         )
         return _json(ModelList(data=[card]).model_dump_json())
 

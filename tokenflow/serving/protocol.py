@@ -202,6 +202,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "tokenflow"
     max_model_len: int
+    kernels: str | None = Field(default=None, exclude_if=_is_none)  # the CPU kernel choice
 
 
 class ModelList(_Response):
