@@ -8,6 +8,14 @@ dequantized in `--hf-dtype` (its best here; float32 by default).
 
     .venv/bin/python benchmarks/engine_vs_hf.py            # table
     .venv/bin/python benchmarks/engine_vs_hf.py --json     # [{metric, batch, ours_tps, ...}]
+
+`--paths` compares the default (the kernels the engine measured and chose on this machine)
+against each explicit path and transformers instead: prefill of one 64- and one 256-token
+prompt, decode at 1 / 8 / 32 streams, the paths interleaved A B .. B A in every round.  Run it
+natively and under `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (an AVX2-only CPU's
+dispatch); the target is the default within 1.1x of the best path in every cell:
+
+    .venv/bin/python benchmarks/engine_vs_hf.py --paths --rounds 2
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from tokenflow.engine import (  # noqa: E402
     default_model_path,
     load_model,
 )
+from tokenflow.engine.engine_args import SERIAL_BELOW_TOKENS  # noqa: E402
+from tokenflow.engine.kernels import ProbeSettings  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -266,9 +276,100 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         )
 
 
+# name -> (dtype, weights) as `serve --dtype --weights` take them; None, "auto": the default
+PATHS = {
+    "default": (None, "auto"),
+    "int4+bf16": ("bfloat16", "int4"),
+    "dense-fp32": ("float32", "dense"),
+    "dense-bf16": ("bfloat16", "dense"),
+}
+CELLS = (("prefill", 64), ("prefill", 256), ("decode", 1), ("decode", 8), ("decode", 32))
+
+
+def build_path_runners(args: argparse.Namespace) -> tuple[dict[str, object], str]:
+    """Our executor under each path (the engine's one-thread rule for small steps), and HF;
+    plus the default's kernel choice in one line (probed afresh: no cache)."""
+    runners: dict[str, object] = {}
+    max_len = 256 + args.decode_tokens + 64 + 1
+    choice = ""
+    for name, (dtype, weights) in PATHS.items():
+        torch_dtype = getattr(torch, dtype) if dtype else None
+        probe = ProbeSettings(SERIAL_BELOW_TOKENS, use_cache=False)
+        model, config, _ = load_model(None, "cpu", torch_dtype, weights, probe)
+        if name == "default":
+            choice = model.kernel_choice.describe()
+        blocks = 32 * -(-max_len // BLOCK_SIZE)
+        kv_cache = TieredKVCache(config, blocks, 1, BLOCK_SIZE, "cpu", model.dtype)
+        executor = ModelExecutor(
+            model, config, kv_cache, "cpu", serial_below_tokens=SERIAL_BELOW_TOKENS
+        )
+        runners[name] = OurRunner(executor, max_len)
+    runners["transformers"] = HFRunner(load_hf(torch.float32))
+    return runners, choice
+
+
+def measure_cell(runners: dict[str, object], cell: tuple[str, int], args: argparse.Namespace):
+    """tok/s of every runner in one cell, runs ordered A B .. B A each round."""
+    metric, size = cell
+    vocab = 49152
+    if metric == "prefill":
+        prompts, new_tokens = make_prompts(1, size, vocab, seed=size), 1
+    else:
+        prompts, new_tokens = make_prompts(size, 64, vocab, seed=size), args.decode_tokens
+    names = list(runners)
+    timings: dict[str, list[Timing]] = {name: [] for name in names}
+    for name in names:  # warm-up
+        runners[name].generate(prompts, min(new_tokens, 2))
+    for _ in range(args.rounds):
+        for name in names + names[::-1]:
+            timings[name].append(runners[name].generate(prompts, new_tokens))
+    if metric == "prefill":
+        return {n: prefill_tps(t, size) for n, t in timings.items()}
+    return {n: decode_tps(t, size) for n, t in timings.items()}
+
+
+def run_paths(args: argparse.Namespace) -> dict[str, object]:
+    torch.set_num_threads(args.threads)
+    runners, choice = build_path_runners(args)
+    print(choice, file=sys.stderr, flush=True)
+    cells = []
+    for cell in CELLS:
+        tps = measure_cell(runners, cell, args)
+        cells.append({"metric": cell[0], "size": cell[1], "tok_s": tps})
+        print(f"  measured {cell[0]} {cell[1]}: {tps}", file=sys.stderr, flush=True)
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "kernels": choice,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "cells": cells,
+    }
+
+
+def print_paths(result: dict[str, object]) -> None:
+    names = list(result["cells"][0]["tok_s"])
+    print(
+        f"torch CPU capability {result['capability']}, {result['threads']} threads, "
+        f"{result['rounds']} round(s) A B .. B A; {result['kernels']}"
+    )
+    header = "| cell | " + " | ".join(names) + " | default / best |"
+    print(header)
+    print("|" + "---|" * (len(names) + 2))
+    for cell in result["cells"]:
+        tps = cell["tok_s"]
+        ours = {n: v for n, v in tps.items() if n != "transformers"}
+        best = max(ours.values())
+        unit = "prompt tok/s" if cell["metric"] == "prefill" else "tok/s"
+        label = f"{cell['metric']} {cell['size']} ({unit})"
+        values = " | ".join(f"{tps[n]:.1f}" for n in names)
+        print(f"| {label} | {values} | {tps['default'] / best:.2f} |")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
+    parser.add_argument("--paths", action="store_true", help="default vs each explicit path")
+    parser.add_argument("--rounds", type=int, default=2, help="--paths: A B .. B A rounds")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--decode-prompt-len", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=16)
@@ -287,6 +388,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
+    if args.paths:
+        result = run_paths(args)
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            print_paths(result)
+        return
     rows = run(args)
     if args.json:
         print(json.dumps([{**asdict(r), "ratio": r.ratio} for r in rows], indent=2))

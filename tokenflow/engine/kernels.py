@@ -60,7 +60,7 @@ DECODE_ROWS = (1, 8, 32)
 PRUNE_FACTOR = 4.0
 PRUNE_ABOVE_S = 0.1
 # A plan whose worst regime is within this factor of another's counts as equal; the smaller
-# total, then the smaller footprint, decides.
+# sum of every regime's ratio to its best, then the smaller footprint, decides.
 EQUAL_FACTOR = 1.01
 # Weights may take at most this share of the host's available memory.
 MEMORY_SHARE = 0.8
@@ -260,7 +260,8 @@ def choose_plan(
     """The candidate closest to the best kernel in its worst regime, among those that fit
     `MEMORY_SHARE` of `memory_bytes` (the smallest footprint when none fits).
 
-    Ties (within EQUAL_FACTOR) go to the smaller total time, then to the smaller footprint.
+    Ties (within EQUAL_FACTOR) go to the smaller sum of ratios (every regime weighs the
+    same, however long its step), then to the smaller footprint.
     """
     fits = [p for p in candidates if footprint_bytes(p, shapes) <= MEMORY_SHARE * memory_bytes]
     if not fits:
@@ -268,12 +269,12 @@ def choose_plan(
     costs = {plan: plan_costs(plan, timings) for plan in fits}
     best = [min(c[i] for c in costs.values()) for i in range(len(PROBE_ROWS))]
 
-    def worst_ratio(plan: KernelPlan) -> float:
-        return max(c / b for c, b in zip(costs[plan], best, strict=True))
+    def ratios(plan: KernelPlan) -> list[float]:
+        return [c / b for c, b in zip(costs[plan], best, strict=True)]
 
-    lowest = min(worst_ratio(p) for p in fits)
-    near = [p for p in fits if worst_ratio(p) <= lowest * EQUAL_FACTOR]
-    chosen = min(near, key=lambda p: (sum(costs[p]), footprint_bytes(p, shapes)))
+    lowest = min(max(ratios(p)) for p in fits)
+    near = [p for p in fits if max(ratios(p)) <= lowest * EQUAL_FACTOR]
+    chosen = min(near, key=lambda p: (sum(ratios(p)), footprint_bytes(p, shapes)))
     regimes = tuple(
         RegimeCost(rows, chosen_s, best_s)
         for rows, chosen_s, best_s in zip(PROBE_ROWS, costs[chosen], best, strict=True)
