@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 FLOAT32 = "float32"
 BFLOAT16 = "bfloat16"
 # Step sizes the probe times: decode batches of 1, 8 and 32 streams, prefill chunks of 64 and
-# 256 tokens.  The largest one's threshold stands for every larger input.
+# 256 tokens.  The largest stands for every larger input, so it always takes the dense kernel.
 PROBE_ROWS = (1, 8, 32, 64, 256)
 DECODE_ROWS = (1, 8, 32)
 # A kernel this many times slower than the best at one size, and slow in itself (a step that
@@ -64,6 +64,11 @@ PRUNE_ABOVE_S = 0.1
 EQUAL_FACTOR = 1.01
 # Weights may take at most this share of the host's available memory.
 MEMORY_SHARE = 0.8
+# The probe cycles through distinct copies of a layer's weights up to this many bytes (or the
+# model's layer count), so that, as in the model, weights stream from memory rather than
+# staying in the CPU's caches: one cached layer would flatter the largest (float32) weights at
+# small, memory-bound batches.
+PROBE_WEIGHT_BYTES = 128 << 20
 # What the four kernels are called in the probe's records.
 INT4 = "int4"  # packed 4-bit codes, bf16 activations
 INT4_FROM_FP32 = "int4-from-float32"  # the same kernel inside a float32 model (casts around it)
@@ -220,12 +225,13 @@ def footprint_bytes(plan: KernelPlan, shapes: ModelShapes) -> int:
 
 
 def candidate_plans(dtypes: Sequence[str], has_int4: bool) -> list[KernelPlan]:
-    """Every plan over the probe's thresholds: dtype x 4-bit threshold x head threshold."""
-    thresholds = (0, *PROBE_ROWS)
+    """Every plan over the probe's thresholds: dtype x 4-bit threshold x head threshold (the
+    largest probed size, and so every larger input, runs the dense kernel)."""
+    int4_thresholds = (0, *PROBE_ROWS[:-1]) if has_int4 else (0,)
     plans = []
     for dtype in dtypes:
-        for int4_rows in thresholds if has_int4 else (0,):
-            head_choices = thresholds if dtype == FLOAT32 and BFLOAT16 in dtypes else (0,)
+        for int4_rows in int4_thresholds:
+            head_choices = (0, *DECODE_ROWS) if dtype == FLOAT32 and BFLOAT16 in dtypes else (0,)
             for head_rows_max in head_choices:
                 plans.append(KernelPlan(dtype, int4_rows, head_rows_max))
     return plans
@@ -300,17 +306,23 @@ def probe_kernels(
             at_size = [KernelTiming(part, k, rows, measure(part, k, rows)) for k in alive]
             timings += at_size
             fastest = min(t.seconds for t in at_size)
-            alive = [
-                t.kernel for t in at_size if t.seconds <= max(PRUNE_FACTOR * fastest, PRUNE_ABOVE_S)
-            ]
+            limit = max(PRUNE_FACTOR * fastest, PRUNE_ABOVE_S)
+            alive = [t.kernel for t in at_size if t.seconds <= limit]
+            # A 4-bit kernel serves only the model of its dtype, whose larger inputs run that
+            # dtype's dense kernel: once that one is hopeless, so is the model.
+            alive = [k for k in alive if part == "head" or _DENSE_OF.get(k, k) in alive]
     return timings
+
+
+_DENSE_OF = {INT4: BFLOAT16, INT4_FROM_FP32: FLOAT32}
 
 
 class TorchMeasure:
     """Times random weights of the model's shapes with the kernels the model would call.
 
     Each measurement runs on the threads the engine would give a step of that many rows
-    (`threads_for_rows`), best of a few repeats after a warm-up, scaled by the layer count.
+    (`threads_for_rows`), best of a few repeats after a warm-up, over distinct copies of one
+    layer's weights (PROBE_WEIGHT_BYTES), scaled to the model's layer count.
     """
 
     def __init__(self, shapes: ModelShapes, threads_for_rows: Callable[[int], int]) -> None:
@@ -319,11 +331,14 @@ class TorchMeasure:
         self.shapes = shapes
         self.threads_for_rows = threads_for_rows
         gen = torch.Generator().manual_seed(0)
+        fp32 = [torch.randn(i, o, generator=gen) * 0.02 for i, o in shapes.projections]
         self._dense = {
-            FLOAT32: [torch.randn(i, o, generator=gen) * 0.02 for i, o in shapes.projections]
+            FLOAT32: _layer_copies(fp32, lambda w: w.clone(), shapes.num_layers),
+            BFLOAT16: _layer_copies(
+                [w.bfloat16() for w in fp32], lambda w: w.clone(), shapes.num_layers
+            ),
         }
-        self._dense[BFLOAT16] = [w.bfloat16() for w in self._dense[FLOAT32]]
-        self._int4 = [
+        int4 = [
             PackedInt4(
                 Int4Weight(
                     torch.randint(0, 16, (o, i), generator=gen, dtype=torch.uint8),
@@ -334,6 +349,7 @@ class TorchMeasure:
             )
             for i, o in shapes.projections
         ]
+        self._int4 = _layer_copies(int4, lambda w: w.clone(), shapes.num_layers)
         head = torch.randn(shapes.vocab_size, shapes.hidden_size, generator=gen) * 0.02
         self._head = {FLOAT32: head, BFLOAT16: head.bfloat16()}
 
@@ -345,30 +361,50 @@ class TorchMeasure:
                 x = torch.randn(rows, self.shapes.hidden_size).to(getattr(torch, kernel))
                 weight = self._head[kernel]
                 return _best_of(lambda: torch.nn.functional.linear(x, weight))
-            return self.shapes.num_layers * _best_of(self._layer(kernel, rows))
+            copies = self._int4 if kernel in (INT4, INT4_FROM_FP32) else self._dense[kernel]
+            per_copy_s = _best_of(self._layers(kernel, rows, copies)) / len(copies)
+            return self.shapes.num_layers * per_copy_s
         finally:
             torch.set_num_threads(previous)
 
-    def _layer(self, kernel: str, rows: int) -> Callable[[], object]:
+    def _layers(self, kernel: str, rows: int, copies: list[list]) -> Callable[[], object]:
+        """One pass over every copy: each layer's four projections of a [rows, in] input."""
         if kernel in (FLOAT32, BFLOAT16):
             dtype = getattr(torch, kernel)
             inputs = [torch.randn(rows, i).to(dtype) for i, _ in self.shapes.projections]
-            pairs = list(zip(inputs, self._dense[kernel], strict=True))
-            return lambda: [torch.mm(x, w) for x, w in pairs]
+            return lambda: [
+                torch.mm(x, w) for layer in copies for x, w in zip(inputs, layer, strict=True)
+            ]
         source = torch.float32 if kernel == INT4_FROM_FP32 else torch.bfloat16
         inputs = [torch.randn(rows, i).to(source) for i, _ in self.shapes.projections]
-        packed = list(zip(inputs, self._int4, strict=True))
         if kernel == INT4_FROM_FP32:
-            return lambda: [p.matmul(x.bfloat16()).float() for x, p in packed]
-        return lambda: [p.matmul(x) for x, p in packed]
+            return lambda: [
+                p.matmul(x.bfloat16()).float()
+                for layer in copies
+                for x, p in zip(inputs, layer, strict=True)
+            ]
+        return lambda: [p.matmul(x) for layer in copies for x, p in zip(inputs, layer, strict=True)]
 
 
-def _best_of(fn: Callable[[], object], min_total_s: float = 0.02, max_repeats: int = 7) -> float:
-    """Best time of `fn` after one warm-up: repeats until `min_total_s` passed (3 at least,
+def _layer_copies(layer: list, clone: Callable, num_layers: int) -> list[list]:
+    """`layer` and clones of it: as many as PROBE_WEIGHT_BYTES holds, at most `num_layers`."""
+    layer_bytes = sum(_nbytes(w) for w in layer)
+    count = max(1, min(num_layers, math.ceil(PROBE_WEIGHT_BYTES / max(layer_bytes, 1))))
+    return [layer] + [[clone(w) for w in layer] for _ in range(count - 1)]
+
+
+def _nbytes(weight: object) -> int:
+    if isinstance(weight, torch.Tensor):
+        return weight.nbytes
+    return weight.nbytes()  # PackedInt4
+
+
+def _best_of(fn: Callable[[], object], min_total_s: float = 0.05, max_repeats: int = 7) -> float:
+    """Best time of `fn` after one warm-up: repeats until `min_total_s` passed (2 at least,
     `max_repeats` at most), so cheap kernels are timed often and slow ones few times."""
     fn()
     best, total, repeats = math.inf, 0.0, 0
-    while repeats < 3 or (total < min_total_s and repeats < max_repeats):
+    while repeats < 2 or (total < min_total_s and repeats < max_repeats):
         start = time.perf_counter()
         fn()
         took = time.perf_counter() - start

@@ -114,6 +114,14 @@ class PackedInt4:
         self.scales_and_zeros = torch.stack((weight.scales.t(), zeros.t()), dim=-1).to(dtype)
         self.scales_and_zeros = self.scales_and_zeros.contiguous()
 
+    def clone(self) -> PackedInt4:
+        """The same weight in memory of its own (the kernel probe needs copies beyond caches)."""
+        copy = object.__new__(PackedInt4)
+        copy.shape, copy.dtype = self.shape, self.dtype
+        copy.packed = self.packed.clone()
+        copy.scales_and_zeros = self.scales_and_zeros.clone()
+        return copy
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, cols] -> [T, rows] (the kernel needs contiguous rows)."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
