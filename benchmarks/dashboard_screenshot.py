@@ -44,7 +44,7 @@ UNDER_WAY_TIMEOUT_S = 300.0  # a hang guard: the burst pauses its first streams 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/results/dashboard.png"))
     parser.add_argument("--policy", default="tokenflow")
     parser.add_argument("--serve-args", default="--device-kv-tokens 1664")

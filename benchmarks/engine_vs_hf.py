@@ -366,7 +366,7 @@ def print_paths(result: dict[str, object]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.add_argument("--paths", action="store_true", help="default vs each explicit path")
     parser.add_argument("--rounds", type=int, default=2, help="--paths: A B .. B A rounds")

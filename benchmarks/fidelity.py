@@ -238,7 +238,7 @@ def _headline(run: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out-dir", default="fidelity-run")
     parser.add_argument("--only", nargs="*", default=[], help="workload names (default: all)")

@@ -130,7 +130,7 @@ def write_markdown(path: Path, sections: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--setups", default=",".join(fleet_setups()))
     parser.add_argument("--routers", default=",".join(ROUTER_NAMES))

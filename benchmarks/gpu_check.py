@@ -355,7 +355,7 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--out", type=Path, default=Path("gpu_check.json"), help="the one JSON file of figures")
     add("--work", type=Path, default=Path("/tmp/gpu-check"), help="logs and stage outputs")

@@ -254,7 +254,7 @@ def write_model_dir(directory: Path, tokenizer_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--tokenizer-dir", type=Path, default=None)

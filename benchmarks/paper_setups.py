@@ -359,7 +359,7 @@ def _write_markdown(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3, help="workload seeds 0 .. N-1")
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--policies", default=",".join(POLICIES))

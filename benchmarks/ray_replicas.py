@@ -55,7 +55,7 @@ def one_run(args: argparse.Namespace, router: str, url: str, out: Path) -> tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--routers", default="ray-default,tokenflow")
     parser.add_argument("--replicas", type=int, default=2)

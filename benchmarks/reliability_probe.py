@@ -311,7 +311,7 @@ def local_server(serve_args: str, startup_timeout_s: float = 300) -> Iterator[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="probe this server instead of starting one")
     parser.add_argument("--serve-args", default="", help="options for the server started here")
     parser.add_argument("--storm", type=int, default=320, help="storm size (10x max_num_seqs 32)")

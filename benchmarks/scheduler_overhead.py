@@ -240,7 +240,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100,400,1000")
     parser.add_argument("--repeats", type=int, default=200, help="timed decisions per policy")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per policy and size")

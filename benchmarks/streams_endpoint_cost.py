@@ -56,7 +56,7 @@ class Served:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="of each kind, interleaved")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)

@@ -46,7 +46,8 @@ def compare(workload, config: Path, out_dir: Path, args: argparse.Namespace) -> 
         for variant in order:
             extra = ("--config", str(config)) if variant == "tuned" else ()
             run = real_run(workload, "tokenflow", trace, args, extra) | {
-                "variant": variant, "round": index
+                "variant": variant,
+                "round": index,
             }
             s = run["summary"]
             print(f"{workload.name} {variant} round {index}: QoE {s['qoe_mean']:.3f}, P99 TTFT "
@@ -72,7 +73,7 @@ def report(workload, runs: list[dict], predicted: dict, objective: str) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["burst-overload", "mixed-rates"])
     parser.add_argument("--objective", choices=sorted(OBJECTIVE_KEY), default="qoe")
     parser.add_argument("--rounds", type=int, default=2)

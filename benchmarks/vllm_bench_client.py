@@ -122,7 +122,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-venv", type=Path, default=CACHE_DIR / "vllm-venv")

@@ -168,7 +168,7 @@ def add_server_bench_arguments(parser: argparse.ArgumentParser, port: int, log_d
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     add_workload_arguments(parser, default_kind="burst")
     parser.set_defaults(num_requests=32, prompt_len="128:0", output_len="256:0", rates="4,8")
     add_server_bench_arguments(parser, port=18110, log_dir="/tmp/vllm-burst")

@@ -441,7 +441,9 @@ def _add_setup_options(parser: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_load_options(parser.add_argument_group("measurement"))
     _add_setup_options(parser.add_argument_group("set-up"))

@@ -43,3 +43,40 @@ def test_serve_leaves_openmp_waits_alone_for_llamacpp(monkeypatch, flags):
     with pytest.raises(SystemExit):
         main(["serve", "--executor", "torch", "--help"])
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+@pytest.mark.parametrize(
+    ("argv", "abbreviated"),
+    [
+        (["serve"], "--conf"),  # once read as --config: a server without the file's api-key
+        (["simulate"], "--conf"),
+        (["bench"], "--num-req"),
+        (["profile", "--out", "p.json"], "--round"),
+        (["tune", "--out", "t.toml", "--profile", "p.json"], "--bud"),
+    ],
+)
+def test_no_parser_takes_an_abbreviated_flag(argv, abbreviated, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*argv, abbreviated, "1"])
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
+
+
+def test_every_parser_in_the_package_refuses_abbreviations():
+    import ast
+    from pathlib import Path
+
+    import tokenflow
+
+    offenders = []
+    for path in Path(tokenflow.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in (
+                "ArgumentParser",
+                "add_parser",
+            ):
+                flags = {k.arg: k.value for k in node.keywords}
+                value = flags.get("allow_abbrev")
+                if not (isinstance(value, ast.Constant) and value.value is False):
+                    offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

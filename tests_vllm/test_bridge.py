@@ -62,7 +62,7 @@ def test_rate_from_extra_args_else_default():
     assert bridge.rate_of({"stream_rate": 2.5}) == 2.5
     assert bridge.rate_of({"stream_rate": "3"}) == 3.0
     assert bridge.rate_of(None) == 7.0
-    for bad in ("fast", -1, 0, float("inf"), float("nan")):
+    for bad in ("fast", -1, 0, float("inf"), float("nan"), 1e-309, 5000):
         assert bridge.rate_of({"stream_rate": bad}) == 7.0
     assert make_bridge().rate_of({}) is None  # no default: vLLM's own behaviour
 

@@ -20,31 +20,46 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argume
     from tokenflow.sim.cli import add_simulate_arguments
 
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="tokenflow",
         description="A buffer-aware, preemptive LLM text-streaming server.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over the OpenAI API (default: SmolLM2)")
+    serve = sub.add_parser(
+        "serve", allow_abbrev=False, help="serve a model over the OpenAI API (default: SmolLM2)"
+    )
     add_engine_arguments(serve)
     add_serve_arguments(serve)
     add_config_argument(serve)
     simulate = sub.add_parser(
-        "simulate", help="run the scheduling policies on a GPU cost model or a profile"
+        "simulate",
+        allow_abbrev=False,
+        help="run the scheduling policies on a GPU cost model or a profile",
     )
     add_simulate_arguments(simulate)
     add_config_argument(simulate)
     add_bench_arguments(
-        sub.add_parser("bench", help="replay a workload of human readers against a server")
+        sub.add_parser(
+            "bench", allow_abbrev=False, help="replay a workload of human readers against a server"
+        )
     )
     from tokenflow.profile import add_profile_arguments
 
     add_profile_arguments(
-        sub.add_parser("profile", help="time the real engine's steps and fit simulator costs")
+        sub.add_parser(
+            "profile",
+            allow_abbrev=False,
+            help="time the real engine's steps and fit simulator costs",
+        )
     )
     from tokenflow.tune import add_tune_arguments
 
     add_tune_arguments(
-        sub.add_parser("tune", help="search the policy's knobs by simulation; write a config")
+        sub.add_parser(
+            "tune",
+            allow_abbrev=False,
+            help="search the policy's knobs by simulation; write a config",
+        )
     )
     return parser, {"serve": serve, "simulate": simulate}
 
@@ -64,7 +79,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _serve_vllm(argv: list[str]) -> None:
     """`tokenflow serve --engine vllm ...`: hand every other option to vLLM's server."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     add_engine_arguments(parser)
     ours, rest = parser.parse_known_args(argv)
     if ours.engine != "vllm":

@@ -3,7 +3,12 @@ import math
 import pytest
 
 from tests.core.helpers import make_request
-from tokenflow.core.request import SamplingParams
+from tokenflow.core.request import (
+    MAX_READER_RATE_TPS,
+    MIN_READER_RATE_TPS,
+    SamplingParams,
+    is_reader_rate,
+)
 
 
 def test_buffer_counts_tokens_not_yet_read():
@@ -72,3 +77,16 @@ def test_a_request_keeps_its_fields_in_slots_not_a_dict():
     assert not hasattr(request, "__dict__")
     with pytest.raises(AttributeError):
         request.num_token = 3  # (num_tokens)
+
+
+@pytest.mark.parametrize("rate", [1e-309, 1e-4, 1001.0, math.inf, math.nan, 0.0, -1.0])
+def test_a_rate_outside_the_readers_bound_is_refused(rate):
+    assert not is_reader_rate(rate)
+    with pytest.raises(ValueError, match="reader's rate"):
+        make_request("r", rate=rate)
+
+
+@pytest.mark.parametrize("rate", [MIN_READER_RATE_TPS, 4.0, MAX_READER_RATE_TPS])
+def test_rates_inside_the_bound_make_a_reader_whose_clock_is_finite(rate):
+    request = make_request("r", rate=rate)
+    assert math.isfinite(request.dry_s)

@@ -95,3 +95,9 @@ def test_tiny_cpu_steps_run_on_one_thread_unless_told_otherwise():
     assert parse("--serial-below-tokens", "0").serial_below_tokens == 0
     with pytest.raises(ValueError, match="serial_below_tokens"):
         parse("--serial-below-tokens", "-1")
+
+
+@pytest.mark.parametrize("rate", [1e-309, 0.0, 5000.0, float("inf")])
+def test_a_default_rate_outside_the_readers_bound_is_refused(rate):
+    with pytest.raises(ValueError, match="reader's rate"):
+        EngineArgs(default_rate_tps=rate)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tests.core.helpers import make_core, make_request
-from tokenflow.core.request import Consumption, SamplingParams
+from tokenflow.core.request import MIN_READER_RATE_TPS, Consumption, SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
 from tokenflow.engine.streams import MoveWatch, stalled_s, stream_state, take_snapshot
@@ -43,6 +43,14 @@ def test_a_stream_state_for_a_reader_and_an_eager_request() -> None:
     state = stream_state(eager, now_s=2.0)
     assert math.isinf(state.rate_tps) and state.buffered_s is None and state.stalled_s is None
     assert state.num_consumed_tokens == 1
+
+
+def test_the_slowest_reader_allowed_has_a_finite_stream_state() -> None:
+    # 1e-309 tokens/s once passed validation and made the snapshot raise for everyone
+    reader = make_request("slow", rate=MIN_READER_RATE_TPS)
+    reader.append_token(100, 1.0)
+    state = stream_state(reader, now_s=2.0)
+    assert state.num_consumed_tokens == 1 and math.isfinite(state.buffered_s)
 
 
 def test_the_snapshot_lists_the_most_urgent_and_counts_every_stream() -> None:

@@ -85,7 +85,8 @@ async def test_classes_by_api_key_and_the_server_default():
 
 
 def test_class_rules_refuse_what_they_cannot_read():
-    for bad in (("key",), ("key=",), ("key=robot",), ("key=eager:3",), ("key=reader:0",)):
+    bad_rules = ("key",), ("key=",), ("key=robot",), ("key=eager:3",), ("key=reader:0",)
+    for bad in (*bad_rules, ("key=reader:1e-309",), ("key=reader:5000",)):
         with pytest.raises(ValueError):
             ClassRules.parse("reader", bad)
     with pytest.raises(ValueError, match="unknown stream class"):

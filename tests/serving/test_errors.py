@@ -73,7 +73,7 @@ async def test_unknown_field_rejected(client: httpx.AsyncClient, path: str) -> N
     assert "frobnicate" in error["message"]
 
 
-@pytest.mark.parametrize("rate", ["-1", "0", "NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("rate", ["-1", "0", "NaN", "Infinity", "-Infinity", "1e-309", "1e-4"])
 async def test_bad_rate_in_body(client: httpx.AsyncClient, rate: str) -> None:
     raw = f'{{"prompt": "x", "max_tokens": 1, "stream_rate": {rate}}}'
     response = await client.post(
@@ -82,7 +82,7 @@ async def test_bad_rate_in_body(client: httpx.AsyncClient, rate: str) -> None:
     assert_error(response, 400, "stream_rate")
 
 
-@pytest.mark.parametrize("rate", ["-3", "0", "nan", "inf", "fast", ""])
+@pytest.mark.parametrize("rate", ["-3", "0", "nan", "inf", "fast", "", "1e-309", "2000"])
 async def test_bad_rate_in_header(client: httpx.AsyncClient, rate: str) -> None:
     body = {"messages": MESSAGES, "max_tokens": 1}
     response = await client.post(CHAT, json=body, headers={"X-Stream-Rate": rate})

@@ -182,7 +182,9 @@ def _fail(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point: `python -m tokenflow.bench.cli --url ...`."""
-    parser = argparse.ArgumentParser(prog="tokenflow bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="tokenflow bench", description=__doc__.splitlines()[0]
+    )
     add_bench_arguments(parser)
     return run_bench(parser.parse_args(argv))
 

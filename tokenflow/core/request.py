@@ -21,6 +21,25 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+# A reader's rate, tokens/s, from any source (a body, a header, a key's class, a default, the
+# vLLM bridge): below the floor one token would take over 1,000 s, and 1 / rate stops being a
+# time the clocks can add to (1e-309 made it infinite); above the cap it is no reader.
+MIN_READER_RATE_TPS = 1e-3
+MAX_READER_RATE_TPS = 1000.0
+
+
+def is_reader_rate(rate_tps: float) -> bool:
+    """Whether `rate_tps` is a rate a reader may state (the one bound every source checks)."""
+    return math.isfinite(rate_tps) and MIN_READER_RATE_TPS <= rate_tps <= MAX_READER_RATE_TPS
+
+
+def reader_rate_error(rate_tps: object) -> str:
+    """The message for a rate `is_reader_rate` refuses."""
+    return (
+        f"a reader's rate must be a number of tokens/s in "
+        f"[{MIN_READER_RATE_TPS:g}, {MAX_READER_RATE_TPS:g}], got {rate_tps!r}"
+    )
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued, never started
@@ -117,11 +136,8 @@ class Request:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
         if self.consumption is not Consumption.READER:
             self.rate_tps = math.inf
-        elif not math.isfinite(self.rate_tps) or self.rate_tps <= 0:
-            raise ValueError(
-                f"request {self.request_id}: rate must be a finite number > 0 tokens/s, "
-                f"got {self.rate_tps!r}"
-            )
+        elif not is_reader_rate(self.rate_tps):
+            raise ValueError(f"request {self.request_id}: {reader_rate_error(self.rate_tps)}")
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         self.dry_s = self.last_consume_s + 1.0 / self.rate_tps
         params = self.sampling_params

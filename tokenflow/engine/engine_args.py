@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies import POLICY_NAMES
+from tokenflow.core.request import is_reader_rate, reader_rate_error
 
 # The policy as `serve` runs it.  On a CPU steps are ~100x slower than on a GPU, so buffers grow
 # by about one second of reading per second and newcomers wait for streams to become pausable:
@@ -83,8 +84,8 @@ class EngineArgs:
             raise ValueError("max_model_len must be >= 2")
         if not (math.isfinite(self.step_target_ms) and self.step_target_ms > 0):
             raise ValueError("step_target_ms must be a finite number > 0")
-        if not (math.isfinite(self.default_rate_tps) and self.default_rate_tps > 0):
-            raise ValueError("default_rate_tps must be a finite number > 0")
+        if not is_reader_rate(self.default_rate_tps):
+            raise ValueError(f"default_rate_tps: {reader_rate_error(self.default_rate_tps)}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.llama_cpp_repack and self.executor != "llama-cpp":

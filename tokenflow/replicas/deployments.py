@@ -41,7 +41,7 @@ class EngineReplica:
         from tokenflow.serving.cli import add_serve_arguments
         from tokenflow.serving.config import ServerConfig
 
-        parser = argparse.ArgumentParser()
+        parser = argparse.ArgumentParser(allow_abbrev=False)
         add_serve_arguments(parser)
         args = parser.parse_args(serve_argv)
         engine_args = EngineArgs.from_namespace(args)

@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ours, serve_argv = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
-    parser = argparse.ArgumentParser(prog="python -m tokenflow.replicas", description=__doc__)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m tokenflow.replicas", description=__doc__
+    )
     add_arguments(parser)
     args = parser.parse_args(ours)
     start(args, serve_argv)

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tokenflow.core.request import Consumption
+from tokenflow.core.request import Consumption, is_reader_rate, reader_rate_error
 from tokenflow.serving.validation import ApiError
 
 CLASS_NAMES = tuple(c.value for c in Consumption)
@@ -45,8 +45,8 @@ class ClassRule:
 
     def __post_init__(self) -> None:
         rate = self.rate_tps
-        if rate is not None and not (math.isfinite(rate) and rate > 0):
-            raise ValueError(f"a class rule's rate must be a finite number > 0, got {rate!r}")
+        if rate is not None and not is_reader_rate(rate):
+            raise ValueError(f"a class rule's rate: {reader_rate_error(rate)}")
         if rate is not None and self.consumption is not Consumption.READER:
             raise ValueError(f"only readers have a rate, not {self.consumption.value}")
 

@@ -19,15 +19,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenflow.core.request import MAX_READER_RATE_TPS, MIN_READER_RATE_TPS
+
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
-MAX_RATE_TPS = 1000.0  # a reader rate beyond this is no reader
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch generator accepts
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 
 # A reader's rate in tokens/s: the body's `stream_rate` and the X-Stream-Rate header alike.
-RateTps = Annotated[float, Field(gt=0, le=MAX_RATE_TPS, allow_inf_nan=False)]
+RateTps = Annotated[
+    float, Field(ge=MIN_READER_RATE_TPS, le=MAX_READER_RATE_TPS, allow_inf_nan=False)
+]
 TokenId = Annotated[int, Field(ge=0)]  # below the vocabulary size: checked in validation.py
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's range

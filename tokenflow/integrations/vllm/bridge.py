@@ -40,7 +40,7 @@ from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies import Moves, Policy, SchedulingView
-from tokenflow.core.request import Request, RequestState, SamplingParams
+from tokenflow.core.request import Request, RequestState, SamplingParams, is_reader_rate
 
 _PREEMPTED = RequestState.PREEMPTED
 OTHER_OWNER = "__vllm_unmirrored__"  # mirror blocks standing for KV the policy does not manage
@@ -127,7 +127,7 @@ class PolicyBridge:
             rate = float(value) if value is not None else None
         except (TypeError, ValueError):
             return self.default_rate_tps
-        if rate is None or not rate > 0 or rate == float("inf"):
+        if rate is None or not is_reader_rate(rate):
             return self.default_rate_tps
         return rate
 

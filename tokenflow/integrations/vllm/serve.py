@@ -109,7 +109,7 @@ def vllm_server_args(argv: Sequence[str], vllm_offloads: bool = False) -> list[s
 
     ValueError when `--additional-config` is not a JSON object.
     """
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     parser.add_argument("--default-rate", type=float, default=None)
     parser.add_argument("--additional-config", default=None)
     parser.add_argument("--no-host-kv", action="store_true")

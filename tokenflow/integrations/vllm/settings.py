@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
+from tokenflow.core.request import is_reader_rate, reader_rate_error
 
 CONFIG_KEY = "tokenflow"
 FROM_VLLM = ("max_num_seqs", "max_prefill_tokens", "max_model_len")
@@ -43,8 +44,8 @@ class IntegrationSettings:
 
     def __post_init__(self) -> None:
         rate = self.default_rate_tps
-        if rate is not None and not (math.isfinite(rate) and rate > 0):
-            raise ValueError(f"tokenflow default_rate must be a finite number > 0, got {rate!r}")
+        if rate is not None and not is_reader_rate(rate):
+            raise ValueError(f"tokenflow default_rate: {reader_rate_error(rate)}")
         if not (math.isfinite(self.host_factor) and self.host_factor >= 0):
             raise ValueError(f"tokenflow host_factor must be >= 0, got {self.host_factor!r}")
         allowed = {f.name for f in fields(SchedulerConfig)} - set(FROM_VLLM)
