@@ -115,7 +115,7 @@ def dump_dom(url: str, profile: Path) -> str:
         f"--user-data-dir={profile}",
         "--virtual-time-budget=10000",
         "--dump-dom",
-        f"{url}/dashboard?key={API_KEY}",
+        f"{url}/dashboard#key={API_KEY}",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -128,7 +128,7 @@ def test_the_page_polls_and_draws_a_bar_per_stream(tiny_model_dir, tmp_path):
         model=tiny_model_dir, device="cpu", device_kv_tokens=128 * 16, max_model_len=1024
     )
     engine = AsyncEngine(args)
-    app = CountPageCalls(build_app(engine, ServerConfig(api_key=API_KEY)), STREAMS_PATH)
+    app = CountPageCalls(build_app(engine, ServerConfig(api_keys=(API_KEY,))), STREAMS_PATH)
     try:
         with serve_in_thread(app) as url:  # type: ignore[arg-type]
             warm_up(url)

@@ -33,6 +33,8 @@ class WordTokenizer:
         self._words: list[str] = [EOS]
         self.eos_token_id: int | None = 0
 
+    max_token_chars = 64  # a word longer than this is never one token
+
     def token_id(self, word: str) -> int:
         if word not in self._ids:
             self._ids[word] = len(self._words)
@@ -58,7 +60,8 @@ class FakeEngine:
         min_tokens says otherwise.
     tokens_per_delta: tokens batched into one delta.
     max_num_requests: in-flight cap; beyond it `generate()` raises EngineOverloaded.
-    fail_after_tokens: raise RuntimeError mid-stream after this many tokens (None: never).
+    fail_after_tokens: raise RuntimeError mid-stream after this many tokens (None: never);
+        with `dies_mid_way`, EngineDead instead (the loop stopped, e.g. a drain's timeout).
     reject_prompts_longer_than: raise EngineRequestError for longer prompts (None: never).
     gate: output token `gate_at_token` of every stream waits until a test thread sets it (None:
         no wait), so a test decides when the stream goes on instead of racing a delay.
@@ -76,6 +79,7 @@ class FakeEngine:
     max_num_requests: int | None = None
     retry_after_s: float = 1.5
     fail_after_tokens: int | None = None
+    dies_mid_way: bool = False
     reject_prompts_longer_than: int | None = None
     gate: threading.Event | None = None
     gate_at_token: int = 0
@@ -134,6 +138,8 @@ class FakeEngine:
             if self.gate is not None and num_output == self.gate_at_token:
                 await _opened(self.gate)
             if self.fail_after_tokens is not None and num_output >= self.fail_after_tokens:
+                if self.dies_mid_way:
+                    raise EngineDead("the engine loop stopped: fake drain timeout")
                 raise RuntimeError("fake engine failure")
             token_id, finish_reason = self._next_token(num_output, params)
             num_output += 1

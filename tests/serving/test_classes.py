@@ -79,9 +79,23 @@ async def test_classes_by_api_key_and_the_server_default():
         (BODY, {"Authorization": "Bearer voice-key"}),  # a reader at the default rate
         (BODY, {"Authorization": "Bearer other"}),
         (BODY, {}),
-        ({**BODY, "stream_rate": 2}, {"Authorization": "Bearer chat-key"}),
     )
-    assert got == [6.0, FakeEngine().default_rate_tps, math.inf, math.inf, 2.0]
+    assert got == [6.0, FakeEngine().default_rate_tps, math.inf, math.inf]
+
+
+async def test_a_keys_rule_binds_what_its_requests_state_unless_written_with_a_tilde():
+    config = ServerConfig(api_key_classes=("chat-key=reader:6", "agents-key=~eager"))
+    chat = {"Authorization": "Bearer chat-key"}
+    agents = {"authorization": "bearer agents-key"}  # the scheme in any case
+    got = await rates(
+        config,
+        ({**BODY, "stream_rate": 500}, chat),  # a tenant cannot raise its own rate
+        ({**BODY, "stream_class": "eager"}, chat),  # nor leave its class
+        (BODY, {**chat, "X-Stream-Rate": "50"}),
+        (BODY, agents),
+        ({**BODY, "stream_rate": 2}, agents),  # a default: the stated rate wins
+    )
+    assert got == [6.0, 6.0, 6.0, math.inf, 2.0]
 
 
 def test_class_rules_refuse_what_they_cannot_read():
@@ -109,6 +123,6 @@ def test_the_class_rules_come_from_a_config_file_too(tmp_path):
     config = ServerConfig.from_namespace(parser.parse_args(argv))
     assert config.class_rules.default.consumption.value == "eager"
     assert config.class_rules.by_api_key["chat-key"].rate_tps == 6.0
-    path.write_text('api_key_class = "chat-key=reader:6"\n')
+    path.write_text("api_key_class = 6\n")
     with pytest.raises(ConfigFileError, match="a list of strings"):
         apply_config_file(parser, argv)

@@ -29,7 +29,7 @@ async def test_the_page_is_served_and_fetches_nothing_from_elsewhere(client: htt
 
 
 async def test_the_page_is_not_behind_the_api_key(engine: FakeEngine):
-    app = build_app(engine, ServerConfig(api_key="k"))
+    app = build_app(engine, ServerConfig(api_keys=("k",)))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         assert (await http.get("/dashboard")).status_code == 200

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+
+import anyio
 import httpx
 import pytest
 
@@ -200,7 +203,7 @@ async def test_engine_request_error_is_400() -> None:
 
 
 async def test_api_key() -> None:
-    transport = httpx.ASGITransport(app=build_app(FakeEngine(), ServerConfig(api_key="sesame")))
+    transport = httpx.ASGITransport(app=build_app(FakeEngine(), ServerConfig(api_keys=("sesame",))))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         body = {"prompt": "x", "max_tokens": 1}
         assert_error(await http.post(COMPLETIONS, json=body), 401)
@@ -219,5 +222,68 @@ async def test_a_dead_engine_is_503_for_streams_and_plain_requests() -> None:
             body = {"prompt": "x", "max_tokens": 2, "stream": stream}
             error = assert_error(await http.post(COMPLETIONS, json=body), 503)
             assert error["type"] == "server_error"
-            assert "not running" in error["message"] and "boom" in error["message"]
+            assert "not running" in error["message"] and "boom" not in error["message"]
     assert engine.submitted == []
+
+
+async def test_an_engine_that_stops_mid_way_is_a_503_with_retry_after() -> None:
+    # a drain past its timeout stops the loop: a plain request cut then gets 503, not 500
+    engine = FakeEngine(fail_after_tokens=2, dies_mid_way=True)
+    transport = httpx.ASGITransport(app=build_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        body = {"prompt": "x", "max_tokens": 10}
+        response = await http.post(COMPLETIONS, json=body)
+        error = assert_error(response, 503)
+        assert response.headers["Retry-After"] == "1"
+        assert error["code"] == "server_shutting_down" and "fake" not in error["message"]
+        frames = (await http.post(COMPLETIONS, json={**body, "stream": True})).text
+    assert '"code":"server_shutting_down"' in frames and frames.endswith("data: [DONE]\n\n")
+
+
+async def test_a_prompt_no_context_could_hold_is_refused_before_tokenizing() -> None:
+    engine = FakeEngine()
+    calls: list[int] = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text: calls.append(len(text)) or encode(text)
+    limit = engine.max_model_len * engine.tokenizer.max_token_chars
+    transport = httpx.ASGITransport(app=build_app(engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        body = {"prompt": "x" * (limit + 1), "max_tokens": 1}
+        error = assert_error(await http.post(COMPLETIONS, json=body), 400)
+        assert error["code"] == "context_length_exceeded" and calls == []
+        messages = [{"role": "user", "content": "y" * (limit + 1)}]
+        chat = {"messages": messages, "max_tokens": 1}
+        assert_error(await http.post("/v1/chat/completions", json=chat), 400)
+
+
+async def test_tokenizing_runs_off_the_event_loop() -> None:
+    # While one prompt is being tokenized, /health (and everyone else) is still answered.
+    engine = FakeEngine()
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    encode = engine.tokenizer.encode
+
+    def slow_encode(text: str) -> list[int]:
+        started.set()
+        try:
+            if not release.wait(10):
+                raise RuntimeError("the test never released the tokenizer")
+            return encode(text)
+        finally:
+            finished.set()
+
+    engine.tokenizer.encode = slow_encode
+    transport = httpx.ASGITransport(app=build_app(engine))
+
+    async def complete() -> None:
+        await http.post(COMPLETIONS, json={"prompt": "x y", "max_tokens": 1})
+
+    async with (
+        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+        anyio.create_task_group() as tasks,
+    ):
+        tasks.start_soon(complete)
+        await anyio.to_thread.run_sync(started.wait, 30)
+        health = await http.get("/health")
+        answered_while_tokenizing = not finished.is_set()
+        release.set()
+    assert health.status_code == 200 and answered_while_tokenizing

@@ -153,7 +153,7 @@ async def test_multi_token_deltas_with_continuous_usage() -> None:
     assert chunks[-1]["choices"] == []
 
 
-async def test_engine_failure_mid_stream_ends_with_error_frame() -> None:
+async def test_engine_failure_mid_stream_ends_with_error_frame(caplog) -> None:
     engine = FakeEngine(fail_after_tokens=2)
     transport = httpx.ASGITransport(app=build_app(engine))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
@@ -163,7 +163,10 @@ async def test_engine_failure_mid_stream_ends_with_error_frame() -> None:
     assert [c["choices"][0]["text"] for c in chunks[:2]] == [" t0", " t1"]
     error = chunks[-1]["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "server_error" and "fake engine failure" in error["message"]
+    assert error["type"] == "server_error" and "server log" in error["message"]
+    # the exception's own text goes to the log, never to the client
+    assert "fake engine failure" not in error["message"]
+    assert "fake engine failure" in caplog.text
     assert 'tokenflow_requests_finished_total{finish_reason="error"} 1.0' in metrics
 
 

@@ -48,7 +48,7 @@ def served(tiny_model_dir):
         max_model_len=512,
     )
     engine = AsyncEngine(args)
-    with serve_in_thread(build_app(engine, ServerConfig(api_key=API_KEY))) as url:
+    with serve_in_thread(build_app(engine, ServerConfig(api_keys=(API_KEY,)))) as url:
         warm_up(url)
         yield engine, url
     engine.close()

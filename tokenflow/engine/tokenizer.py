@@ -6,6 +6,7 @@ splitting a multi-byte character, and `find_stop` / `partial_stop_length` locate
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -61,6 +62,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token (its byte-level or metaspace form,
+        never shorter than its text): n tokens hold at most n times this many characters."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the tokenizer's own special tokens (e.g. a BOS) if any."""

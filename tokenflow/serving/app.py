@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenflow.engine.client import EngineClient
+from tokenflow.serving.auth import ApiKeys, RequireApiKey, bearer_token
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.dashboard import dashboard_router
@@ -73,15 +74,20 @@ ClassHeader = Annotated[str | None, Header(alias=STREAM_CLASS_HEADER, max_length
 def build_app(
     engine: EngineClient, config: ServerConfig | None = None, drain: Drain | None = None
 ) -> FastAPI:
-    """An OpenAI-compatible streaming server over `engine` (`config.api_key` guards /v1);
+    """An OpenAI-compatible streaming server over `engine` (`config.allowed_keys` guard /v1);
     `drain` is begun by whoever stops the server (`tokenflow serve` on SIGTERM/SIGINT)."""
     config = config or ServerConfig()
     drain = drain or Drain()
-    app = FastAPI(title="TokenFlow", summary="Buffer-aware LLM text streaming server")
+    # No /docs or /redoc: their pages load JavaScript from a CDN; /openapi.json stays.
+    app = FastAPI(
+        title="TokenFlow",
+        summary="Buffer-aware LLM text streaming server",
+        docs_url=None,
+        redoc_url=None,
+    )
     metrics = ServingMetrics(engine)
     app.state.engine = engine
     app.state.config = config
-    app.state.api_key = config.api_key
     app.state.metrics = metrics
     app.state.drain = drain
     app.state.serving = OpenAIServing(engine, metrics, class_rules=config.class_rules)
@@ -93,6 +99,9 @@ def build_app(
     app.include_router(_ops_router())
     app.include_router(dashboard_router())
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
+    # Outside the body limit: a request without a key is refused before its body is read.
+    keys = ApiKeys(config.allowed_keys)
+    app.add_middleware(RequireApiKey, keys=keys, on_refused=metrics.count_http_error)
     app.add_middleware(CountInFlight, drain=drain)  # outermost: counts until the last byte
     return app
 
@@ -109,24 +118,16 @@ async def _check_not_draining(request: Request) -> None:
         )
 
 
-async def _check_api_key(request: Request) -> None:
-    expected = request.app.state.api_key
-    if expected is None:
-        return
-    if request.headers.get("authorization", "") != f"Bearer {expected}":
-        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-
-
 def _stated(request: Request, rate_tps: float | None, stream_class: str | None) -> Stated:
     """What the headers say of the request's class: rate, class, and the bearer token."""
-    authorization = request.headers.get("authorization", "")
-    api_key = authorization.removeprefix("Bearer ") if authorization.startswith("Bearer ") else None
+    api_key = bearer_token(request.headers.get("authorization"))
     return Stated(rate_tps, stream_class, api_key)
 
 
 def _v1_guards() -> list[Any]:
-    """What every /v1 route checks first: not draining, and the API key."""
-    return [Depends(_check_not_draining), Depends(_check_api_key)]
+    """What every /v1 route checks first: not draining (the API key was checked before the
+    body was read: `auth.RequireApiKey`)."""
+    return [Depends(_check_not_draining)]
 
 
 def _openai_router() -> APIRouter:
@@ -192,7 +193,7 @@ def _ops_router() -> APIRouter:
         if drain.is_draining:
             body = {"status": "draining"}
         elif not state.is_alive:
-            body = {"status": "dead", "error": state.error}
+            body = {"status": "dead"}  # why is in the server log, not for every prober
         elif state.seconds_since_tick > request.app.state.config.health_stall_s:
             body = {"status": "stalled", "seconds_since_tick": round(state.seconds_since_tick, 1)}
         body["num_in_flight"] = drain.num_in_flight

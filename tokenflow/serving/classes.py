@@ -4,14 +4,17 @@ Most clients state no rate: the OpenAI SDKs, agent frameworks and benchmark tool
 `stream_rate`.  A request's class (`tokenflow.core.request.Consumption`) comes from, in order:
 
 1. `stream: false`: batch (judged by end-to-end latency; a pause would only delay it);
-2. the body's `stream_class`, else the `X-Stream-Class` header: `reader`, `eager` or `batch`
+2. a binding rule of the request's API key (`--api-key-class KEY=CLASS[:RATE]`): a tenant's
+   key decides its class and rate, and what the request states of them is ignored;
+3. the body's `stream_class`, else the `X-Stream-Class` header: `reader`, `eager` or `batch`
    (batch needs `stream: false`);
-3. a stated rate (`stream_rate`, else `X-Stream-Rate`): a reader at that rate;
-4. the rule of the request's API key (`--api-key-class KEY=CLASS[:RATE]`);
-5. the server's default (`--default-class`: eager, since a client that states nothing may read
+4. a stated rate (`stream_rate`, else `X-Stream-Rate`): a reader at that rate;
+5. a key's rule written `KEY=~CLASS[:RATE]`: a default its requests may change;
+6. the server's default (`--default-class`: eager, since a client that states nothing may read
    at once and a pause would serve it worse than FCFS; readers at `--default-rate`).
 
-A reader's rate is the stated one, else its key rule's, else the default rate.  Eager and batch
+A reader's rate is its binding rule's, else the stated one, else its key rule's, else the
+default rate.  Eager and batch
 requests reach the engine with an infinite rate: they read each token the moment it exists.
 """
 
@@ -42,7 +45,7 @@ class ClassRule:
 
     consumption: Consumption
     rate_tps: float | None = None
-
+    binds: bool = False  # what a request states of its class and rate is ignored
     def __post_init__(self) -> None:
         rate = self.rate_tps
         if rate is not None and not is_reader_rate(rate):
@@ -66,8 +69,9 @@ class ClassRules:
             key, sep, spec = text.partition("=")
             if not (key and sep and spec):
                 raise ValueError(f"api_key_class must be KEY=CLASS[:RATE], got {text!r}")
-            name, _, rate = spec.partition(":")
-            rules[key] = ClassRule(parse_class(name), float(rate) if rate else None)
+            binds = not spec.startswith("~")
+            name, _, rate = spec.removeprefix("~").partition(":")
+            rules[key] = ClassRule(parse_class(name), float(rate) if rate else None, binds)
         return cls(ClassRule(parse_class(default_class)), rules)
 
     def resolve(
@@ -79,11 +83,16 @@ class ClassRules:
         default_rate_tps: float,
     ) -> tuple[Consumption, float]:
         """(The class, the engine's rate: the reader's tokens/s, inf otherwise); the body's
-        class and rate win over the headers'.  ApiError 400 for an unknown class or one that
-        contradicts `stream`."""
+        class and rate win over the headers', a binding key rule over both.  ApiError 400 for
+        an unknown class or one that contradicts `stream`."""
         stated_class = body_class if body_class is not None else headers.stream_class
         stated_rate_tps = body_rate_tps if body_rate_tps is not None else headers.rate_tps
         api_key = headers.api_key
+        bound = self.by_api_key.get(api_key or "")
+        if stream and bound is not None and bound.binds:
+            if bound.consumption is not Consumption.READER:
+                return bound.consumption, math.inf
+            return Consumption.READER, bound.rate_tps or self.default.rate_tps or default_rate_tps
         consumption = self._class_of(stream, stated_class, stated_rate_tps, api_key)
         if consumption is not Consumption.READER:
             return consumption, math.inf

@@ -6,6 +6,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
+from tokenflow.serving.auth import read_key_file
 from tokenflow.serving.classes import CLASS_NAMES, ClassRules
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -17,19 +18,26 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # require this bearer token on /v1
+    api_keys: tuple[str, ...] = ()  # bearer tokens /v1 accepts (with the key file's); none: open
+    api_key_file: str | None = None  # more keys, one a line
     log_level: str = "info"
     # An SSE comment this often on every accepted stream (0: none, as OpenAI and vLLM send).
     keepalive_s: float = 0.0
-    max_body_bytes: int = 2 << 20  # larger request bodies are refused (413) before parsing
+    # Larger request bodies are refused (413) before parsing.  An 8192-token context is some
+    # 32 KiB of text (about 4 characters a token), 660 KiB at the very most (SmolLM2's longest
+    # token is 81 characters); 1 MiB leaves room for JSON escapes and a long chat history.
+    max_body_bytes: int = 1 << 20
     health_stall_s: float = 30.0  # /health is 503 when the engine loop has not ticked this long
-    # On SIGTERM/SIGINT, streams in flight have this long to finish (Kubernetes waits 30 s by
-    # default, terminationGracePeriodSeconds, before it kills the pod).
-    drain_timeout_s: float = 30.0
+    # On SIGTERM/SIGINT, streams in flight have this long to finish.  Kubernetes kills the pod
+    # 30 s after SIGTERM by default (terminationGracePeriodSeconds): 25 s leaves the streams
+    # still open then the time to get their error frames before the kill.
+    drain_timeout_s: float = 25.0
     # Requests that state no class (serving/classes.py): the default, and rules by API key.
     default_class: str = "eager"
     api_key_classes: tuple[str, ...] = ()  # "KEY=CLASS[:RATE]" each
     class_rules: ClassRules = field(init=False, repr=False, compare=False)
+    # The allow-list: api_keys, the key file's and the keys of class rules; () when open.
+    allowed_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.log_level not in LOG_LEVELS:
@@ -46,9 +54,13 @@ class ServerConfig:
             raise ValueError(
                 f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}"
             )
-        object.__setattr__(
-            self, "class_rules", ClassRules.parse(self.default_class, self.api_key_classes)
-        )
+        rules = ClassRules.parse(self.default_class, self.api_key_classes)
+        object.__setattr__(self, "class_rules", rules)
+        if any(not key.strip() for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+        listed = self.api_keys + (read_key_file(self.api_key_file) if self.api_key_file else ())
+        allowed = (*listed, *sorted(rules.by_api_key)) if listed else ()
+        object.__setattr__(self, "allowed_keys", allowed)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -59,7 +71,19 @@ class ServerConfig:
         server = parser.add_argument_group("server")
         server.add_argument("--host", default=defaults.host)
         server.add_argument("--port", type=int, default=defaults.port)
-        server.add_argument("--api-key", default=None, help="require this bearer token on /v1")
+        server.add_argument(
+            "--api-key",
+            action="append",
+            default=[],
+            dest="api_keys",
+            help="accept this bearer token on /v1 (repeatable; with none, /v1 is open)",
+        )
+        server.add_argument(
+            "--api-key-file",
+            default=None,
+            metavar="FILE",
+            help="accept the bearer tokens in FILE too, one a line (# comments)",
+        )
         server.add_argument("--log-level", default=defaults.log_level, choices=LOG_LEVELS)
         server.add_argument(
             "--keepalive-s",
@@ -100,7 +124,8 @@ class ServerConfig:
             dest="api_key_classes",
             metavar="KEY=CLASS[:RATE]",
             help="class (and a reader's rate) of requests with this bearer token, e.g. "
-            "chat-key=reader:6 or agents-key=eager; repeatable",
+            "chat-key=reader:6 or agents-key=eager; binding (a request's stream_class and "
+            "stream_rate cannot change it) unless written KEY=~CLASS[:RATE]; repeatable",
         )
 
     @classmethod
@@ -109,7 +134,8 @@ class ServerConfig:
         return cls(
             host=args.host,
             port=args.port,
-            api_key=args.api_key,
+            api_keys=tuple(args.api_keys),
+            api_key_file=args.api_key_file,
             log_level=args.log_level,
             keepalive_s=args.keepalive_s,
             max_body_bytes=args.max_body_bytes,

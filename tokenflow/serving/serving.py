@@ -35,6 +35,7 @@ from tokenflow.engine.client import (
     GenerationDelta,
 )
 from tokenflow.serving.classes import ClassRules, Stated
+from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S
 from tokenflow.serving.formatting import DONE, ChatFormat, CompletionFormat, ResponseFormat
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.prepared import PreparedRequest, Progress, usage_of
@@ -51,6 +52,7 @@ from tokenflow.serving.validation import (
     build_sampling_params,
     check_chat_support,
     check_completion_support,
+    check_prompt_chars,
     check_token_ids,
     resolve_max_tokens,
 )
@@ -108,7 +110,7 @@ class OpenAIServing:
         """Serve /v1/completions: a response model, or an async iterator of SSE frames."""
         check_completion_support(body)
         model = self._check_model(body.model)
-        prompt = self._tokenize_prompt(body.prompt)
+        prompt = await self._tokenize_prompt(body.prompt)
         prepared = self.prepare(body, model, prompt, "cmpl-", stated, body.max_tokens)
         return await self._serve(prepared, CompletionFormat(), wait_for_disconnect)
 
@@ -121,7 +123,7 @@ class OpenAIServing:
         """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames."""
         check_chat_support(body)
         model = self._check_model(body.model)
-        prompt = self._apply_chat_template(body)
+        prompt = await self._apply_chat_template(body)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
@@ -175,17 +177,28 @@ class OpenAIServing:
             code="model_not_found",
         )
 
-    def _apply_chat_template(self, body: ChatCompletionRequest) -> tuple[int, ...]:
+    # Tokenizing runs in a worker thread: a long prompt on the event loop held every other
+    # request, /health included, for seconds.  A text no context could hold is refused first.
+    async def _apply_chat_template(self, body: ChatCompletionRequest) -> tuple[int, ...]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_chars(sum(len(m["content"]) for m in messages))
         try:
-            return tuple(self.engine.tokenizer.apply_chat_template(messages))
+            ids = await anyio.to_thread.run_sync(
+                self.engine.tokenizer.apply_chat_template, messages
+            )
         except Exception as exc:  # a template rejecting these messages (e.g. role order)
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        return tuple(ids)
 
-    def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[int, ...]:
+    async def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[int, ...]:
         if isinstance(prompt, str):
-            return tuple(self.engine.tokenizer.encode(prompt))
+            self._check_chars(len(prompt))
+            return tuple(await anyio.to_thread.run_sync(self.engine.tokenizer.encode, prompt))
         return check_token_ids(prompt, self.engine.vocab_size, "prompt")
+
+    def _check_chars(self, num_chars: int) -> None:
+        tokenizer = self.engine.tokenizer
+        check_prompt_chars(num_chars, self.engine.max_model_len, tokenizer.max_token_chars)
 
     # -- running --------------------------------------------------------------------------------
     async def _serve(
@@ -297,22 +310,40 @@ class OpenAIServing:
             if progress.last_delta_s is not None:
                 metrics.observe_e2e(progress.last_delta_s - prepared.received_s, stream_class)
 
-    def _on_failure(self, exc: BaseException) -> str:
-        """Count a request the engine failed mid-way; the message for its client."""
+    def _on_failure(self, exc: BaseException) -> ErrorInfo:
+        """Count a request the engine failed mid-way; log why; what its client is told (no
+        internal text: a stopped engine says so, anything else is "see the server log")."""
         self.metrics.count_finished("error")
         logger.warning("a request failed: %s", _engine_error_message(exc))
-        return _engine_error_message(exc)
+        if isinstance(exc, EngineDead):
+            return ErrorInfo(
+                message="the engine stopped (the server is shutting down); retry the request",
+                type="server_error",
+                code="server_shutting_down",
+            )
+        if isinstance(exc, StopAsyncIteration):
+            message = "the engine ended the request without a finish reason"
+        else:
+            message = "the engine failed this request; the server log has the details"
+        return ErrorInfo(message=message, type="server_error")
 
     async def _collect(
         self, prepared: PreparedRequest, submitted: _Submitted, progress: Progress
     ) -> None:
-        """Record deltas until the finish; an engine failure becomes a 500."""
+        """Record deltas until the finish; an engine failure becomes a 500, an engine that
+        stopped (a drain past its timeout) a 503 with Retry-After."""
         try:
             while progress.finish_reason is None:
                 self._record(prepared, progress, await submitted.next_delta())
         except (StopAsyncIteration, Exception) as exc:
             progress.has_failed = True
-            raise ApiError(500, self._on_failure(exc), type="server_error") from None
+            info = self._on_failure(exc)
+            if isinstance(exc, EngineDead):
+                retry = {"Retry-After": str(DRAIN_RETRY_AFTER_S)}
+                raise ApiError(
+                    503, info.message, type=info.type, code=info.code, headers=retry
+                ) from None
+            raise ApiError(500, info.message, type=info.type) from None
 
     async def _events(
         self,
@@ -332,8 +363,7 @@ class OpenAIServing:
                     delta = await submitted.next_delta()
                 except (StopAsyncIteration, Exception) as exc:
                     progress.has_failed = True
-                    error = ErrorInfo(message=self._on_failure(exc), type="server_error")
-                    yield ErrorResponse(error=error).model_dump_json()
+                    yield ErrorResponse(error=self._on_failure(exc)).model_dump_json()
                     break
                 for chunk in opening:
                     yield chunk.model_dump_json()
@@ -408,7 +438,13 @@ def _refusal(exc: EngineOverloaded | EngineRequestError | EngineDead) -> ApiErro
         )
     if isinstance(exc, EngineRequestError):
         return ApiError(400, str(exc))
-    return ApiError(503, f"the engine is not running: {exc}", type="server_error")
+    logger.warning("a request was refused: %s", exc)
+    return ApiError(
+        503,
+        "the engine is not running; retry on another replica",
+        type="server_error",
+        headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+    )
 
 
 def _engine_error_message(exc: BaseException) -> str:

@@ -53,6 +53,21 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> tu
     return tuple(token_ids)
 
 
+def check_prompt_chars(num_chars: int, max_model_len: int, longest_token: int) -> None:
+    """Refuse, before tokenizing it, a text longer than any prompt the context can hold
+    (`longest_token`: the tokenizer's `max_token_chars`): tokenizing megabytes only to say
+    "too long" held the server for seconds."""
+    limit = max_model_len * longest_token
+    if num_chars > limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt's "
+            f"{num_chars} characters are more than that many tokens can hold ({limit}).",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+
+
 def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
     """Default to the rest of the context; refuse what cannot fit."""
     if num_prompt == 0:
