@@ -116,3 +116,27 @@ async def test_the_docs_pages_that_load_a_cdn_are_off():
         assert (await http.get("/docs")).status_code == 404
         assert (await http.get("/redoc")).status_code == 404
         assert (await http.get("/openapi.json")).status_code == 200
+
+
+def test_one_key_cannot_hold_more_requests_than_its_bound():
+    import threading
+
+    from tests.serving.live_server import serve_in_thread
+
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate, gate_at_token=1)  # the first stream waits at its 2nd token
+    config = ServerConfig(api_keys=("a", "b"), max_requests_per_key=1)
+    body = {"prompt": "x", "max_tokens": 3, "stream": True}
+    with serve_in_thread(build_app(engine, config)) as url, httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + COMPLETIONS, json=body, headers=bearer("a")) as first:
+            assert first.status_code == 200  # headers at once: the stream is in flight
+            second = http.post(url + COMPLETIONS, json=BODY, headers=bearer("a"))
+            with http.stream("POST", url + COMPLETIONS, json=body, headers=bearer("b")) as other:
+                assert other.status_code == 200  # another key has its own bound
+                gate.set()
+                other.read()
+            first.read()
+        again = http.post(url + COMPLETIONS, json=BODY, headers=bearer("a"))
+    assert second.status_code == 429 and second.headers["retry-after"] == "1"
+    assert second.json()["error"]["code"] == "rate_limit_exceeded"
+    assert again.status_code == 200  # the stream's last byte was sent: the slot is free

@@ -164,3 +164,27 @@ def test_litellm_parses_streams_with_keepalives() -> None:
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
     assert gate.is_set()  # two keep-alives came before the first token
     assert text == " t0 t1 t2"
+
+
+def test_a_client_that_reads_nothing_is_cut_off_and_its_request_aborted() -> None:
+    import socket
+
+    from tests.serving.live_server import wait_until
+
+    # ~8 MB of answer against a client whose receive buffer is 4 KiB and that never reads:
+    # the server's sends block once the socket buffers are full, and the send timeout ends it.
+    engine = FakeEngine(max_model_len=3_000_000, tokens_per_delta=20_000)
+    config = ServerConfig(keepalive_s=0, send_timeout_s=0.5)
+    body = json.dumps({"prompt": "x", "max_tokens": 1_000_000, "stream": True}).encode()
+    with serve_in_thread(build_app(engine, config)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + body)
+            assert wait_until(lambda: engine.aborted_ids, timeout_s=120)
+    assert engine.num_finished == 0  # cut off mid-way, not run to its end

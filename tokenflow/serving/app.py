@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenflow.engine.client import EngineClient
-from tokenflow.serving.auth import ApiKeys, RequireApiKey, bearer_token
+from tokenflow.serving.auth import ApiKeys, LimitPerKey, RequireApiKey, bearer_token
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.dashboard import dashboard_router
@@ -105,6 +105,9 @@ def build_app(
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
     # Outside the body limit: a request without a key is refused before its body is read.
     keys = ApiKeys(config.allowed_keys)
+    if config.max_requests_per_key:
+        limit = config.max_requests_per_key
+        app.add_middleware(LimitPerKey, limit=limit, on_refused=metrics.count_http_error)
     app.add_middleware(RequireApiKey, keys=keys, on_refused=metrics.count_http_error)
     app.add_middleware(CountInFlight, drain=drain)  # outermost: counts until the last byte
     return app

@@ -1,4 +1,5 @@
-"""Who may use /v1: the allow-list of API keys, checked before a request's body is read.
+"""Who may use /v1, and how much of it: the allow-list of API keys, checked before a request's
+body is read, and a bound on each key's requests in flight.
 
 The keys come from `--api-key` (repeatable), `--api-key-file` (one key a line; blank lines and
 `#` comments skipped) and the keys named by `--api-key-class`.  With no `--api-key` and no key
@@ -89,11 +90,58 @@ class RequireApiKey:
             return
         self.on_refused(401)
         error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-        content = error.body().model_dump_json().encode()
-        response_headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(content)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]
-        await send({"type": "http.response.start", "status": 401, "headers": response_headers})
-        await send({"type": "http.response.body", "body": content})
+        await _send_error(send, error, [(b"www-authenticate", b"Bearer")])
+
+
+class LimitPerKey:
+    """ASGI middleware: at most `limit` /v1 requests in flight per API key (a stream counts
+    until its last byte), so one tenant cannot take every slot of the engine; the next gets
+    429 with Retry-After, from the headers alone.  Requests without a key are not counted."""
+
+    def __init__(self, app: ASGIApp, limit: int, on_refused: Callable[[int], None]) -> None:
+        self.app = app
+        self.limit = limit
+        self.on_refused = on_refused
+        self._in_flight: dict[str, int] = {}  # one event loop: no lock needed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = None
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+            key = bearer_token(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"))
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        if self._in_flight.get(key, 0) >= self.limit:
+            self.on_refused(429)
+            await _send_error(
+                send,
+                ApiError(
+                    429,
+                    f"this API key has {self.limit} requests in flight already",
+                    type="server_overloaded",
+                    code="rate_limit_exceeded",
+                ),
+                [(b"retry-after", b"1")],
+            )
+            return
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._in_flight[key] -= 1
+            if not self._in_flight[key]:
+                del self._in_flight[key]
+
+
+async def _send_error(send: Send, error: ApiError, headers: list[tuple[bytes, bytes]]) -> None:
+    """An OpenAI-shaped JSON error answered straight from a middleware."""
+    content = error.body().model_dump_json().encode()
+    response_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(content)).encode()),
+        *headers,
+    ]
+    await send(
+        {"type": "http.response.start", "status": error.status_code, "headers": response_headers}
+    )
+    await send({"type": "http.response.body", "body": content})

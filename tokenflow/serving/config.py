@@ -20,6 +20,7 @@ class ServerConfig:
     port: int = 8000
     api_keys: tuple[str, ...] = ()  # bearer tokens /v1 accepts (with the key file's); none: open
     api_key_file: str | None = None  # more keys, one a line
+    max_requests_per_key: int = 0  # requests in flight per API key (0: no bound)
     log_level: str = "info"
     # A keep-alive (a blank line, `app.KEEPALIVE`) after this many seconds without a frame on
     # every accepted stream, so that one queued or paused past a proxy's idle timeout (nginx:
@@ -70,6 +71,8 @@ class ServerConfig:
         listed = self.api_keys + (read_key_file(self.api_key_file) if self.api_key_file else ())
         allowed = (*listed, *sorted(rules.by_api_key)) if listed else ()
         object.__setattr__(self, "allowed_keys", allowed)
+        if self.max_requests_per_key < 0:
+            raise ValueError(f"max_requests_per_key must be >= 0, got {self.max_requests_per_key}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -92,6 +95,12 @@ class ServerConfig:
             default=None,
             metavar="FILE",
             help="accept the bearer tokens in FILE too, one a line (# comments)",
+        )
+        server.add_argument(
+            "--max-requests-per-key",
+            type=int,
+            default=defaults.max_requests_per_key,
+            help="requests in flight one API key may have; more get 429 (0: no bound)",
         )
         server.add_argument("--log-level", default=defaults.log_level, choices=LOG_LEVELS)
         server.add_argument(
@@ -153,6 +162,7 @@ class ServerConfig:
             port=args.port,
             api_keys=tuple(args.api_keys),
             api_key_file=args.api_key_file,
+            max_requests_per_key=args.max_requests_per_key,
             log_level=args.log_level,
             keepalive_s=args.keepalive_s,
             send_timeout_s=args.send_timeout_s,
