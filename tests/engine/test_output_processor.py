@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenflow.core.plan import RequestOutput
 from tokenflow.core.request import FinishReason, SamplingParams
+from tokenflow.engine import output_processor
 from tokenflow.engine.output_processor import OutputProcessor
+from tokenflow.engine.tokenizer import (
+    IncrementalDetokenizer,
+    StopMatcher,
+    Tokenizer,
+    find_stop,
+    partial_stop_length,
+)
 
 TEXT = "Grüße 🤖 aus 日本語! <|im_end|> then more text"
 
@@ -43,3 +54,103 @@ def test_without_stops_every_character_arrives_once(smollm):
     deltas = _stream(smollm, TEXT, ())
     assert "".join(d.text for d in deltas) == smollm.tokenizer.decode(smollm.tokenizer.encode(TEXT))
     assert deltas[-1].finish_reason == "length"
+
+
+def _byte_tokenizer() -> Tokenizer:
+    """One token per UTF-8 byte: a multi-byte character spans tokens and is held back."""
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    model = tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[])
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    return Tokenizer(backend, None)
+
+
+BYTES = _byte_tokenizer()
+
+
+def _steps(text: str, chunk: int) -> list[tuple[int, ...]]:
+    ids = BYTES.encode(text)
+    return [tuple(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+
+
+def _processed(steps, stops, finish_last: bool) -> list[tuple[str, str | None]]:
+    processor = OutputProcessor(BYTES)
+    processor.add("r", [], SamplingParams(max_tokens=4096, stop=stops))
+    deltas, total = [], 0
+    for index, ids in enumerate(steps):
+        total += len(ids)
+        last = finish_last and index == len(steps) - 1
+        output = RequestOutput("r", ids, total, FinishReason.LENGTH if last else None)
+        (delta,) = processor.process([output]).deltas
+        deltas.append((delta.text, delta.finish_reason))
+        if delta.finish_reason is not None:
+            break
+    return deltas
+
+
+def _before_stop_matcher(steps, stops, finish_last: bool) -> list[tuple[str, str | None]]:
+    """The reference: the processor as it was, find_stop and partial_stop_length on the
+    whole text at every step."""
+    detok, sent, deltas = IncrementalDetokenizer(BYTES, []), 0, []
+    for index, ids in enumerate(steps):
+        detok.push(ids)
+        finish = "length" if finish_last and index == len(steps) - 1 else None
+        if finish is not None:
+            detok.flush()
+        text = detok.text
+        end = len(text)
+        if stops:
+            cut = find_stop(text, stops, max(0, sent - max(len(s) for s in stops)))
+            if cut is not None:
+                end, finish = cut, "stop"
+            elif finish is None:
+                end -= partial_stop_length(text, stops)
+        end = max(end, sent)
+        deltas.append((text[sent:end], finish))
+        sent = end
+        if finish is not None:
+            break
+    return deltas
+
+
+_ALPHABET = "ab é🤖"  # 1-, 2- and 4-byte characters
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    text=st.text(_ALPHABET, max_size=30),
+    stops=st.lists(st.text(_ALPHABET, max_size=4), max_size=4).map(tuple),
+    chunk=st.integers(1, 3),
+    finish_last=st.booleans(),
+)
+def test_deltas_equal_the_whole_text_reference(text, stops, chunk, finish_last):
+    """Same texts, same held-back suffixes, same cut and finish at every step as before."""
+    steps = _steps(text, chunk)
+    expected = _before_stop_matcher(steps, stops, finish_last)
+    assert _processed(steps, stops, finish_last) == expected
+
+
+def test_the_matcher_sees_each_character_once(monkeypatch):
+    """16 stops of 256 characters, 1,000 one-character tokens: the processor feeds the matcher
+    only the new text of each step, and the matcher's work stays under 2 lookups a character."""
+    matchers: list[StopMatcher] = []
+
+    class Recording(StopMatcher):
+        def __init__(self, stops) -> None:
+            super().__init__(stops)
+            self.pieces: list[str] = []
+            matchers.append(self)
+
+        def feed(self, text: str) -> int | None:
+            self.pieces.append(text)
+            return super().feed(text)
+
+    monkeypatch.setattr(output_processor, "StopMatcher", Recording)
+    stops = tuple(("ab" * 128)[:255] + chr(ord("c") + i) for i in range(16))
+    text = ("ab" * 600)[:999] + "!"
+    deltas = _processed(_steps(text, 1), stops, finish_last=True)
+    assert "".join(t for t, _ in deltas) == text and deltas[-1][1] == "length"
+    (matcher,) = matchers
+    assert matcher.pieces == list(text)
+    assert matcher.num_steps <= 2 * len(text)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenflow.engine import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_length
+from tokenflow.engine.tokenizer import StopMatcher
 
 TEXTS = [
     "Hello world",
@@ -83,6 +87,92 @@ def test_partial_stop_length():
     assert partial_stop_length("Hello wor", ["world"]) == 3
     assert partial_stop_length("Hello", ["world"]) == 0
     assert partial_stop_length("x<|im", ["<|im_end|>", "<"]) == 4
+
+
+def _whole_text_reference(text: str, stops: tuple[str, ...], fed_before: int):
+    """Brute force on the whole text: where the earliest stop that ends past `fed_before`
+    starts (None if none), and the longest suffix that is a proper prefix of a stop."""
+    starts = [
+        i
+        for stop in stops
+        if stop
+        for i in range(len(text) - len(stop) + 1)
+        if text.startswith(stop, i) and i + len(stop) > fed_before
+    ]
+    held = [n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])]
+    return min(starts, default=None), max(held, default=0)
+
+
+def _check_feeds(pieces: list[str], stops: tuple[str, ...]) -> None:
+    """Feed `pieces`; after each, the matcher agrees with the reference, and with the old
+    whole-text functions (find_stop only up to the first stop: the stream ends there)."""
+    matcher, text, stopped = StopMatcher(stops), "", False
+    for piece in pieces:
+        cut = matcher.feed(piece)
+        fed_before, text = len(text), text + piece
+        assert (cut, matcher.partial_length) == _whole_text_reference(text, stops, fed_before)
+        assert matcher.partial_length == partial_stop_length(text, stops)
+        if not stopped:
+            assert cut == find_stop(text, stops)
+            stopped = cut is not None
+    assert matcher.num_fed_chars == len(text)
+
+
+def _splits(text: str) -> list[list[str]]:
+    """One character per feed, all at once, pieces of 2 and 3, and empty feeds in between."""
+    pieces = [[text[i : i + n] for i in range(0, len(text), n)] for n in (1, 2, 3)]
+    return [*pieces, [text], ["", *" ".join(text).split(" "), ""]]
+
+
+@pytest.mark.parametrize(
+    ("text", "stops"),
+    [
+        ("xabcdy", ("abcd", "bc")),  # overlapping: the one that ends first stops a stream
+        ("abcde", ("abcde", "cd")),  # fed at once: the earliest start wins, as in find_stop
+        ("xabcz", ("abc", "ab")),  # a stop that is a prefix of another
+        ("aaab aabab", ("aab", "abab", "b a")),  # matches that need failure links
+        ("say <|im_end|> and more", ("<|im_end|>", "<|im_start|>")),  # split over many feeds
+        ("x<|im", ("<|im_end|>", "<")),
+        ("Grüße 🤖 aus 日本語!", ("日本語", "🤖 a", "ße", "語?")),  # unicode
+        ("no stop here", ("", "zz", "herex")),  # empty stops are ignored
+        ("aXa", ("a", "a")),  # duplicates
+        ("", ("a",)),
+    ],
+)
+def test_stop_matcher_equals_the_whole_text_functions(text, stops):
+    for pieces in _splits(text):
+        _check_feeds(pieces, stops)
+
+
+_ALPHABET = "abé🤖"
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(
+    stops=st.lists(st.text(_ALPHABET, max_size=5), min_size=1, max_size=4).map(tuple),
+    pieces=st.lists(st.text(_ALPHABET + " ", max_size=6), max_size=12),
+)
+def test_stop_matcher_equals_the_reference_on_random_feeds(stops, pieces):
+    _check_feeds(pieces, stops)
+
+
+@pytest.mark.parametrize("kind", ["shared prefix", "random"])
+def test_stop_matcher_work_is_bounded_by_the_characters_fed(kind):
+    """16 stops of 256 characters (the request limits), 1,000 one-character feeds: at most 2
+    trie lookups per character fed, however long the stops and the text so far (the old
+    functions compared every stop's prefixes with the text's tail on every feed)."""
+    rng = random.Random(0)
+    if kind == "shared prefix":  # deep nodes, and failure chains as long as they get
+        stops = tuple("a" * 255 + chr(ord("b") + i) for i in range(16))
+        text = "".join("a" * rng.randrange(400) + rng.choice("bcz") for _ in range(20))[:1000]
+    else:
+        stops = tuple("".join(rng.choice("abc") for _ in range(256)) for _ in range(16))
+        text = "".join(rng.choice("abc") for _ in range(1000))
+    matcher = StopMatcher(stops)
+    for char in text:
+        matcher.feed(char)
+    assert matcher.num_fed_chars == len(text) == 1000
+    assert matcher.num_steps <= 2 * len(text)
 
 
 def test_saved_directory_reads_back_as_the_same_tokenizer(smollm, tmp_path):

@@ -3,6 +3,8 @@
 Stop strings are found here, not in the core (the core sees only token ids); when one matches,
 the text is cut before it and the caller finishes the request in the core.  While streaming, a
 suffix that could still grow into a stop string is held back until the next token decides it.
+Each request's `StopMatcher` sees each character once, so a step costs O(its new text) there,
+however long the stops and the text so far.
 
 A request whose detokenization or stop check raises gets an "error" delta and is listed in
 `ProcessedStep.failed_request_ids` (the caller ends it in the core); the others go on.
@@ -16,12 +18,7 @@ from dataclasses import dataclass
 from tokenflow.core.plan import RequestOutput
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.client import GenerationDelta
-from tokenflow.engine.tokenizer import (
-    IncrementalDetokenizer,
-    Tokenizer,
-    find_stop,
-    partial_stop_length,
-)
+from tokenflow.engine.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Stream:
     detokenizer: IncrementalDetokenizer
-    stops: tuple[str, ...]
+    stop_matcher: StopMatcher | None  # None without (non-empty) stop strings
     num_prompt_tokens: int
     num_sent_chars: int = 0
     num_output_tokens: int = 0
@@ -53,7 +50,7 @@ class OutputProcessor:
         """Start tracking a request."""
         self._streams[request_id] = _Stream(
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            params.stop,
+            StopMatcher(params.stop) if any(params.stop) else None,
             len(prompt_token_ids),
         )
 
@@ -112,13 +109,13 @@ class OutputProcessor:
         text = detok.text
         stream.num_output_tokens = output.num_output_tokens
         end = len(text)
-        if stream.stops:
-            search_from = max(0, stream.num_sent_chars - max(len(s) for s in stream.stops))
-            cut = find_stop(text, stream.stops, search_from)
+        matcher = stream.stop_matcher
+        if matcher is not None:  # fed only the text it has not seen: O(new text) per step
+            cut = matcher.feed(text[matcher.num_fed_chars :])
             if cut is not None:
                 end, finish = cut, "stop"
             elif finish is None:
-                end -= partial_stop_length(text, stream.stops)
+                end -= matcher.partial_length
         end = max(end, stream.num_sent_chars)
         new_text = text[stream.num_sent_chars : end]
         stream.num_sent_chars = end
