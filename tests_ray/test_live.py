@@ -1,6 +1,7 @@
 """Two replicas of the embedded model on Ray Serve, one engine thread each, on this CPU:
-every request completes through Serve's HTTP proxy, the router spreads a burst, and a replica
-that dies loses only its own requests, each with an error frame."""
+every request completes through Serve's HTTP proxy, the router spreads a burst, a replica
+that dies loses only its own requests, each with an error frame, and on shutdown the replicas
+drain as `tokenflow serve` does (the last test: the engines stop)."""
 
 import argparse
 import json
@@ -14,9 +15,12 @@ import ray
 from ray import serve
 
 from tokenflow.replicas.deployments import REPLICA_HEADER
-from tokenflow.replicas.launch import start
+from tokenflow.replicas.launch import drain, start
 
+KEY = "live-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
 SERVE_ARGV = ["--num-threads", "1", "--device-kv-tokens", "1024", "--host-kv-tokens", "4096"]
+SERVE_ARGV += ["--api-key", KEY, "--drain-timeout-s", "60"]
 
 
 def _free_port() -> int:
@@ -26,7 +30,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def url():
+def fleet():
+    """The application's URL and the signal that drains its replicas."""
     port = _free_port()
     args = argparse.Namespace(
         replicas=2,
@@ -38,10 +43,15 @@ def url():
         num_cpus=2,
         object_store_mib=128,
     )
-    start(args, SERVE_ARGV)
-    yield f"http://127.0.0.1:{port}"
+    drain_signal = start(args, SERVE_ARGV)
+    yield f"http://127.0.0.1:{port}", drain_signal
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture
+def url(fleet):
+    return fleet[0]
 
 
 def _stream(url: str, max_tokens: int, rate: float, out: dict, first: threading.Event | None):
@@ -49,7 +59,8 @@ def _stream(url: str, max_tokens: int, rate: float, out: dict, first: threading.
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "min_tokens": max_tokens}
     body |= {"stream": True, "stream_rate": rate, "ignore_eos": True}
     out.update(texts=[], error=None, done=False)
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+    url = f"{url}/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=AUTH, timeout=300) as response:
         out["status"], out["replica"] = response.status_code, response.headers.get(REPLICA_HEADER)
         for line in response.iter_lines():
             if not line.startswith("data: "):
@@ -118,3 +129,36 @@ def test_a_replica_that_dies_loses_only_its_own_requests(url):
         if after["status"] == 200 and after["done"] and after["error"] is None:
             break
     assert after["error"] is None and len(after["texts"]) == 4
+
+
+def test_on_shutdown_the_replicas_refuse_new_requests_and_finish_their_streams(fleet):
+    url, drain_signal = fleet
+    result: dict = {}
+    first = threading.Event()
+    stream = threading.Thread(target=_stream, args=(url, 160, 4.0, result, first))
+    stream.start()
+    assert first.wait(timeout=240), "the stream got no first token"
+    drained: list[bool] = []
+    drainer = threading.Thread(target=lambda: drained.append(drain(drain_signal, 2, 60.0)))
+    drainer.start()
+    refused = _refused(url)
+    was_in_flight = stream.is_alive()  # (160 tokens take seconds here; the 503 came in ms)
+    stream.join(timeout=300)
+    drainer.join(timeout=120)
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "server_shutting_down"
+    assert was_in_flight
+    assert result["error"] is None and result["done"] and len(result["texts"]) == 160
+    assert drained == [True]  # every replica sent its answers in time, then stopped its engine
+
+
+def _refused(url: str) -> httpx.Response:
+    """The first 503 a new request gets once the drain began (every replica refuses it)."""
+    body = {"prompt": "Once upon a time", "max_tokens": 4}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        if answer.status_code == 503:
+            return answer
+        time.sleep(0.05)
+    raise AssertionError("no request was refused while the replicas drained")

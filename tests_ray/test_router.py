@@ -4,7 +4,8 @@ router object on hand-made candidates)."""
 from dataclasses import dataclass, replace
 
 from tokenflow.core.routing import CapacityPoint, LoadReport
-from tokenflow.replicas.reports import report_to_stats, route_facts
+from tokenflow.replicas.guards import parse_body
+from tokenflow.replicas.reports import report_to_stats, route_facts, with_avoided
 from tokenflow.replicas.router import TokenFlowRequestRouter
 
 
@@ -49,10 +50,12 @@ def _router() -> TokenFlowRequestRouter:
     return router
 
 
-def _choose(router, replicas, body=b'{"prompt": "hi", "max_tokens": 16, "stream_rate": 4}'):
+def _choose(
+    router, replicas, body=b'{"prompt": "hi", "max_tokens": 16, "stream_rate": 4}', avoid=()
+):
     import asyncio
 
-    pending = _Pending((route_facts(body, {}, 4.0),))
+    pending = _Pending((with_avoided(route_facts(parse_body(body), {}, 4.0), avoid),))
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
     return [rank[0].replica_id.unique_id for rank in ranks]
 
@@ -82,9 +85,17 @@ def test_a_call_without_routing_facts_keeps_every_candidate():
     assert ranks == [replicas]
 
 
+def test_a_replica_that_refused_the_request_is_left_out_while_another_is_up():
+    busy = _Replica(_Id("a"), report_to_stats(_report(10.0)))
+    idle = _Replica(_Id("b"), report_to_stats(_report(90.0)))
+    assert _choose(_router(), [busy, idle]) == ["a", "b"]
+    assert _choose(_router(), [busy, idle], avoid=["a"]) == ["b"]
+    assert _choose(_router(), [busy, idle], avoid=["a", "b"]) == ["a", "b"]  # all refused
+
+
 def test_route_facts_read_the_rate_as_the_server_does():
-    body = b'{"prompt": "x" , "max_tokens": 10, "stream_rate": 8}'
+    body = parse_body(b'{"prompt": "x" , "max_tokens": 10, "stream_rate": 8}')
     assert route_facts(body, {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 8.0
-    assert route_facts(b'{"prompt": "x"}', {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 2.0
-    assert route_facts(b'{"prompt": "x"}', {}, 4.0)["rate_tps"] == 4.0
-    assert route_facts(b"not json", {}, 4.0)["rate_tps"] == 4.0
+    assert route_facts({"prompt": "x"}, {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 2.0
+    assert route_facts({"prompt": "x"}, {}, 4.0)["rate_tps"] == 4.0
+    assert route_facts({}, {}, 4.0)["rate_tps"] == 4.0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 from dataclasses import replace
 
 import pytest
 
 from tests.core.helpers import make_core, make_request
+from tokenflow.core.request import Consumption
 from tokenflow.core.routing import (
     CapacityPoint,
     LoadReport,
@@ -17,6 +19,7 @@ from tokenflow.core.routing import (
     make_router,
     parse_router_names,
     project,
+    route_request,
 )
 
 
@@ -170,3 +173,28 @@ def test_router_names():
         parse_router_names("random")
     with pytest.raises(ValueError):
         make_router("tokenflow", [])
+
+
+@pytest.mark.parametrize("consumption", [Consumption.READER, Consumption.EAGER])
+@pytest.mark.parametrize(("num_prompt", "max_tokens"), [(1, 1), (7, 16), (513, 2048)])
+def test_route_request_is_what_a_core_request_of_those_sizes_routes_as(
+    num_prompt, max_tokens, consumption
+):
+    request = make_request("r", num_prompt, max_tokens, rate=8.0, consumption=consumption)
+    facts = route_request("r", 8.0, num_prompt, max_tokens, consumption)
+    assert facts == RouteRequest.of(request)
+
+
+def test_route_request_builds_nothing_as_long_as_the_prompt():
+    tracemalloc.start()
+    facts = route_request("r", 8.0, 1 << 20, 16)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 << 10  # (a prompt of 2**20 placeholder tokens was 8 MiB)
+    assert facts.end_tokens == (1 << 20) + 16 and facts.lifetime_tokens == (1 << 20) + 8
+
+
+def test_route_request_refuses_a_rate_no_reader_states():
+    with pytest.raises(ValueError, match="rate"):
+        route_request("r", 5000.0, 10, 10)
+    assert route_request("r", 5000.0, 10, 10, Consumption.EAGER).rate_tps == math.inf

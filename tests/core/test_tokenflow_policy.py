@@ -14,7 +14,7 @@ from tokenflow.core.policies.balance import select
 from tokenflow.core.policies.capacity import measure_capacity
 from tokenflow.core.policies.pricing import Prices, is_pausable
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
-from tokenflow.core.request import Consumption, PreemptMode, RequestState
+from tokenflow.core.request import MAX_READER_RATE_TPS, Consumption, PreemptMode, RequestState
 
 
 def test_big_buffer_stream_is_offloaded_so_the_newcomer_starts():
@@ -82,7 +82,9 @@ def test_a_later_request_never_starts_before_an_earlier_one_that_does_not_fit():
     view = core.scheduler.view(clock.t)
     policy = TokenFlowPolicy(TokenFlowConfig())
     # R4's rate counts for one stream's share of Gamma, more than the members leave spare.
-    greedy = make_request("R4", num_prompt=4, max_tokens=2, rate=1e9, arrival=clock.t)
+    greedy = make_request(
+        "R4", num_prompt=4, max_tokens=2, rate=MAX_READER_RATE_TPS, arrival=clock.t
+    )
     modest = make_request("R5", num_prompt=4, max_tokens=2, rate=0.1, arrival=clock.t + 1)
     starts = policy.decide(replace(view, waiting=[greedy, modest])).starts
     assert [s.request_id for s in starts] == []

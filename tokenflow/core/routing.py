@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.capacity import measure_capacity
 from tokenflow.core.policies.pricing import lifetime_blocks
-from tokenflow.core.request import Consumption, Request, SamplingParams
+from tokenflow.core.request import Consumption, Request, is_reader_rate, reader_rate_error
 
 _LADDER_STEP = 2**0.25  # footprints at which a report samples Gamma, ~19% apart
 
@@ -57,16 +57,17 @@ def route_request(
     consumption: Consumption = Consumption.READER,
 ) -> RouteRequest:
     """The routing facts of a request known only by its sizes (a router in front of the
-    replicas sees the body, not the tokens)."""
-    request = Request(
-        request_id=request_id,
-        prompt_token_ids=(0,) * max(num_prompt_tokens, 1),
-        sampling_params=SamplingParams(max_tokens=max(max_tokens, 1)),
-        rate_tps=rate_tps,
-        arrival_s=0.0,
-        consumption=consumption,
-    )
-    return RouteRequest.of(request)
+    replicas sees the body, not the tokens): what `RouteRequest.of` reads of a core `Request`
+    of these sizes, computed from the sizes alone, so a long prompt costs the router nothing
+    in proportion to its length.  ValueError for a reader's rate `Request` would refuse."""
+    num_prompt = max(num_prompt_tokens, 1)
+    max_tokens = max(max_tokens, 1)
+    if consumption is not Consumption.READER:
+        rate_tps = math.inf  # (as `Request` reads an eager or batch request)
+    elif not is_reader_rate(rate_tps):
+        raise ValueError(f"request {request_id}: {reader_rate_error(rate_tps)}")
+    # Request.lifetime_tokens and Request.end_tokens, for a prompt of `num_prompt` tokens.
+    return RouteRequest(request_id, rate_tps, num_prompt + max_tokens // 2, num_prompt + max_tokens)
 
 
 @dataclass(frozen=True)

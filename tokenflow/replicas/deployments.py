@@ -1,57 +1,133 @@
 """The two deployments: N TokenFlow engine replicas, and the OpenAI ingress in front of them.
 
-The ingress reads only what routing needs from each body (`reports.route_facts`) and hands the
+The ingress guards the fleet as `tokenflow serve` guards itself: the API key from the headers,
+before any of the body is read (`tokenflow.serving.auth.RequireApiKey`, the server's own), then
+(`guards.py`) --max-body-bytes while the body is read and a 400 for a body that is not a JSON
+object.  It reads only what routing needs from the body (`reports.route_facts`) and hands the
 request, untouched, to an engine replica through a streaming handle; Ray Serve's request router
-(`router.TokenFlowRequestRouter`, or Ray's default) picks the replica.  The replica serves it
-with the app `tokenflow serve` runs, so `stream_rate`, validation and SSE framing are the same.
+(`router.TokenFlowRequestRouter`, or Ray's default) picks the replica.  A replica that refuses
+the request (429 full, 503 draining) has it offered to another, a bounded number of times.  The
+replica serves it with the app `tokenflow serve` runs, so `stream_rate`, validation and SSE
+framing are the same; the ingress cancels the replica call as soon as the client leaves.
+
+A replica drains as `tokenflow serve` does on SIGTERM when the launcher asks (`DrainSignal`):
+503 with Retry-After for new requests, the answers in flight go on for --drain-timeout-s.
 """
 
 # No `from __future__ import annotations`: Ray pickles the ingress class by value, and FastAPI
 # must find its routes' parameter types (`Request`) as objects, not as names to look up.
 import argparse
+import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.actor import ActorHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from tokenflow.core.routing import LoadReport, load_report
 from tokenflow.replicas.asgi import ResponseStart, stream_asgi
-from tokenflow.replicas.reports import report_to_stats, route_facts
+from tokenflow.replicas.guards import (
+    MAX_TRIES,
+    RETRY_STATUSES,
+    error_response,
+    health_problem,
+    parse_body,
+    read_body,
+    should_retry,
+)
+from tokenflow.replicas.reports import report_to_stats, route_facts, with_avoided
+from tokenflow.serving.auth import ApiKeys, RequireApiKey
+from tokenflow.serving.config import ServerConfig
+from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, Drain
+from tokenflow.serving.validation import ApiError
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "X-TokenFlow-Replica"  # which replica served a response
+CLIENT_CLOSED_STATUS = 499  # (as `tokenflow serve` logs a client that left)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
+
+
+def server_config(serve_argv: list[str]) -> ServerConfig:
+    """The server options among `serve_argv` (the replicas' `tokenflow serve` options), parsed
+    as `tokenflow serve` parses them, without the engine's options (whose module loads torch,
+    which the ingress and the launcher never need).  ValueError on a bad value."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    ServerConfig.add_arguments(parser)
+    args, _ = parser.parse_known_args(serve_argv)
+    return ServerConfig.from_namespace(args)
+
+
+@ray.remote(num_cpus=0)
+class DrainSignal:
+    """The launcher's word to every engine replica that the fleet shuts down, and their answers.
+    An actor, because Serve can call one replica of a deployment, never all of them: each
+    replica waits on `wait_begun` (in a thread) from its start."""
+
+    def __init__(self) -> None:
+        self._begun = asyncio.Event()
+        self._drained: dict[str, bool] = {}
+
+    async def begin(self) -> None:
+        self._begun.set()
+
+    async def wait_begun(self) -> None:
+        await self._begun.wait()
+
+    async def done(self, replica: str, drained: bool) -> None:
+        """`replica` finished its drain; `drained`: every answer was sent in time."""
+        self._drained[replica] = drained
+
+    async def drained(self) -> dict[str, bool]:
+        """The replicas that finished their drain so far."""
+        return dict(self._drained)
 
 
 class EngineReplica:
     """One TokenFlow engine (its own scheduler, policy and KV tiers) and its OpenAI app."""
 
-    def __init__(self, serve_argv: list[str], report_period_s: float) -> None:
+    def __init__(
+        self,
+        serve_argv: list[str],
+        report_period_s: float,
+        drain_signal: ActorHandle | None = None,
+    ) -> None:
         from tokenflow.engine.async_engine import AsyncEngine
         from tokenflow.engine.engine_args import EngineArgs
         from tokenflow.executors import executor_factory
         from tokenflow.serving.app import build_app
         from tokenflow.serving.cli import add_serve_arguments
-        from tokenflow.serving.config import ServerConfig
 
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_serve_arguments(parser)
         args = parser.parse_args(serve_argv)
         engine_args = EngineArgs.from_namespace(args)
+        self.config = ServerConfig.from_namespace(args)
         self.engine = AsyncEngine(engine_args, True, executor_factory(engine_args.executor))
-        self.app = build_app(self.engine, ServerConfig.from_namespace(args))
+        self.drain_state = Drain()
+        self.app = build_app(self.engine, self.config, self.drain_state)
         self.name = ray.get_runtime_context().get_actor_name() or f"pid-{os.getpid()}"
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._period_s = report_period_s
         self._report: LoadReport = self._measure()
         self._reported_s = time.monotonic()
         self.engine.after_step = self._after_step
+        if drain_signal is not None:
+            threading.Thread(
+                target=self._drain_when_signalled,
+                args=(drain_signal,),
+                name="tokenflow-drain",
+                daemon=True,
+            ).start()
 
     def _measure(self) -> LoadReport:
         """This replica's report (on the engine thread, or before it starts stepping)."""
@@ -74,61 +150,191 @@ class EngineReplica:
         headers: list[tuple[str, str]],
         body: bytes,
     ) -> AsyncIterator[dict[str, object] | bytes]:
-        """Serve one HTTP request: first {status, headers, replica}, then the body's chunks.
-        `route` (the routing facts) is for the request router, which reads the first argument."""
+        """Serve one HTTP request: first {status, headers, replica, replica_id}, then the body's
+        chunks.  `route` (the routing facts) is for the request router, which reads the first
+        argument.  Cancelling the call tells the app the client left (`stream_asgi`)."""
         async for item in stream_asgi(self.app, method, path, headers, body):
             if isinstance(item, ResponseStart):
-                yield {"status": item.status, "headers": item.headers, "replica": self.name}
+                yield {
+                    "status": item.status,
+                    "headers": item.headers,
+                    "replica": self.name,
+                    "replica_id": self.replica_id,
+                }
             else:
                 yield item
 
     def check_health(self) -> None:
-        """Ray Serve's health check: the engine loop is alive."""
-        health = self.engine.health()
-        if not health.is_alive:
-            raise RuntimeError(health.error or "the engine loop died")
+        """Ray Serve's health check (every `health_check_period_s`; a replica that fails it is
+        replaced): the engine loop is alive and has turned within --health-stall-s, as
+        `tokenflow serve`'s /health reads it, so a loop stuck in a step is caught too.  A
+        draining replica passes: its loop stops on purpose."""
+        if self.drain_state.is_draining:
+            return
+        problem = health_problem(self.engine.health(), self.config.health_stall_s)
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def drain(self) -> bool:
+        """Drain as `tokenflow serve` does on SIGTERM: from now on /health and every /v1
+        request answer 503 with Retry-After (the ingress offers the request to another
+        replica), the answers in flight go on for --drain-timeout-s, then the engine loop stops
+        (a stream still open then ends with an error frame and [DONE]).  Blocks; True when
+        every answer was sent in time."""
+        self.drain_state.begin()
+        drained = self.drain_state.wait_drained(self.config.drain_timeout_s)
+        self.engine.stop()
+        return drained
+
+    def _drain_when_signalled(self, drain_signal: ActorHandle) -> None:
+        """(Its own thread, from the start.)  Drain once the launcher says so; tell it when
+        done."""
+        try:
+            ray.get(drain_signal.wait_begun.remote())
+        except ray.exceptions.RayError:
+            return  # the launcher, which holds the signal, is gone: nobody will ask
+        logger.info("draining %d requests in flight", self.drain_state.num_in_flight)
+        drain_signal.done.remote(self.name, self.drain())
+
+    def __del__(self) -> None:
+        """Serve's shutdown hook (scale-down, redeploy, `serve.shutdown`).  Serve calls it once
+        it has waited for the requests in flight (for `graceful_shutdown_timeout_s`, which the
+        launcher sets from --drain-timeout-s) and refuses new ones: stop the engine loop."""
+        if hasattr(self, "engine"):  # (not when __init__ failed before the engine started)
+            self.drain_state.begin()
+            self.engine.stop()
 
 
 class Forwarder:
     """What the ingress does: forward every request to an engine replica, stream its answer."""
 
-    def __init__(self, engine: DeploymentHandle, default_rate_tps: float) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        default_rate_tps: float,
+        config: ServerConfig | None = None,
+        max_tries: int = MAX_TRIES,
+    ) -> None:
+        config = config or ServerConfig()
         self._engine = engine
         self._default_rate_tps = default_rate_tps
+        self._max_body_bytes = config.max_body_bytes
+        self._max_tries = max_tries
         self._num_by_replica: dict[str, int] = {}
 
     async def replicas(self) -> JSONResponse:
         """Generation requests answered so far by each replica (by its actor name)."""
         return JSONResponse(dict(sorted(self._num_by_replica.items())))
 
-    async def forward(self, request: Request, path: str) -> StreamingResponse | JSONResponse:
-        """Any other path: to a replica, as it came."""
-        body = await request.body()
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
-        route = route_facts(body, dict(request.headers), self._default_rate_tps)
-        target = f"/{path}" + (f"?{request.url.query}" if request.url.query else "")
-        stream = self._engine.options(stream=True).serve_http.remote(
-            route, request.method, target, headers, body
-        )
+    async def forward(self, request: Request, path: str) -> Response:
+        """Any other path: to a replica, as it came.  Its API key was checked already (from
+        the headers: `ingress_class`); first the body's size (413, while it is read), then its
+        JSON (400), so no client costs the ingress more than a request's worth."""
         try:
-            start = await stream.__anext__()
-        except Exception as err:  # noqa: BLE001 - a replica that died before answering
-            return _unavailable(err)
-        replica = str(start["replica"])
+            body = await read_body(request, self._max_body_bytes)
+            parsed = parse_body(body)
+        except ApiError as err:
+            return error_response(err)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        route = route_facts(parsed, request.headers, self._default_rate_tps)
+        target = f"/{path}" + (f"?{request.url.query}" if request.url.query else "")
+        opened = await self._open(route, request.method, target, headers, body)
+        if isinstance(opened, Response):
+            return opened
+        start, stream = opened
+        status, replica = int(start["status"]), str(start["replica"])
         if request.method == "POST":  # (generations, not /v1/models)
             self._num_by_replica[replica] = self._num_by_replica.get(replica, 0) + 1
         response_headers = {k: v for k, v in start["headers"] if k.lower() not in _HOP_HEADERS}
         response_headers[REPLICA_HEADER] = replica
-        return StreamingResponse(
-            _rest(stream), status_code=int(start["status"]), headers=response_headers
-        )
+        if status in RETRY_STATUSES and "retry-after" not in map(str.lower, response_headers):
+            response_headers["Retry-After"] = str(DRAIN_RETRY_AFTER_S)
+        return _Relay(stream, status, response_headers)
+
+    async def _open(
+        self,
+        route: dict[str, object],
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+    ) -> tuple[dict[str, object], DeploymentResponseGenerator] | Response:
+        """The replica call that answers the request, with its first item: the first whose
+        status is not a refusal another replica could take back (`guards.should_retry`), else
+        the last refusal; a 503 when no replica answered at all.  A refused request is offered
+        to the replicas that have not refused it (`reports.with_avoided`), and each refused
+        call is cancelled at once; so is the call in hand when the client leaves meanwhile."""
+        refused_by: list[str] = []
+        num_tries = 0
+        while True:
+            num_tries += 1
+            stream = self._engine.options(stream=True).serve_http.remote(
+                with_avoided(route, refused_by), method, target, headers, body
+            )
+            try:
+                start = await stream.__anext__()
+            except asyncio.CancelledError:
+                stream.cancel()  # the client left before the replica answered
+                raise
+            except Exception as err:  # noqa: BLE001 - a replica that died before answering
+                if not should_retry(None, num_tries, self._max_tries):
+                    return _unavailable(err)
+                logger.warning("a replica failed before answering, trying another: %s", err)
+                continue
+            if not should_retry(int(start["status"]), num_tries, self._max_tries):
+                return start, stream
+            stream.cancel()
+            refused_by.append(str(start["replica_id"]))
 
 
-def ingress_class() -> type:
-    """The ingress deployment's class with its FastAPI app.  Built here, not at import, so
-    Ray pickles the app with the class (an app imported afresh in the replica would lack the
-    routes' `self`)."""
-    app = FastAPI(title="TokenFlow replicas")
+class _Relay(StreamingResponse):
+    """A replica's answer, streamed to the client.  When the answer ends before the replica's
+    last chunk (the client disconnected, or the ingress stopped), the replica call is cancelled
+    there and then, so the replica aborts the request in its engine and frees its KV at once,
+    not whenever Ray notices that the caller is gone."""
+
+    def __init__(
+        self, stream: DeploymentResponseGenerator, status_code: int, headers: dict[str, str]
+    ) -> None:
+        self._stream = stream
+        self._is_finished = False
+        super().__init__(self._chunks(), status_code=status_code, headers=headers)
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        """The body; if the replica dies meanwhile, an SSE error frame and [DONE] end it."""
+        try:
+            async for chunk in self._stream:
+                yield chunk
+        except Exception as err:  # noqa: BLE001 - the replica (or its actor) died mid-stream
+            logger.warning("a replica failed mid-stream: %s", err)
+            error = {
+                "error": {
+                    "message": f"the replica failed: {type(err).__name__}",
+                    "type": "server_error",
+                    "code": 503,
+                }
+            }
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        self._is_finished = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._is_finished:
+                self._stream.cancel()
+
+
+def ingress_class(config: ServerConfig | None = None) -> type:
+    """The ingress deployment's class with its FastAPI app, guarded by `config`'s API keys as
+    `tokenflow serve` is guarded: 401 for a /v1 request without an accepted key, from its
+    headers, before its body is read.  Built here, not at import, so Ray pickles the app with
+    the class (an app imported afresh in the replica would lack the routes' `self`)."""
+    config = config or ServerConfig()
+    app = FastAPI(title="TokenFlow replicas", docs_url=None, redoc_url=None)
+    app.add_middleware(RequireApiKey, keys=ApiKeys(config.allowed_keys), on_refused=_uncounted)
 
     class OpenAIIngress(Forwarder):
         @app.get("/replicas")
@@ -136,27 +342,14 @@ def ingress_class() -> type:
             return await Forwarder.replicas(self)
 
         @app.api_route("/{path:path}", methods=["GET", "POST"], response_model=None)
-        async def forward(self, request: Request, path: str) -> StreamingResponse | JSONResponse:
+        async def forward(self, request: Request, path: str) -> Response:
             return await Forwarder.forward(self, request, path)
 
     return serve.ingress(app)(OpenAIIngress)
 
 
-async def _rest(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The body; if the replica dies meanwhile, an SSE error frame and [DONE] end it."""
-    try:
-        async for chunk in stream:
-            yield chunk
-    except Exception as err:  # noqa: BLE001 - the replica (or its actor) died mid-stream
-        logger.warning("a replica failed mid-stream: %s", err)
-        error = {
-            "error": {
-                "message": f"the replica failed: {type(err).__name__}",
-                "type": "server_error",
-                "code": 503,
-            }
-        }
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+def _uncounted(status: int) -> None:
+    """(The ingress keeps no error metrics: the replicas' /metrics count what they answer.)"""
 
 
 def _unavailable(err: BaseException) -> JSONResponse:

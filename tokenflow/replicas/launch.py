@@ -1,25 +1,52 @@
-"""Build and run the replicas' Ray Serve application (`python -m tokenflow.replicas`)."""
+"""Build and run the replicas' Ray Serve application (`python -m tokenflow.replicas`).
+
+Ray runs as one local node on the loopback (Ray's local-only mode, set by the package's
+`__init__`): its node address is 127.0.0.1.  Its token authentication stays on (Ray's default
+for a new local cluster: the token in ~/.ray/auth_token, made on first use; RAY_AUTH_MODE=
+disabled turns it off), because a few of Ray's servers listen on every interface whatever the
+node address (each Serve replica's gRPC server, on [::]), and without the token anyone who
+reaches one may run code in the cluster.  Only Serve's HTTP proxy, the OpenAI endpoint,
+listens where --host says (127.0.0.1 by default).
+
+SIGTERM or SIGINT drain the fleet as `tokenflow serve` drains itself: every replica answers new
+requests 503 with Retry-After, the streams in flight go on for --drain-timeout-s (a replica
+option, after `--`), then Serve and Ray stop; a second signal cuts the wait short.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
 import signal
 import threading
+import time
 
 import ray
 from ray import serve
+from ray.actor import ActorHandle
 from ray.serve.config import RequestRouterConfig
 
 from tokenflow.core.routing import ROUTER_NAMES
-from tokenflow.replicas.deployments import EngineReplica, ingress_class
+from tokenflow.replicas.deployments import (
+    DrainSignal,
+    EngineReplica,
+    ingress_class,
+    server_config,
+)
 from tokenflow.replicas.router import TokenFlowRequestRouter
+
+logger = logging.getLogger(__name__)
 
 RAY_DEFAULT = "ray-default"  # Ray Serve's own router: power of two choices on queue lengths
 ROUTERS = (*ROUTER_NAMES, RAY_DEFAULT)
 APP_NAME = "tokenflow"
 # One engine thread per replica; OpenMP workers wait passively (docs/design.md).
 _ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+LOOPBACK = "127.0.0.1"
+# Beyond --drain-timeout-s: for a replica to stop its engine and report, before Serve kills it.
+_SHUTDOWN_SLACK_S = 5.0
 
 
 def build_application(
@@ -28,11 +55,16 @@ def build_application(
     serve_argv: list[str],
     report_period_s: float = 1.0,
     default_rate_tps: float = 4.0,
+    drain_signal: ActorHandle | None = None,
+    replica_class: type = EngineReplica,
 ) -> serve.Application:
     """The ingress bound to `num_replicas` engine replicas routed by `router` (one of
-    `ROUTERS`); every replica runs `tokenflow serve` with `serve_argv`."""
+    `ROUTERS`); every replica runs `tokenflow serve` with `serve_argv`, and the ingress guards
+    them with its server options (--api-key, --max-body-bytes).  `drain_signal` (a
+    `DrainSignal`) lets `drain` reach every replica; `replica_class` is for tests."""
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
+    config = server_config(serve_argv)  # (ValueError before any replica starts)
     if router == RAY_DEFAULT:
         routing = RequestRouterConfig(request_routing_stats_period_s=report_period_s)
     else:
@@ -42,21 +74,25 @@ def build_application(
             request_routing_stats_period_s=report_period_s,
         )
     engine = serve.deployment(
-        EngineReplica,
+        replica_class,
         name="TokenFlowEngine",
         num_replicas=num_replicas,
         max_ongoing_requests=10_000,  # the engine queues and refuses (429) by itself
         request_router_config=routing,
         health_check_period_s=2.0,
+        # A replica Serve stops keeps its streams in flight as long as `tokenflow serve` would.
+        graceful_shutdown_timeout_s=config.drain_timeout_s + _SHUTDOWN_SLACK_S,
+        graceful_shutdown_wait_loop_s=0.5,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": _ENV}},
     )
     ingress = serve.deployment(
-        ingress_class(),
+        ingress_class(config),
         name="OpenAIIngress",
         max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(engine.bind(serve_argv, report_period_s), default_rate_tps)
+    replicas = engine.bind(serve_argv, report_period_s, drain_signal)
+    return ingress.bind(replicas, default_rate_tps, config)
 
 
 # Serve's proxy must answer its readiness check within 5 s by default: on a busy 2-core machine
@@ -64,13 +100,13 @@ def build_application(
 _SERVE_ENV = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
-    "RAY_AUTH_MODE": "disabled",  # a local cluster on the loopback only
     "RAY_worker_niceness": "0",  # (Ray lowers its workers' priority: the engines would starve)
 }
 
 
 def start_serve(host: str, port: int, num_cpus: int | None, object_store_mib: int) -> None:
-    """Start Ray (local, small) and Serve's HTTP proxy on `host`:`port`."""
+    """Start Ray (local, small, on the loopback, its token authentication left on) and Serve's
+    HTTP proxy on `host`:`port`."""
     for key, value in _SERVE_ENV.items():
         os.environ.setdefault(key, value)  # (before ray.init: Ray's processes inherit them)
     ray.init(
@@ -80,23 +116,71 @@ def start_serve(host: str, port: int, num_cpus: int | None, object_store_mib: in
         runtime_env={"env_vars": _ENV},
         ignore_reinit_error=True,
     )
+    if ray.util.get_node_ip_address() != LOOPBACK:
+        logger.warning(
+            "Ray listens beyond the loopback: it was imported before tokenflow.replicas, "
+            "which puts it in its local-only mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)"
+        )
     serve.start(http_options={"host": host, "port": port})
 
 
-def start(args: argparse.Namespace, serve_argv: list[str]) -> None:
-    """Start Ray, Serve's HTTP proxy on --host/--port, and the application."""
+def start(args: argparse.Namespace, serve_argv: list[str]) -> ActorHandle:
+    """Start Ray, Serve's HTTP proxy on --host/--port, and the application; the signal that
+    `drain` gives its replicas."""
+    config = server_config(serve_argv)
+    if not _is_loopback(args.host) and not config.allowed_keys:
+        logger.warning(
+            "serving on %s without --api-key: anyone who reaches it may use it", args.host
+        )
     start_serve(args.host, args.port, args.num_cpus, args.object_store_mib)
+    drain_signal = DrainSignal.remote()
     application = build_application(
-        args.replicas, args.router, serve_argv, args.report_period_s, args.default_rate
+        args.replicas,
+        args.router,
+        serve_argv,
+        args.report_period_s,
+        args.default_rate,
+        drain_signal=drain_signal,
     )
     serve.run(application, name=APP_NAME, route_prefix="/")
+    return drain_signal
+
+
+def drain(
+    drain_signal: ActorHandle,
+    num_replicas: int,
+    timeout_s: float,
+    cut_short: threading.Event | None = None,
+) -> bool:
+    """Drain every engine replica (`EngineReplica.drain`) and wait until each is done, for at
+    most `timeout_s` (their --drain-timeout-s) and a little more, or until `cut_short` is set.
+    True when every replica sent all its answers in time."""
+    ray.get(drain_signal.begin.remote())
+    deadline = time.monotonic() + timeout_s + _SHUTDOWN_SLACK_S
+    while time.monotonic() < deadline and not (cut_short is not None and cut_short.is_set()):
+        drained = ray.get(drain_signal.drained.remote())
+        if len(drained) >= num_replicas:
+            return all(drained.values())
+        time.sleep(0.2)
+    return False
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The replicas' options (the engine's own follow `--`, as for `tokenflow serve`)."""
     parser.add_argument("--replicas", type=int, default=2, help="engine replicas")
     parser.add_argument("--router", default="tokenflow", choices=ROUTERS)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default=LOOPBACK,
+        help="where Serve's HTTP proxy listens (Ray itself stays on the loopback)",
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--report-period-s", type=float, default=1.0, help="replicas report their load this often"
@@ -119,16 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(parser)
     args = parser.parse_args(ours)
-    start(args, serve_argv)
+    try:
+        config = server_config(serve_argv)
+    except ValueError as err:
+        parser.error(str(err))
+    drain_signal = start(args, serve_argv)
     print(
         f"serving {args.replicas} TokenFlow replicas ({args.router} router) on "
         f"http://{args.host}:{args.port}",
         flush=True,
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, cut_short = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        (cut_short if stop.is_set() else stop).set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     stop.wait()
+    print(f"draining (at most {config.drain_timeout_s:g} s)", flush=True)
+    drained = drain(drain_signal, args.replicas, config.drain_timeout_s, cut_short)
+    print("drained" if drained else "stopping with requests still in flight", flush=True)
     serve.shutdown()
     ray.shutdown()
     return 0

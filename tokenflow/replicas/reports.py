@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, fields
 
-from tokenflow.core.request import Consumption
+from tokenflow.core.request import Consumption, is_reader_rate
 from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest, route_request
 
 REPORT_KEY = "tokenflow_load_report"
+AVOID_KEY = "avoid"  # in routing facts: replicas that refused the request already
 DEFAULT_MAX_TOKENS = 256  # a body without max_tokens: what the router assumes it asks
+# Sizes past any context window: a body's numbers are clamped here before the router adds them.
+MAX_ROUTED_TOKENS = 1 << 24
 _CHARS_PER_TOKEN = 4  # the ingress has no tokenizer: prompts are sized by characters
+_ROUTE_FIELDS = tuple(f.name for f in fields(RouteRequest))
 
 
 def report_to_stats(report: LoadReport) -> dict[str, object]:
@@ -30,50 +34,86 @@ def report_from_stats(stats: dict[str, object] | None) -> LoadReport | None:
     return LoadReport(**{**fields, "capacity_points": points})
 
 
-def route_facts(body: bytes, headers: dict[str, str], default_rate_tps: float) -> dict[str, object]:
-    """What the router may know of an OpenAI request body, before any replica parses it: the
-    rate as the server reads it (body `stream_rate`, else X-Stream-Rate, else the default),
-    the prompt's size in tokens (estimated from characters) and max_tokens."""
-    try:
-        parsed = json.loads(body or b"{}")
-    except ValueError:
-        parsed = {}
-    parsed = parsed if isinstance(parsed, dict) else {}
-    rate = _number(parsed.get("stream_rate")) or _number(headers.get("x-stream-rate"))
+def route_facts(
+    parsed: dict[str, object], headers: Mapping[str, str], default_rate_tps: float
+) -> dict[str, object]:
+    """What the router may know of an OpenAI request body (`guards.parse_body`'s object),
+    before any replica validates it: the rate as the server reads it (body `stream_rate`,
+    else X-Stream-Rate, else the default), the prompt's size in tokens (estimated from
+    characters) and max_tokens.  Only those few fields are read, each to a bounded depth, and
+    nothing is built in proportion to the prompt: the work is bounded by the body's size
+    (--max-body-bytes), the facts are a few numbers whatever the body holds."""
+    rate = _rate(parsed.get("stream_rate")) or _rate(headers.get("x-stream-rate"))
     stream_class = parsed.get("stream_class") or headers.get("x-stream-class") or "reader"
     consumption = Consumption.READER if stream_class == "reader" else Consumption.EAGER
     max_tokens = _number(parsed.get("max_completion_tokens")) or _number(parsed.get("max_tokens"))
     facts = route_request(
         uuid.uuid4().hex,
         rate or default_rate_tps,
-        _prompt_tokens(parsed),
-        int(max_tokens or DEFAULT_MAX_TOKENS),
+        min(_prompt_tokens(parsed), MAX_ROUTED_TOKENS),
+        int(min(max_tokens or DEFAULT_MAX_TOKENS, MAX_ROUTED_TOKENS)),
         consumption,
     )
     return asdict(facts)
+
+
+def with_avoided(facts: dict[str, object], replica_ids: Sequence[str]) -> dict[str, object]:
+    """The facts of a request that these replicas (by unique id) refused: the router offers it
+    to another one."""
+    return {**facts, AVOID_KEY: list(replica_ids)}
+
+
+def avoided_replicas(facts: object) -> frozenset[str]:
+    """The replicas (by unique id) a handle call's routing facts ask the router not to pick."""
+    avoid = facts.get(AVOID_KEY) if isinstance(facts, dict) else None
+    return frozenset(str(i) for i in avoid) if isinstance(avoid, list) else frozenset()
 
 
 def facts_to_route_request(facts: object) -> RouteRequest | None:
     """The RouteRequest of a handle call's first argument, if it carries one."""
     if not isinstance(facts, dict) or "lifetime_tokens" not in facts:
         return None
-    return RouteRequest(**facts)
+    return RouteRequest(**{name: facts[name] for name in _ROUTE_FIELDS})
 
 
 def _number(value: object) -> float | None:
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an int past 1e308)
         return None
     return number if math.isfinite(number) and number > 0 else None
 
 
+def _rate(value: object) -> float | None:
+    """A reader's rate, if `value` states one the server would accept."""
+    rate = _number(value)
+    return rate if rate is not None and is_reader_rate(rate) else None
+
+
 def _prompt_tokens(parsed: dict[str, object]) -> int:
+    """The prompt's size: token ids counted, text at `_CHARS_PER_TOKEN` characters a token.
+    Strings are measured, never copied or serialized again."""
     prompt = parsed.get("prompt")
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(1 if isinstance(t, int) else _text_tokens(t) for t in prompt)
     if prompt is not None:
-        return len(str(prompt)) // _CHARS_PER_TOKEN + 1
+        return _text_tokens(prompt)
     messages = parsed.get("messages")
-    text = json.dumps(messages) if isinstance(messages, list) else ""
-    return len(text) // _CHARS_PER_TOKEN + 1
+    if not isinstance(messages, list):
+        return 1
+    return sum(_message_chars(m) for m in messages) // _CHARS_PER_TOKEN + 1
+
+
+def _message_chars(message: object) -> int:
+    """A chat message's characters: its `content`, a string or a list of text parts."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        parts = (p.get("text") for p in content if isinstance(p, dict))
+        return sum(len(text) for text in parts if isinstance(text, str))
+    return 0
+
+
+def _text_tokens(text: object) -> int:
+    return len(text) // _CHARS_PER_TOKEN + 1 if isinstance(text, str) else 1

@@ -4,7 +4,9 @@ Ray Serve calls `choose_replicas` for every request to the engine deployment; ea
 `routing_stats` hold the `LoadReport` its replica last returned from `record_routing_stats`
 (every `request_routing_stats_period_s`).  A report is handed to the core router once, when it
 is new, so the core router's count of what it routed since a replica's report stays right.
-The chosen replica ranks first; the others follow in case it refuses the request.
+The chosen replica ranks first; the others follow in case it refuses the request.  A request
+that replicas refused already (a 429 passed back to the ingress, which offers it again) names
+them in its facts (`reports.AVOID_KEY`), and they are left out while any other is up.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from __future__ import annotations
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from tokenflow.core.routing import Router, make_router
-from tokenflow.replicas.reports import facts_to_route_request, report_from_stats
+from tokenflow.replicas.reports import (
+    avoided_replicas,
+    facts_to_route_request,
+    report_from_stats,
+)
 
 
 class TokenFlowRequestRouter(RequestRouter):
@@ -30,14 +36,18 @@ class TokenFlowRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        """The rule's replica first, then the others in id order."""
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ids = sorted(by_id)
-        facts = None
+        """The rule's replica first, then the others in id order; replicas the request
+        avoids only when no other is up."""
+        facts, avoid = None, frozenset[str]()
         if pending_request is not None and pending_request.args:
             facts = facts_to_route_request(pending_request.args[0])
+            avoid = avoided_replicas(pending_request.args[0])
+        candidates = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+        candidates = candidates or candidate_replicas
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        ids = sorted(by_id)
         if not ids or facts is None:
-            return [candidate_replicas]
+            return [candidates]
         router = self._synced(ids, by_id)
         chosen = router.choose(facts, candidates=ids)
         return [[by_id[chosen]], *([by_id[i]] for i in ids if i != chosen)]

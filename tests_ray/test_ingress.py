@@ -1,0 +1,175 @@
+"""The ingress's forwarding, without a cluster: a scripted `DeploymentHandle` stands for the
+replicas.  A refusal is offered to another replica, a bounded number of times; the replica
+call is cancelled whenever the client leaves before the replica's last chunk."""
+
+import asyncio
+
+from starlette.requests import Request
+
+from tokenflow.replicas.deployments import REPLICA_HEADER, Forwarder
+from tokenflow.replicas.guards import MAX_TRIES
+
+BODY = b'{"prompt": "hi", "max_tokens": 4, "stream": true}'
+
+
+class _Stream:
+    """One replica call's answer: its first item, then its chunks (`block`: never answers)."""
+
+    def __init__(self, status=200, replica="a", chunks=(), headers=(), block=False):
+        start = {"status": status, "headers": list(headers), "replica": replica}
+        self.items: list = [{**start, "replica_id": f"id-{replica}"}, *chunks]
+        self.block = block
+        self.cancelled = False
+        self.num_read = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.block:
+            await asyncio.Event().wait()
+        if isinstance(self.items[0] if self.items else None, Exception):
+            raise self.items.pop(0)
+        if not self.items:
+            raise StopAsyncIteration
+        self.num_read += 1
+        return self.items.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    """A DeploymentHandle whose calls get the scripted streams in turn."""
+
+    def __init__(self, *streams):
+        self.streams = list(streams)
+        self.routes: list[dict] = []
+
+    def options(self, stream):
+        assert stream
+        return self
+
+    @property
+    def serve_http(self):
+        return self
+
+    def remote(self, route, method, path, headers, body):
+        self.routes.append(route)
+        return self.streams.pop(0)
+
+
+def _request() -> Request:
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            await asyncio.Event().wait()
+        sent = True
+        return {"type": "http.request", "body": BODY, "more_body": False}
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "method": "POST",
+        "path": "/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    return Request(scope, receive)
+
+
+async def _answer(handle: _Handle):
+    """The ingress's answer to one request: status, headers and body."""
+    response = await Forwarder(handle, 4.0).forward(_request(), "v1/completions")
+    messages: list[dict] = []
+
+    async def send(message):
+        messages.append(message)
+
+    await response(_request().scope, _request().receive, send)
+    start = messages[0]
+    headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}
+    body = b"".join(m.get("body", b"") for m in messages[1:])
+    return start["status"], headers, body
+
+
+def test_a_429_is_offered_to_a_replica_that_has_not_refused_it():
+    busy = _Stream(429, "a", [b'{"error": {}}'], [("retry-after", "2")])
+    free = _Stream(200, "b", [b"data: 1\n\n", b"data: [DONE]\n\n"])
+    handle = _Handle(busy, free)
+    status, headers, body = asyncio.run(_answer(handle))
+    assert status == 200 and headers[REPLICA_HEADER.lower()] == "b"
+    assert body == b"data: 1\n\ndata: [DONE]\n\n"
+    assert handle.routes[0]["avoid"] == [] and handle.routes[1]["avoid"] == ["id-a"]
+    assert busy.cancelled and not free.cancelled  # the refusal's body is never read
+
+
+def test_when_every_try_is_refused_the_last_429_passes_through_with_retry_after():
+    refusals = [_Stream(429, r, [b'{"error": {}}']) for r in ("a", "b", "a", "b")]
+    handle = _Handle(*refusals)
+    status, headers, body = asyncio.run(_answer(handle))
+    assert status == 429 and headers["retry-after"] == "1"  # added where the replica gave none
+    assert body == b'{"error": {}}'
+    assert len(handle.routes) == MAX_TRIES
+    assert handle.routes[-1]["avoid"] == ["id-a", "id-b"]
+
+
+def test_a_draining_replicas_503_is_offered_to_another():
+    draining = _Stream(503, "a", [b"{}"], [("retry-after", "1")])
+    handle = _Handle(draining, _Stream(200, "b", [b"ok"]))
+    assert asyncio.run(_answer(handle))[0] == 200
+
+
+def test_a_replica_that_fails_before_answering_is_tried_again():
+    dead = _Stream(200, "a")
+    dead.items = [RuntimeError("the actor died")]
+    handle = _Handle(dead, _Stream(200, "b", [b"ok"]))
+    status, headers, _ = asyncio.run(_answer(handle))
+    assert status == 200 and headers[REPLICA_HEADER.lower()] == "b"
+
+
+def test_the_replica_call_is_cancelled_when_the_client_leaves_mid_stream():
+    stream = _Stream(200, "a", [b"data: %d\n\n" % i for i in range(100)])
+
+    async def leave_after_two_chunks():
+        response = await Forwarder(_Handle(stream), 4.0).forward(_request(), "v1/completions")
+        num_sent = 0
+        gone = asyncio.Event()
+
+        async def send(message):
+            nonlocal num_sent
+            num_sent += 1
+            if num_sent > 2:
+                gone.set()
+                await asyncio.Event().wait()  # the client stopped reading; then it left
+
+        task = asyncio.ensure_future(response(_request().scope, _request().receive, send))
+        await gone.wait()
+        task.cancel()  # (what Serve does to the ingress's request when its client left)
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_after_two_chunks())
+    assert stream.cancelled and stream.num_read < 10
+
+
+def test_the_replica_call_is_cancelled_when_the_client_leaves_before_it_answers():
+    stream = _Stream(block=True)
+
+    async def leave_at_once():
+        task = asyncio.ensure_future(
+            Forwarder(_Handle(stream), 4.0).forward(_request(), "v1/completions")
+        )
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_at_once())
+    assert stream.cancelled
+
+
+def test_a_stream_read_to_its_end_is_not_cancelled():
+    stream = _Stream(200, "a", [b"data: [DONE]\n\n"])
+    asyncio.run(_answer(_Handle(stream)))
+    assert not stream.cancelled
