@@ -137,7 +137,7 @@ def test_a_dead_engine_loop_fails_everyone_at_once_and_health_says_so(tiny_model
                     return await stream_and_act(http, slow, break_stats)
 
             frames = asyncio.run(go())
-            assert frames[-1] == "[DONE]" and "engine loop died" in frames[-2]
+            assert frames[-1] == "[DONE]" and '"code":"engine_stopped"' in frames[-2]
             assert wait_until(lambda: not engine.health().is_alive)
             health = httpx.get(f"{url}/health")
             assert health.status_code == 503 and health.json()["status"] == "dead"

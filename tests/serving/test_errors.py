@@ -235,9 +235,9 @@ async def test_an_engine_that_stops_mid_way_is_a_503_with_retry_after() -> None:
         response = await http.post(COMPLETIONS, json=body)
         error = assert_error(response, 503)
         assert response.headers["Retry-After"] == "1"
-        assert error["code"] == "server_shutting_down" and "fake" not in error["message"]
+        assert error["code"] == "engine_stopped" and "fake" not in error["message"]
         frames = (await http.post(COMPLETIONS, json={**body, "stream": True})).text
-    assert '"code":"server_shutting_down"' in frames and frames.endswith("data: [DONE]\n\n")
+    assert '"code":"engine_stopped"' in frames and frames.endswith("data: [DONE]\n\n")
 
 
 async def test_a_prompt_no_context_could_hold_is_refused_before_tokenizing() -> None:

@@ -317,9 +317,9 @@ class OpenAIServing:
         logger.warning("a request failed: %s", _engine_error_message(exc))
         if isinstance(exc, EngineDead):
             return ErrorInfo(
-                message="the engine stopped (the server is shutting down); retry the request",
+                message="the engine stopped (the server is shutting down, or failed); retry",
                 type="server_error",
-                code="server_shutting_down",
+                code="engine_stopped",
             )
         if isinstance(exc, StopAsyncIteration):
             message = "the engine ended the request without a finish reason"
