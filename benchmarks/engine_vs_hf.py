@@ -293,6 +293,8 @@ def build_path_runners(args: argparse.Namespace) -> tuple[dict[str, object], str
     max_len = 256 + args.decode_tokens + 64 + 1
     choice = ""
     for name, (dtype, weights) in PATHS.items():
+        if name not in args.path_names:
+            continue
         torch_dtype = getattr(torch, dtype) if dtype else None
         probe = ProbeSettings(SERIAL_BELOW_TOKENS, use_cache=False)
         model, config, _ = load_model(None, "cpu", torch_dtype, weights, probe)
@@ -333,7 +335,7 @@ def run_paths(args: argparse.Namespace) -> dict[str, object]:
     runners, choice = build_path_runners(args)
     print(choice, file=sys.stderr, flush=True)
     cells = []
-    for cell in CELLS:
+    for cell in [c for c in CELLS if f"{c[0]}:{c[1]}" in args.cells]:
         tps = measure_cell(runners, cell, args)
         cells.append({"metric": cell[0], "size": cell[1], "tok_s": tps})
         print(f"  measured {cell[0]} {cell[1]}: {tps}", file=sys.stderr, flush=True)
@@ -357,7 +359,7 @@ def print_paths(result: dict[str, object]) -> None:
     print("|" + "---|" * (len(names) + 2))
     for cell in result["cells"]:
         tps = cell["tok_s"]
-        ours = {n: v for n, v in tps.items() if n != "transformers"}
+        ours = {n: v for n, v in tps.items() if n != "transformers"}  # the default among them
         best = max(ours.values())
         unit = "prompt tok/s" if cell["metric"] == "prefill" else "tok/s"
         label = f"{cell['metric']} {cell['size']} ({unit})"
@@ -370,6 +372,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.add_argument("--paths", action="store_true", help="default vs each explicit path")
     parser.add_argument("--rounds", type=int, default=2, help="--paths: A B .. B A rounds")
+    parser.add_argument(
+        "--path-names",
+        type=lambda s: s.split(","),
+        default=list(PATHS),
+        help="--paths: which of " + ",".join(PATHS),
+    )
+    parser.add_argument(
+        "--cells",
+        type=lambda s: s.split(","),
+        default=[f"{m}:{n}" for m, n in CELLS],
+        help="--paths: which of " + ",".join(f"{m}:{n}" for m, n in CELLS),
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--decode-prompt-len", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=16)

@@ -425,6 +425,7 @@ def machine_key(threads: int, serial_below_tokens: int) -> dict[str, object]:
         "capability": torch.backends.cpu.get_cpu_capability(),
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", ""),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "mkl_enable_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
         "threads": threads,
         "serial_below_tokens": serial_below_tokens,
     }
