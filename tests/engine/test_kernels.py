@@ -9,8 +9,13 @@ import math
 import pytest
 import torch
 
-from tests.engine.helpers import bf16_logit_bound, chunk, greedy_generate, our_logits
-from tokenflow.engine import ModelExecutor, TieredKVCache, load_model
+from tests.engine.helpers import (
+    DECISIVE_PROMPT,
+    bf16_logit_bound,
+    loaded_greedy,
+    loaded_prefill_logits,
+)
+from tokenflow.engine import load_model
 from tokenflow.engine import loader as loader_module
 from tokenflow.engine.kernels import (
     BFLOAT16,
@@ -248,7 +253,6 @@ PLANS = {
     "avx2-like": KernelPlan(FLOAT32, int4_max_rows=8, head_bf16_max_rows=1),
     "fp32-wide-int4": KernelPlan(FLOAT32, int4_max_rows=32, head_bf16_max_rows=8),
 }
-DECISIVE_PROMPT = "The alphabet: a, b, c, d, e,"  # no near tie in 12 greedy steps (test_quant)
 
 
 @pytest.fixture(scope="module")
@@ -276,24 +280,13 @@ def test_the_loaded_model_runs_the_plan(planned_models):
     assert bf16.dtype == torch.bfloat16 and bf16.lm_head.bf16_weight is None
 
 
-def _prefill_logits(loaded, prompt: list[int]) -> torch.Tensor:
-    kv = TieredKVCache(loaded.config, 8, 1, 16, "cpu", loaded.model.dtype)
-    return our_logits(loaded.model, kv, [chunk("r0", prompt, 0, list(range(8)), 0, True)])[0]
-
-
-def _greedy(loaded, prompt: list[int], num_new: int) -> list[int]:
-    kv = TieredKVCache(loaded.config, 8, 1, 16, "cpu", loaded.model.dtype)
-    executor = ModelExecutor(loaded.model, loaded.config, kv, "cpu")
-    return greedy_generate(executor, [prompt], [list(range(8))], num_new=num_new)[0]
-
-
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_every_chosen_plan_keeps_the_dense_greedy_tokens(smollm, planned_models, name):
     # Dense float32 is the transformers oracle (test_real_model); a plan differs from it by
     # bf16 roundings only, inside the bound, and keeps a decisive prompt's greedy tokens.
     loaded = planned_models[name]
     prompt = smollm.tokenizer.encode(DECISIVE_PROMPT)
-    assert _greedy(loaded, prompt, 12) == _greedy(smollm, prompt, 12)
-    dense_logits = _prefill_logits(smollm, prompt)
-    diff = (_prefill_logits(loaded, prompt).float() - dense_logits).abs().max()
+    assert loaded_greedy(loaded, prompt, 12) == loaded_greedy(smollm, prompt, 12)
+    dense_logits = loaded_prefill_logits(smollm, prompt)
+    diff = (loaded_prefill_logits(loaded, prompt).float() - dense_logits).abs().max()
     assert diff < bf16_logit_bound(dense_logits, smollm.config.num_layers), diff

@@ -8,22 +8,18 @@ import torch
 
 from tests.engine.helpers import (
     BF16_ROUNDINGS_PER_INT4_PROJECTION,
+    DECISIVE_PROMPT,
     bf16_error_bound,
     bf16_logit_bound,
-    chunk,
-    greedy_generate,
-    our_logits,
+    loaded_greedy,
+    loaded_prefill_logits,
 )
-from tokenflow.engine import ModelExecutor, TieredKVCache, default_model_path, load_model
+from tokenflow.engine import default_model_path, load_model
 from tokenflow.engine.kernels import EXPLICIT_INT4_MAX_ROWS as INT4_MAX_ROWS
 from tokenflow.engine.quant import GROUP_SIZE, Int4Weight, PackedInt4, decode_q4, quantize_int4
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
-# A prompt whose greedy continuation (" f, g, h, i, j, k,") never hangs on a near tie: in each of
-# its 12 steps the dense model's top logit leads the next by 2.7 or more, over 4x the largest
-# bf16 logit error measured on PROMPT (0.40 with AVX-512 bf16, 0.64 on an AMX machine).
-# PROMPT itself has a step led by 0.3, which bf16's rounding may swap.
-DECISIVE_PROMPT = "The alphabet: a, b, c, d, e,"
+# PROMPT has a greedy step led by 0.3, which bf16's rounding may swap: DECISIVE_PROMPT has none.
 
 
 def _random_int4(rows: int, cols: int, seed: int = 0) -> Int4Weight:
@@ -89,17 +85,6 @@ def int4_models() -> dict[torch.dtype, object]:
     }
 
 
-def _prefill_logits(loaded, prompt: list[int]) -> torch.Tensor:
-    kv = TieredKVCache(loaded.config, 8, 1, 16, "cpu", loaded.model.dtype)
-    return our_logits(loaded.model, kv, [chunk("r0", prompt, 0, list(range(8)), 0, True)])[0]
-
-
-def _greedy(loaded, prompt: list[int], num_new: int) -> list[int]:
-    kv = TieredKVCache(loaded.config, 8, 1, 16, "cpu", loaded.model.dtype)
-    executor = ModelExecutor(loaded.model, loaded.config, kv, "cpu")
-    return greedy_generate(executor, [prompt], [list(range(8))], num_new=num_new)[0]
-
-
 def test_auto_weights_pack_the_gguf_on_cpu(int4_models):
     model = int4_models[torch.bfloat16].model
     assert model.layers[0].mlp.gate_up_proj.int4 is not None
@@ -112,9 +97,9 @@ def test_int4_model_in_float32_equals_the_dequantized_model(smollm, int4_models)
     # Same weights (the kernel dequantizes exactly), so only summation order differs.
     packed = int4_models[torch.float32]
     prompt = smollm.tokenizer.encode(PROMPT)
-    dense_logits = _prefill_logits(smollm, prompt)
-    assert (_prefill_logits(packed, prompt) - dense_logits).abs().max() < 1e-3
-    assert _greedy(packed, prompt, 16) == _greedy(smollm, prompt, 16)
+    dense_logits = loaded_prefill_logits(smollm, prompt)
+    assert (loaded_prefill_logits(packed, prompt) - dense_logits).abs().max() < 1e-3
+    assert loaded_greedy(packed, prompt, 16) == loaded_greedy(smollm, prompt, 16)
 
 
 def test_int4_model_in_bfloat16_keeps_the_dense_greedy_tokens(smollm, int4_models):
@@ -123,9 +108,9 @@ def test_int4_model_in_bfloat16_keeps_the_dense_greedy_tokens(smollm, int4_model
     packed = int4_models[torch.bfloat16]
     prompt = smollm.tokenizer.encode(DECISIVE_PROMPT)
     assert len(prompt) <= INT4_MAX_ROWS  # the prefill runs the int4 kernel too
-    assert _greedy(packed, prompt, 12) == _greedy(smollm, prompt, 12)
-    dense_logits = _prefill_logits(smollm, prompt)
-    diff = (_prefill_logits(packed, prompt) - dense_logits).abs().max()
+    assert loaded_greedy(packed, prompt, 12) == loaded_greedy(smollm, prompt, 12)
+    dense_logits = loaded_prefill_logits(smollm, prompt)
+    diff = (loaded_prefill_logits(packed, prompt) - dense_logits).abs().max()
     assert diff < bf16_logit_bound(dense_logits, smollm.config.num_layers), diff
 
 
