@@ -35,7 +35,7 @@ class EngineArgs:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: best for the device
     # torch: "auto" (on CPU with no dtype: the kernels this machine runs fastest, measured and
-    # cached, tokenflow/engine/kernels.py), "int4", "dense" (dequantized); llama-cpp: "auto"
+    # cached, tokenflow/engine/kernels/), "int4", "dense" (dequantized); llama-cpp: "auto"
     # (the GGUF as shipped) or "q8_0" (its Q4_1 tensors rewritten as Q8_0, faster in batches)
     weights: str = "auto"
     kernel_cache: bool = True  # reuse this machine's stored kernel choice (False: probe again)
