@@ -318,14 +318,7 @@ class _BodyLimit:
             num_dropped += len(message.get("body", b""))
             more_body = message["type"] == "http.request" and message.get("more_body", False)
         error = ApiError(413, f"the request body exceeds {self.max_bytes} bytes", code="too_large")
-        content = error.body().model_dump_json().encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(content)).encode()),
-            (b"connection", b"close"),
-        ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": content})
+        await error.send_raw(send, [(b"connection", b"close")])
 
 
 # -- errors -------------------------------------------------------------------------------------

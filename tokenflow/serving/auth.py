@@ -90,7 +90,7 @@ class RequireApiKey:
             return
         self.on_refused(401)
         error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-        await _send_error(send, error, [(b"www-authenticate", b"Bearer")])
+        await error.send_raw(send, [(b"www-authenticate", b"Bearer")])
 
 
 class LimitPerKey:
@@ -113,16 +113,14 @@ class LimitPerKey:
             return
         if self._in_flight.get(key, 0) >= self.limit:
             self.on_refused(429)
-            await _send_error(
-                send,
-                ApiError(
-                    429,
-                    f"this API key has {self.limit} requests in flight already",
-                    type="server_overloaded",
-                    code="rate_limit_exceeded",
-                ),
-                [(b"retry-after", b"1")],
+            error = ApiError(
+                429,
+                f"this API key has {self.limit} requests in flight already",
+                type="server_overloaded",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
             )
+            await error.send_raw(send)
             return
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         try:
@@ -131,17 +129,3 @@ class LimitPerKey:
             self._in_flight[key] -= 1
             if not self._in_flight[key]:
                 del self._in_flight[key]
-
-
-async def _send_error(send: Send, error: ApiError, headers: list[tuple[bytes, bytes]]) -> None:
-    """An OpenAI-shaped JSON error answered straight from a middleware."""
-    content = error.body().model_dump_json().encode()
-    response_headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(content)).encode()),
-        *headers,
-    ]
-    await send(
-        {"type": "http.response.start", "status": error.status_code, "headers": response_headers}
-    )
-    await send({"type": "http.response.body", "body": content})

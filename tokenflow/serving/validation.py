@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from starlette.types import Send
+
 from tokenflow.core.request import SamplingParams
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
@@ -43,6 +45,19 @@ class ApiError(Exception):
     def body(self) -> ErrorResponse:
         """The `{"error": {...}}` body."""
         return ErrorResponse(error=self.info)
+
+    async def send_raw(self, send: Send, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """Answer with this error straight from an ASGI middleware (no app, no route): its
+        status, its JSON body, its own headers and `extra_headers`."""
+        content = self.body().model_dump_json().encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(content)).encode()),
+            *((k.lower().encode(), v.encode()) for k, v in self.headers.items()),
+            *extra_headers,
+        ]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> tuple[int, ...]:
