@@ -20,10 +20,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tokenflow.bench.client import ClientConfig, run_workload
-from tokenflow.bench.compare import local_server
-from tokenflow.metrics import summarize_by_class
-from tokenflow.workload import ClassMix, LengthDist, RateMix, WorkloadSpec, generate
+from tokenflow.eval.client import ClientConfig, run_workload
+from tokenflow.eval.compare import local_server
+from tokenflow.eval.metrics import summarize_by_class
+from tokenflow.eval.workload import ClassMix, LengthDist, RateMix, WorkloadSpec, generate
 
 POLICIES = ("tokenflow", "fcfs")
 READER_METRICS = ("ttft_p99_s", "rebuffer_mean_s", "qoe_mean")

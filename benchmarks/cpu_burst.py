@@ -34,10 +34,10 @@ import vs_vllm
 from vllm_burst import HEADLINE, add_server_bench_arguments, bench_servers
 from vs_vllm import BenchError, ensure_hf_model, ensure_vllm_venv
 
-from tokenflow.bench.cli import client_config_from_args, report_runs
-from tokenflow.metrics import Summary
-from tokenflow.report import format_spread_table, report_records, spread
-from tokenflow.workload_cli import add_workload_arguments, workload_from_args
+from tokenflow.cli.bench import client_config_from_args, report_runs
+from tokenflow.cli.workload import add_workload_arguments, workload_from_args
+from tokenflow.eval.metrics import Summary
+from tokenflow.eval.report import format_spread_table, report_records, spread
 
 
 def vllm_command(args: argparse.Namespace, python: Path, model_dir: Path) -> list[str]:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import httpx
 
-from tokenflow.bench.client import ClientConfig, run_workload
-from tokenflow.bench.compare import local_server
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
+from tokenflow.eval.client import ClientConfig, run_workload
+from tokenflow.eval.compare import local_server
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 BURST = WorkloadSpec(
     kind="burst",

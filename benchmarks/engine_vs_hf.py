@@ -36,14 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from tokenflow.core.plan import ScheduledChunk, StepPlan  # noqa: E402
 from tokenflow.core.request import SamplingParams  # noqa: E402
-from tokenflow.engine import (  # noqa: E402
-    ModelExecutor,
-    TieredKVCache,
-    default_model_path,
-    load_model,
-)
+from tokenflow.engine import ModelExecutor  # noqa: E402
 from tokenflow.engine.engine_args import SERIAL_BELOW_TOKENS  # noqa: E402
-from tokenflow.engine.kernels import ProbeSettings  # noqa: E402
+from tokenflow.model import TieredKVCache, default_model_path, load_model  # noqa: E402
+from tokenflow.model.kernels import ProbeSettings  # noqa: E402
 
 BLOCK_SIZE = 16
 

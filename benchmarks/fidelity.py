@@ -41,14 +41,14 @@ import httpx
 
 from benchmarks.fidelity_ablations import ABLATIONS, DEPLOYMENT, ablated
 from benchmarks.fidelity_report import analyse, write_doc, write_plot
-from tokenflow.bench.client import ClientConfig, run_workload
-from tokenflow.bench.compare import local_server
-from tokenflow.machine import cpu_use, read_cpu_times
-from tokenflow.metrics import summarize
-from tokenflow.sim.profile_file import load_profile, pool_profiles
+from tokenflow.calibrate.machine import cpu_use, read_cpu_times
+from tokenflow.calibrate.profile_file import load_profile, pool_profiles
+from tokenflow.eval.client import ClientConfig, run_workload
+from tokenflow.eval.compare import local_server
+from tokenflow.eval.metrics import summarize
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate, save_trace
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, run_engine
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate, save_trace
 
 POLICIES = ("fcfs", "tokenflow")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenflow.sim.profile_costs import fit_compute, point_medians
-from tokenflow.sim.profile_file import Profile, PromptTokens
+from tokenflow.calibrate.costs import fit_compute, point_medians
+from tokenflow.calibrate.profile_file import Profile, PromptTokens
 
 ABLATIONS = {
     "template": "prompts as the client's word counts (no chat template tokens)",

@@ -153,7 +153,7 @@ def write_plot(path: str, result: FidelityResult) -> None:
         ax.set_title(f"{label} (median error {result.median_error[metric]:.0%})", fontsize=9)
         ax.set_xlabel("measured", fontsize=8)
         ax.set_ylabel("predicted", fontsize=8)
-    for ax in list(axes.flat)[len(shown):]:
+    for ax in list(axes.flat)[len(shown) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()

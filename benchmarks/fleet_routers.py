@@ -24,11 +24,11 @@ import multiprocessing
 from pathlib import Path
 
 from tokenflow.core.routing import ROUTER_NAMES
-from tokenflow.metrics import Summary
-from tokenflow.report import aggregate, format_spread_table
+from tokenflow.eval.metrics import Summary
+from tokenflow.eval.report import aggregate, format_spread_table
+from tokenflow.eval.workload import generate
 from tokenflow.sim.fleet import FleetConfig, fleet_replicas, fleet_setups, run_fleet
 from tokenflow.sim.runner import SimConfig
-from tokenflow.workload import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- fleet tables: begin -->", "<!-- fleet tables: end -->"

@@ -131,7 +131,7 @@ def stages(args: argparse.Namespace, paths: Paths, vllm_python: str | None) -> l
         make_model if paths.tokenizer_dir else ""
     )
     profile = (
-        f"{py} -m tokenflow.cli profile --model {model} --device cuda --dtype bfloat16 "
+        f"{py} -m tokenflow.cli.main profile --model {model} --device cuda --dtype bfloat16 "
         f"--out {q(work / 'profile.json')} --rounds 1 --repeats 2 --no-serve-probe --no-progress"
     )
     bench = (
@@ -321,7 +321,7 @@ def write_tokenizer_files(gguf: Path, directory: Path) -> None:
     """tokenizer.json and tokenizer_config.json (with the chat template) from a GGUF."""
     from gguf import GGUFReader
 
-    from tokenflow.engine.tokenizer import Tokenizer
+    from tokenflow.model.tokenizer import Tokenizer
 
     reader = GGUFReader(str(gguf))
     metadata = {name: entry.contents() for name, entry in reader.fields.items()}

@@ -4,7 +4,8 @@ copies, and the simulator's H200 preset against both.  Writes one JSON file.
     python3 benchmarks/gpu_measure.py --out measure.json [--model-dir DIR --tokenizer-dir TOK]
 
 - **Throughput** of the engine's executor (`ModelExecutor`, bfloat16, paged KV) through
-  `tokenflow.sweep.run_sweep`: decode tokens/s at 1, 32 and 128 streams (each at a context of
+  `tokenflow.calibrate.sweep.run_sweep`: decode tokens/s at 1, 32 and 128 streams (each at a
+  context of
   512 tokens) and prefill tokens/s (chunks of 512 and 2,048 tokens), for two shapes with random
   weights (step times do not depend on the values): SmolLM2-135M, the model the project
   embeds, and Llama-3-8B, the largest of the simulator's models (`tokenflow/sim/hardware.py`)
@@ -33,10 +34,11 @@ from typing import Any
 
 import torch
 
-from tokenflow.engine import LlamaModel, ModelConfig, ModelExecutor, TieredKVCache
+from tokenflow.calibrate.sweep import SweepSpec, run_sweep
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import LlamaModel, ModelConfig, TieredKVCache
 from tokenflow.sim.cost_model import CostModel, attention_pairs
 from tokenflow.sim.hardware import ModelSpec, get_gpu
-from tokenflow.sweep import SweepSpec, run_sweep
 
 BLOCK_SIZE = 16
 

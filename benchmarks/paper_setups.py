@@ -10,7 +10,7 @@ over.  Runs go to at most two worker processes.  Then it writes, from the cache:
 - docs/results/<setup>.json: per policy, every seed's summary and the median / min / max;
 - docs/results/<setup>.png: TTFT against stall per policy (medians, min-max error bars);
 - docs/results/summary.json: tokenflow / fcfs ratios against the targets
-  (`tokenflow.report.check_targets`), and the ablations;
+  (`tokenflow.eval.report.check_targets`), and the ablations;
 - docs/results.md: all of it as tables, keeping its two hand-written blocks (the notes on the
   simulator, and the real engine's section after the tables).
 
@@ -35,10 +35,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.report import Spread, aggregate, check_targets, plot_spread
+from tokenflow.eval.report import Spread, aggregate, check_targets, plot_spread
+from tokenflow.eval.workload import generate
 from tokenflow.sim.runner import run_simulation, setup_config
 from tokenflow.sim.setups import get_setup, paper_setups
-from tokenflow.workload import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUPS = tuple(paper_setups())

@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 from ray import serve
 
-from tokenflow.bench.cli import main as bench_main
-from tokenflow.metrics import Summary
+from tokenflow.cli.bench import main as bench_main
+from tokenflow.eval.metrics import Summary
+from tokenflow.eval.report import format_spread_table
 from tokenflow.replicas.launch import APP_NAME, build_application, start_serve
-from tokenflow.report import format_spread_table
 
 
 def _free_port() -> int:

@@ -283,7 +283,7 @@ def local_server(serve_args: str, startup_timeout_s: float = 300) -> Iterator[st
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "tokenflow.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "tokenflow.cli.main", "serve", "--port", str(port)]
     command += [*shlex.split(serve_args), "--log-level", "warning"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -47,8 +47,8 @@ from tokenflow.core.policies.andes import AndesPolicy
 from tokenflow.core.policies.base import Policy, SchedulingView
 from tokenflow.core.policies.tokenflow import TokenFlowPolicy
 from tokenflow.core.scheduler import Scheduler
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.runner import SimConfig, build_engine, make_request
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 WAITING_SHARE = 0.11  # of the active requests that arrive after the warm-up (never started)
 WARM_STEPS = 500  # steps of service before timing: at 400 active ~256 running, ~50 preempted

@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-# As `tokenflow serve` (tokenflow/cli.py): OpenMP workers that sleep between parallel regions,
+# As `tokenflow serve` (tokenflow/cli/main.py): OpenMP workers that sleep between parallel regions,
 # set before torch loads; spinning ones made steps many times slower beside another process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.fidelity import WORKLOADS, real_run, simulate_run, take_profile
-from tokenflow.workload import generate, save_trace
+from tokenflow.eval.workload import generate, save_trace
 
 OBJECTIVE_KEY = {"qoe": "qoe_mean", "p99-ttft": "ttft_p99_s", "stall": "rebuffer_mean_s"}
 HEADLINE = ("qoe_mean", "ttft_mean_s", "ttft_p99_s", "rebuffer_mean_s", "effective_throughput_tps")
@@ -106,8 +106,8 @@ def _predicted(workload, profile: Path, config: Path, out_dir: Path) -> dict[str
     import tomllib
     from dataclasses import replace
 
-    from tokenflow.sim.cli import POLICY_OPTIONS
-    from tokenflow.sim.profile_file import load_profile
+    from tokenflow.calibrate.profile_file import load_profile
+    from tokenflow.cli.simulate_policy import POLICY_OPTIONS
 
     knobs = tomllib.loads(config.read_text())
     base = load_profile(profile)

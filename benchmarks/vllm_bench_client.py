@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.vs_vllm import CACHE_DIR, ensure_hf_model, ensure_vllm_venv
-from tokenflow.bench.compare import local_server
+from tokenflow.eval.compare import local_server
 from tokenflow.integrations.vllm.bench_cli import VLLM_CLI
 
 METRICS = ("output_throughput", "mean_tpot_ms", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms")

@@ -36,11 +36,11 @@ import httpx
 import vs_vllm
 from vs_vllm import CACHE_DIR, BenchError, ensure_hf_model, ensure_vllm_venv, running_server
 
-from tokenflow.bench.cli import BenchTarget, benchmark, client_config_from_args, report_runs
-from tokenflow.bench.client import BenchRun, ClientConfig
-from tokenflow.metrics import Summary
-from tokenflow.workload import WorkloadRequest
-from tokenflow.workload_cli import add_workload_arguments, workload_from_args
+from tokenflow.cli.bench import BenchTarget, benchmark, client_config_from_args, report_runs
+from tokenflow.cli.workload import add_workload_arguments, workload_from_args
+from tokenflow.eval.client import BenchRun, ClientConfig
+from tokenflow.eval.metrics import Summary
+from tokenflow.eval.workload import WorkloadRequest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COUNTER_KEYS = ("preemption", "kv_loads", "recomputes")  # in tokenflow's and vLLM's /metrics

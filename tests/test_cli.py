@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tokenflow.cli import build_parser, main
+from tokenflow.cli.main import build_parser, main
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")

@@ -2,8 +2,13 @@
 
 import pytest
 
-from tokenflow.cli import _build_parsers, main
-from tokenflow.config_file import ConfigFileError, apply_config_file, config_defaults, write_config
+from tokenflow.cli.config_file import (
+    ConfigFileError,
+    apply_config_file,
+    config_defaults,
+    write_config,
+)
+from tokenflow.cli.main import _build_parsers, main
 from tokenflow.engine.engine_args import EngineArgs
 
 
@@ -41,8 +46,8 @@ def test_flags_on_the_command_line_win(tmp_path):
         ("capacity_headrom = 0.9\n", "'capacity_headrom'; did you mean 'capacity-headroom'?"),
         ("frobnicate = 1\n", "unknown key 'frobnicate'; the keys are the command's long options"),
         ("device-kv-tokens = 1.5\n", "device-kv-tokens: expected an integer"),
-        ("mu = \"high\"\n", "mu: expected a number"),
-        ("policy = \"lifo\"\n", "policy: 'lifo' is not one of"),
+        ('mu = "high"\n', "mu: expected a number"),
+        ('policy = "lifo"\n', "policy: 'lifo' is not one of"),
         ("[tokenflow]\nmu = 2.0\n", "tokenflow: a table"),
         ("mu = \n", "not valid TOML"),
     ],

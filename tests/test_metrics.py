@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.python_calls import count_python_calls
-from tokenflow.metrics import (
+from tokenflow.eval.metrics import (
     MetricsConfig,
     RequestTrace,
     Summary,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tokenflow.metrics import RequestTrace, summarize, summarize_by_class
+from tokenflow.eval.metrics import RequestTrace, summarize, summarize_by_class
 
 
 def trace(name: str, times: list[float], consumption: str, rate_tps: float = 2.0):

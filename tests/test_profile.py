@@ -1,10 +1,10 @@
 """`tokenflow profile` on a tiny real model: a profile file with every kind of step, the
 machine's and model's facts, and the flags that rebuild its engine (no timing is checked)."""
 
-from tokenflow.cli import main
+from tokenflow.calibrate.profile_file import load_profile
+from tokenflow.cli.main import main
+from tokenflow.cli.profile import engine_flags
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.profile import engine_flags
-from tokenflow.sim.profile_file import load_profile
 
 
 def test_a_profile_of_a_tiny_model_holds_what_the_simulator_reads(tiny_model_dir, tmp_path):

@@ -3,9 +3,9 @@
 import pytest
 
 from tests.sim.synthetic import synthetic_profile
-from tokenflow.profile_probe import prefill_speed_factor, request_path_s
+from tokenflow.calibrate.profile_file import ProbePoint
+from tokenflow.cli.profile_probe import prefill_speed_factor, request_path_s
 from tokenflow.sim.overhead import default_overhead
-from tokenflow.sim.profile_file import ProbePoint
 
 
 def lone_ttft_s(costs, prompt: int, prefill_factor: float, decode_factor: float) -> float:
@@ -41,10 +41,10 @@ def test_without_a_lone_request_nothing_is_scaled_or_charged():
 
 
 def test_the_lone_request_is_one_prefill_step_of_the_embedded_model():
+    from tokenflow.cli.profile import prompt_tokens
+    from tokenflow.cli.profile_probe import LONE_PROMPT_WORDS, prompt_words
     from tokenflow.engine.llm_engine import _MIN_PREFILL_CHUNK_TOKENS
-    from tokenflow.engine.loader import read_gguf_header
-    from tokenflow.profile import prompt_tokens
-    from tokenflow.profile_probe import LONE_PROMPT_WORDS, prompt_words
+    from tokenflow.model.loader import read_gguf_header
 
     chat = prompt_tokens(read_gguf_header().tokenizer)["chat"]
     assert prompt_words(1) == LONE_PROMPT_WORDS and prompt_words(16) < LONE_PROMPT_WORDS

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tokenflow.cli import main
-from tokenflow.workload import (
+from tokenflow.cli.main import main
+from tokenflow.eval.workload import (
     ClassMix,
     LengthDist,
     RateMix,

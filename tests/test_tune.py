@@ -2,10 +2,10 @@
 
 from tests.sim.synthetic import synthetic_profile
 from tests.test_config_file import parse_serve
-from tokenflow.cli import main
+from tokenflow.cli.main import main
+from tokenflow.cli.tune import Score, candidate_points, choose, frontier
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.tune import Score, candidate_points, choose, frontier
-from tokenflow.workload import WorkloadRequest, save_trace
+from tokenflow.eval.workload import WorkloadRequest, save_trace
 
 
 def score(qoe: float, p99: float, stall: float, **knobs: float) -> Score:

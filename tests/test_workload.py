@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenflow.workload import (
+from tokenflow.eval.workload import (
     LengthDist,
     RateMix,
     WorkloadError,

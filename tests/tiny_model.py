@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from tokenflow.engine.loader import default_model_path
-from tokenflow.engine.tokenizer import Tokenizer
+from tokenflow.model.loader import default_model_path
+from tokenflow.model.tokenizer import Tokenizer
 
 VOCAB_SIZE = 49152
 

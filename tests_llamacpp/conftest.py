@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from tokenflow.engine.loader import read_gguf_header
 from tokenflow.integrations.llamacpp.context import ContextSpec
 from tokenflow.integrations.llamacpp.executor import LlamaCppExecutor
+from tokenflow.model.loader import read_gguf_header
 
 # llama.cpp's logits depend on the batch around them and on where in its pool of cells a
 # sequence's KV sits (its kernels change with the batch's size; attention sums the cells in

@@ -11,7 +11,7 @@ from tokenflow import LLM
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.async_engine import AsyncEngine
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.executors import executor_factory
+from tokenflow.integrations.executors import executor_factory
 from tokenflow.serving.app import build_app
 
 NUM_NEW = 24

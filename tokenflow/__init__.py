@@ -14,7 +14,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from tokenflow.executors import LLM
+        from tokenflow.integrations.executors import LLM
 
         return LLM
     raise AttributeError(f"module 'tokenflow' has no attribute {name!r}")

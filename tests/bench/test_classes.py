@@ -10,11 +10,11 @@ import pytest
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
-from tokenflow.bench.client import ClientConfig, request_body, run_workload
-from tokenflow.metrics import summarize_by_class
+from tokenflow.eval.client import ClientConfig, request_body, run_workload
+from tokenflow.eval.metrics import summarize_by_class
+from tokenflow.eval.workload import ClassMix, RateMix, WorkloadError, WorkloadSpec, generate
+from tokenflow.eval.workload import WorkloadRequest as Item
 from tokenflow.serving.app import build_app
-from tokenflow.workload import ClassMix, RateMix, WorkloadError, WorkloadSpec, generate
-from tokenflow.workload import WorkloadRequest as Item
 
 
 def test_each_class_asks_as_its_clients_do():

@@ -10,7 +10,7 @@ import pytest
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
-from tokenflow.bench.cli import add_bench_arguments, main, run_bench
+from tokenflow.cli.bench import add_bench_arguments, main, run_bench
 from tokenflow.serving.app import build_app
 
 

@@ -12,19 +12,19 @@ import pytest
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread, wait_until
-from tokenflow.bench.cli import BenchTarget, benchmark, report_runs
-from tokenflow.bench.client import (
+from tokenflow.cli.bench import BenchTarget, benchmark, report_runs
+from tokenflow.eval.client import (
     ClientConfig,
     endpoint_url,
     request_body,
     run_workload,
     synthetic_prompt,
 )
-from tokenflow.metrics import summarize
-from tokenflow.report import report_records
+from tokenflow.eval.metrics import summarize
+from tokenflow.eval.report import report_records
+from tokenflow.eval.workload import WorkloadRequest
 from tokenflow.serving.app import KEEPALIVE, build_app
 from tokenflow.serving.config import ServerConfig
-from tokenflow.workload import WorkloadRequest
 
 SUMMARY_KEYS = {
     "num_requests", "num_completed", "makespan_s", "total_output_tokens", "throughput_tps",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenflow.metrics import RequestTrace, summarize
-from tokenflow.report import (
+from tokenflow.eval.metrics import RequestTrace, summarize
+from tokenflow.eval.report import (
     Spread,
     aggregate,
     check_targets,

@@ -12,6 +12,7 @@ from tokenflow.core.queues import RequestQueues
 from tokenflow.core.request import Request, RequestState
 
 BLOCK = 4
+CHUNK_TOKENS = 6  # the chunked steps' token budget
 
 
 class _Chunked(Policy):
@@ -52,7 +53,7 @@ def _view() -> SchedulingView:
 def test_prefill_first_builds_whole_prompts_and_keeps_their_requests_in_order() -> None:
     builder, kv, queues = _builder(Policy())
     _residents(kv, queues, {"a": 5, "b": 9})
-    built = builder.build(_view())
+    built = builder.build(_view(), None)
     chunks, counts = built.chunks, built.counts
     assert [(c.request_id, c.num_tokens, c.start_position) for c in chunks] == [
         ("a", 5, 0),
@@ -65,20 +66,20 @@ def test_prefill_first_builds_whole_prompts_and_keeps_their_requests_in_order() 
 def test_tables_cross_as_deltas_and_come_whole_after_forget() -> None:
     builder, kv, queues = _builder(Policy())
     _residents(kv, queues, {"a": 7})
-    (first,) = builder.build(_view()).chunks
+    (first,) = builder.build(_view(), None).chunks
     assert first.block_table_start == 0 and len(first.new_block_ids) == 2
     request = queues.running[0]
     _decoded(request, kv, queues)  # 8 tokens: still two blocks
-    built = builder.build(_view())
+    built = builder.build(_view(), None)
     (second,), counts = built.chunks, built.counts
     assert second.block_table_start == 2 and second.new_block_ids == ()
     assert [r.request_id for r in builder.decoding] == ["a"] and counts.num_decode_tokens == 1
     request.num_computed_tokens += 1
     request.append_token(8, 0.0)  # 9 tokens: the next decode needs a third block
-    (third,) = builder.build(_view()).chunks
+    (third,) = builder.build(_view(), None).chunks
     assert third.block_table_start == 2 and len(third.new_block_ids) == 1
     builder.forget("a")
-    (again,) = builder.build(_view()).chunks
+    (again,) = builder.build(_view(), None).chunks
     assert again.block_table_start == 0
     assert list(again.new_block_ids) == list(kv.device_block_ids("a"))
 
@@ -89,7 +90,7 @@ def test_chunked_puts_decodes_first_and_prompt_chunks_within_the_budget() -> Non
     for request in queues.running:
         if request.request_id in "ad":
             _decoded(request, kv, queues)
-    built = builder.build(_view())
+    built = builder.build(_view(), CHUNK_TOKENS)
     chunks, counts = built.chunks, built.counts
     # two decodes in running order, then 4 of the 6-token budget to b's prompt; none for c
     assert [(c.request_id, c.num_tokens) for c in chunks] == [("a", 1), ("d", 1), ("b", 4)]
@@ -110,6 +111,6 @@ def test_a_stream_that_finds_no_block_and_goes_leaves_no_chunk() -> None:
     a.num_computed_tokens = a.num_tokens
     a.append_token(7, 0.0)  # 9 tokens: its decode needs a block it will not get
     queues.token_appended(a)
-    chunks = builder.build(_view()).chunks
+    chunks = builder.build(_view(), None).chunks
     assert [c.request_id for c in chunks] == ["b"]
     assert [r.request_id for r in builder.decoding] == ["b"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.engine.helpers import make_hf_model, save_hf_model
-from tokenflow.engine import LoadedModel, default_model_path, load_model
+from tokenflow.model import LoadedModel, default_model_path, load_model
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ import torch
 
 from tokenflow.core.plan import BlockCopy, ScheduledChunk, StepPlan
 from tokenflow.core.request import SamplingParams
-from tokenflow.engine import LlamaModel, ModelExecutor, TieredKVCache, build_model_inputs
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import LlamaModel, TieredKVCache, build_model_inputs
 
 # Devices a test runs on: the CPU always, CUDA as a `gpu` test where a CUDA device exists.
 CUDA = pytest.param(
@@ -279,7 +280,7 @@ DECISIVE_PROMPT = "The alphabet: a, b, c, d, e,"
 
 def loaded_prefill_logits(loaded, prompt: list[int]) -> torch.Tensor:
     """A loaded model's next-token logits after `prompt` (one prefill, 8 blocks of 16)."""
-    from tokenflow.engine import TieredKVCache
+    from tokenflow.model import TieredKVCache
 
     kv = TieredKVCache(loaded.config, 8, 1, 16, "cpu", loaded.model.dtype)
     return our_logits(loaded.model, kv, [chunk("r0", prompt, 0, list(range(8)), 0, True)])[0]
@@ -287,7 +288,8 @@ def loaded_prefill_logits(loaded, prompt: list[int]) -> torch.Tensor:
 
 def loaded_greedy(loaded, prompt: list[int], num_new: int) -> list[int]:
     """A loaded model's `num_new` greedy tokens after `prompt`, through the executor."""
-    from tokenflow.engine import ModelExecutor, TieredKVCache
+    from tokenflow.engine import ModelExecutor
+    from tokenflow.model import TieredKVCache
 
     kv = TieredKVCache(loaded.config, 8, 1, 16, "cpu", loaded.model.dtype)
     executor = ModelExecutor(loaded.model, loaded.config, kv, "cpu")

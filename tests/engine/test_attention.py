@@ -15,7 +15,7 @@ import torch
 from tests.engine.helpers import bf16_error_bound
 from tokenflow.core.plan import ScheduledChunk
 from tokenflow.core.request import SamplingParams
-from tokenflow.engine.attention import (
+from tokenflow.model.attention import (
     LayerKV,
     ModelInputs,
     build_model_inputs,
@@ -133,7 +133,7 @@ def test_warm_up_compiles_for_the_real_cache_so_the_first_step_does_not():
     # burst's first step when the warm-up used made-up head shapes).
     from torch._dynamo.utils import counters
 
-    from tokenflow.engine.paged_decode import can_read_in_place, paged_decode_attention
+    from tokenflow.model.paged_decode import can_read_in_place, paged_decode_attention
 
     cache = torch.zeros(2, 2, 37, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16)  # [layer, K/V, ..]
     assert can_read_in_place(cache[0, 0], cache[0, 1], HEADS)

@@ -6,7 +6,8 @@ import torch
 
 from tests.engine.helpers import bf16_logit_bound, chunk, greedy_generate, hf_greedy, our_logits
 from tests.engine.test_model import PROMPTS, TABLES
-from tokenflow.engine import ModelExecutor, TieredKVCache, build_model_inputs, load_model
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import TieredKVCache, build_model_inputs, load_model
 
 # Texts whose next token is decided by a wide margin (the top logit leads the next by 3.3 or
 # more), so comparing argmaxes does not hang on a near tie.  Each is prefilled but for its last

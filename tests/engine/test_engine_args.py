@@ -64,7 +64,7 @@ def test_the_llamacpp_executor_says_what_is_missing_when_not_installed(monkeypat
     import sys
 
     from tokenflow.engine.llm_engine import LLMEngine
-    from tokenflow.executors import executor_factory
+    from tokenflow.integrations.executors import executor_factory
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "tokenflow.integrations.llamacpp.context", raising=False)
@@ -83,7 +83,7 @@ def test_an_engine_told_to_use_llamacpp_without_its_factory_says_where_it_is():
 
 def test_executors_are_found_by_name():
     from tokenflow.engine.build import build_torch_executor
-    from tokenflow.executors import executor_factory
+    from tokenflow.integrations.executors import executor_factory
 
     assert executor_factory("torch") is build_torch_executor
     with pytest.raises(ValueError, match="executor must be one of"):

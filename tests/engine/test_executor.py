@@ -10,7 +10,8 @@ import torch
 from tests.engine.helpers import GREEDY_NO_EOS, chunk, greedy_generate, plan
 from tokenflow.core.plan import BlockCopy, CopyKind
 from tokenflow.core.request import SamplingParams
-from tokenflow.engine import ModelExecutor, TieredKVCache, load_model
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import TieredKVCache, load_model
 
 PROMPT_A = [5, 6, 7, 8, 9, 10, 11]
 PROMPT_B = [40, 41, 42, 43, 44]

@@ -15,9 +15,10 @@ from tests.engine.helpers import (
     loaded_greedy,
     loaded_prefill_logits,
 )
-from tokenflow.engine import load_model
-from tokenflow.engine import loader as loader_module
-from tokenflow.engine.kernels import (
+from tokenflow.model import load_model
+from tokenflow.model import loader as loader_module
+from tokenflow.model.config import ModelConfig
+from tokenflow.model.kernels import (
     BFLOAT16,
     FLOAT32,
     INT4,
@@ -34,7 +35,6 @@ from tokenflow.engine.kernels import (
     footprint_bytes,
     probe_kernels,
 )
-from tokenflow.engine.model_config import ModelConfig
 
 SHAPES = ModelShapes(((64, 128), (64, 64), (64, 256), (128, 64)), 4, 64, 1000, 200_000)
 BOTH = (FLOAT32, BFLOAT16)

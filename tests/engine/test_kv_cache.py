@@ -7,9 +7,9 @@ import torch
 
 from tests.engine.helpers import DEVICES, GREEDY_NO_EOS, chunk, greedy_generate, plan
 from tokenflow.core.plan import BlockCopy, CopyKind
-from tokenflow.engine import (
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import (
     ModelConfig,
-    ModelExecutor,
     TieredKVCache,
     blocks_for_bytes,
     bytes_per_block,

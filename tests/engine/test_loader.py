@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.engine.helpers import chunk, hf_next_logits, our_logits, write_tiny_gguf
-from tokenflow.engine import ModelLoadError, TieredKVCache, load_model
+from tokenflow.model import ModelLoadError, TieredKVCache, load_model
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]
 

@@ -16,7 +16,8 @@ from tests.engine.helpers import (
     hf_next_logits,
     our_logits,
 )
-from tokenflow.engine import ModelExecutor, TieredKVCache, load_model
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import TieredKVCache, load_model
 
 KINDS = ("llama", "llama3", "qwen2")
 BLOCK_SIZE = 4

@@ -11,7 +11,7 @@ from tokenflow.core.plan import RequestOutput
 from tokenflow.core.request import FinishReason, SamplingParams
 from tokenflow.engine import output_processor
 from tokenflow.engine.output_processor import OutputProcessor
-from tokenflow.engine.tokenizer import (
+from tokenflow.model.tokenizer import (
     IncrementalDetokenizer,
     StopMatcher,
     Tokenizer,

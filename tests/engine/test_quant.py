@@ -14,9 +14,9 @@ from tests.engine.helpers import (
     loaded_greedy,
     loaded_prefill_logits,
 )
-from tokenflow.engine import default_model_path, load_model
-from tokenflow.engine.kernels import EXPLICIT_INT4_MAX_ROWS as INT4_MAX_ROWS
-from tokenflow.engine.quant import GROUP_SIZE, Int4Weight, PackedInt4, decode_q4, quantize_int4
+from tokenflow.model import default_model_path, load_model
+from tokenflow.model.kernels import EXPLICIT_INT4_MAX_ROWS as INT4_MAX_ROWS
+from tokenflow.model.quant import GROUP_SIZE, Int4Weight, PackedInt4, decode_q4, quantize_int4
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 # PROMPT has a greedy step led by 0.3, which bf16's rounding may swap: DECISIVE_PROMPT has none.

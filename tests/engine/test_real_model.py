@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from tests.engine.helpers import greedy_generate, hf_greedy
-from tokenflow.engine import ModelExecutor, TieredKVCache
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import TieredKVCache
 
 
 def test_config_of_the_embedded_model(smollm):

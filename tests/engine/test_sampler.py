@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenflow.core.request import SamplingParams
-from tokenflow.engine import Sampler, SamplingRow
+from tokenflow.model import Sampler, SamplingRow
 
 VOCAB = 50
 EOS = 7

@@ -12,7 +12,7 @@ from tokenflow.core.request import MIN_READER_RATE_TPS, Consumption, SamplingPar
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
 from tokenflow.engine.streams import MoveWatch, stalled_s, stream_state, take_snapshot
-from tokenflow.metrics import rebuffer_time_s
+from tokenflow.eval.metrics import rebuffer_time_s
 
 
 def test_stalls_read_off_the_buffer_match_the_metrics_module() -> None:

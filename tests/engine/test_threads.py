@@ -1,4 +1,4 @@
-"""Tiny CPU steps compute on one thread, the others on all (tokenflow/engine/threads.py)."""
+"""Tiny CPU steps compute on one thread, the others on all (tokenflow/model/threads.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tests.engine.helpers import chunk, plan
-from tokenflow.engine import ModelExecutor, TieredKVCache, load_model
-from tokenflow.engine.threads import StepThreads
+from tokenflow.engine import ModelExecutor
+from tokenflow.model import TieredKVCache, load_model
+from tokenflow.model.threads import StepThreads
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenflow.engine import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_length
-from tokenflow.engine.tokenizer import StopMatcher
+from tokenflow.model import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_length
+from tokenflow.model.tokenizer import StopMatcher
 
 TEXTS = [
     "Hello world",

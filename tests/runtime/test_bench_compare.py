@@ -2,7 +2,7 @@
 
 import json
 
-from tokenflow.cli import main
+from tokenflow.cli.main import main
 
 
 def test_compare_two_policies_on_the_tiny_model(tiny_model_dir, tmp_path, capsys):

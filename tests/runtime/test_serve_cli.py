@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tokenflow.cli import main
+from tokenflow.cli.main import main
 
 
 def free_port() -> int:
@@ -24,14 +24,14 @@ def free_port() -> int:
 
 
 def serve(*args: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tokenflow.cli", "serve", "--device", "cpu", *args]
+    command = [sys.executable, "-m", "tokenflow.cli.main", "serve", "--device", "cpu", *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture
 def quiet(monkeypatch):
     """Run `main()` in-process without reconfiguring the package's loggers."""
-    monkeypatch.setattr("tokenflow.serving.cli.configure_logging", lambda level: None)
+    monkeypatch.setattr("tokenflow.cli.serve.configure_logging", lambda level: None)
 
 
 def test_a_taken_port_exits_non_zero_with_one_line(quiet, capsys):
@@ -52,7 +52,7 @@ def test_a_context_the_pool_cannot_hold_is_refused_at_start(quiet, capsys, tiny_
 
 
 def test_sigint_lets_a_live_stream_finish(tiny_model_dir):
-    # SIGTERM is handled by the same line (see tokenflow/serving/cli.py).
+    # SIGTERM is handled by the same line (see tokenflow/cli/serve.py).
     port = free_port()
     process = serve(
         "--model", tiny_model_dir, "--port", str(port), "--log-level", "warning",

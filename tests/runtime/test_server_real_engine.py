@@ -9,14 +9,14 @@ import pytest
 
 from tests.runtime.test_preemption_exact import StepClock
 from tests.serving.live_server import serve_in_thread, wait_until
-from tokenflow.bench.client import ClientConfig, run_workload
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.async_engine import AsyncEngine
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
-from tokenflow.metrics import RequestTrace, summarize
+from tokenflow.eval.client import ClientConfig, run_workload
+from tokenflow.eval.metrics import RequestTrace, summarize
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.serving.app import build_app
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from tokenflow.bench.client import BenchRun, ClientConfig, run_workload
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
+from tokenflow.eval.client import BenchRun, ClientConfig, run_workload
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 
 def burst_spec(num_requests: int, output_tokens: int, rate_tps: float) -> WorkloadSpec:

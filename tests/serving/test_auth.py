@@ -95,8 +95,8 @@ def test_a_key_file_without_keys_or_unreadable_is_a_clear_error(tmp_path):
 def test_repeated_api_key_flags_and_a_config_file_string_both_work(tmp_path):
     import argparse
 
-    from tokenflow.config_file import add_config_argument, apply_config_file
-    from tokenflow.serving.cli import add_serve_arguments
+    from tokenflow.cli.config_file import add_config_argument, apply_config_file
+    from tokenflow.cli.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_serve_arguments(parser)

@@ -110,8 +110,8 @@ def test_class_rules_refuse_what_they_cannot_read():
 def test_the_class_rules_come_from_a_config_file_too(tmp_path):
     import argparse
 
-    from tokenflow.config_file import ConfigFileError, add_config_argument, apply_config_file
-    from tokenflow.serving.cli import add_serve_arguments
+    from tokenflow.cli.config_file import ConfigFileError, add_config_argument, apply_config_file
+    from tokenflow.cli.serve import add_serve_arguments
 
     path = tmp_path / "serve.toml"
     path.write_text('default_class = "eager"\napi_key_class = ["chat-key=reader:6"]\n')

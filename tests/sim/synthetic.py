@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenflow.calibrate.costs import ComputeFit, CopyFit, StepCosts, fit_step_costs, residuals
+from tokenflow.calibrate.profile_file import EngineFacts, Profile, PromptTokens
+from tokenflow.calibrate.sweep import SweepSpec, run_sweep
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.plan import StepPlan, StepResult
-from tokenflow.sim.profile_costs import ComputeFit, CopyFit, StepCosts, fit_step_costs, residuals
-from tokenflow.sim.profile_file import EngineFacts, Profile, PromptTokens
-from tokenflow.sweep import SweepSpec, run_sweep
 
 SERIAL = ComputeFit(a_s=0.010, b_s=0.004, c_s=2e-6)
 PARALLEL = ComputeFit(a_s=0.020, b_s=0.002, c_s=3e-6, p0_s=0.030, p1_s=8e-4, p2_s=2e-8)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tokenflow.cli import main
+from tokenflow.cli.main import main
 
 KEYS = {
     "policy",

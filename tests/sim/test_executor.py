@@ -4,11 +4,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import tokenflow.clock
+import tokenflow.engine.clock
 from tests.python_calls import count_python_calls
+from tokenflow.core.clock import SimClock
 from tokenflow.core.plan import BlockCopy, CopyKind, ScheduledChunk, StepPlan
 from tokenflow.core.request import SamplingParams
-from tokenflow.sim.clock import SimClock, WallClock
+from tokenflow.engine.clock import WallClock
 from tokenflow.sim.cost_model import CostModel, attention_pairs
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.hardware import get_gpu, get_model
@@ -100,7 +101,8 @@ def test_sim_clock_rejects_bad_increments(bad: float) -> None:
 
 def test_wall_clock_counts_seconds_since_it_was_made(monkeypatch: pytest.MonkeyPatch) -> None:
     readings = iter([500.0, 500.25, 503.0])  # the monotonic clock at creation, then twice
-    monkeypatch.setattr(tokenflow.clock, "time", SimpleNamespace(monotonic=lambda: next(readings)))
+    fake_time = SimpleNamespace(monotonic=lambda: next(readings))
+    monkeypatch.setattr(tokenflow.engine.clock, "time", fake_time)
     clock = WallClock()
     assert (clock.now(), clock.now()) == (0.25, 3.0)
 

@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from tokenflow.cli import main
+from tokenflow.cli.main import main
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.fleet import FleetConfig, fleet_setups, get_fleet_setup, run_fleet
 from tokenflow.sim.runner import SimConfig
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 
 def _workload(n: int = 12, kind: str = "burst"):

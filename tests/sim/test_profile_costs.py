@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.sim.synthetic import D2H, H2D, PARALLEL, SERIAL, synthetic_costs
-from tokenflow.sim.profile_costs import ComputeFit, nonnegative_lstsq, residuals
+from tokenflow.calibrate.costs import ComputeFit, nonnegative_lstsq, residuals
 
 
 def close(fit: ComputeFit, truth: ComputeFit, rel: float) -> bool:

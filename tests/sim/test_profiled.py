@@ -3,19 +3,17 @@ the keys `bench` writes, and it sizes prefill chunks by the real engine's rule."
 
 import json
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
 from tests.sim.synthetic import synthetic_profile
-from tokenflow.cli import main
-from tokenflow.core.estimator import StepTimeEstimator
-from tokenflow.metrics import Summary
-from tokenflow.sim.profile_costs import ProfiledCostModel
-from tokenflow.sim.profile_file import ProfileError, load_profile
-from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine, prefill_chunk_budget
+from tokenflow.calibrate.costs import ProfiledCostModel
+from tokenflow.calibrate.profile_file import ProfileError, load_profile
+from tokenflow.cli.main import main
+from tokenflow.eval.metrics import Summary
+from tokenflow.eval.workload import WorkloadRequest, save_trace
+from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, run_engine
-from tokenflow.workload import WorkloadRequest, save_trace
 
 
 @pytest.fixture
@@ -85,32 +83,6 @@ def test_the_server_charge_lengthens_the_run(profile_path):
         for p in (free, profile)
     ]  # fmt: skip
     assert runs[1] > runs[0]
-
-
-def engine_budget(estimator, num_decodes, step_target_ms, max_prefill_tokens):
-    """The real engine's own rule, run on a stand-in holding what it reads."""
-    from tokenflow.engine.llm_engine import LLMEngine
-
-    policy = SimpleNamespace(prefill_chunk_tokens=None)
-    running = [SimpleNamespace(is_prefilling=False)] * num_decodes
-    scheduler = SimpleNamespace(estimator=estimator, running=running, policy=policy)
-    args = SimpleNamespace(step_target_ms=step_target_ms, max_prefill_tokens=max_prefill_tokens)
-    LLMEngine._size_prefill_chunks(SimpleNamespace(scheduler=scheduler, args=args))
-    return policy.prefill_chunk_tokens
-
-
-@pytest.mark.parametrize("num_decodes", [0, 4, 30])
-@pytest.mark.parametrize("step_target_ms", [50.0, 250.0])
-def test_the_chunk_budget_is_the_real_engines(num_decodes, step_target_ms):
-    from tokenflow.engine.llm_engine import _MIN_PREFILL_CHUNK_TOKENS
-
-    estimator = StepTimeEstimator(decode_step_s=0.03, prefill_token_s=1e-3, per_seq_s=0.004)
-    for tokens in (64, 256, 512):
-        estimator.observe(num_decode=4, num_prefill_tokens=tokens, duration_s=0.05 + tokens * 8e-4)
-    ours = prefill_chunk_budget(
-        estimator, num_decodes, step_target_ms / 1000, _MIN_PREFILL_CHUNK_TOKENS, 4096
-    )
-    assert ours == engine_budget(estimator, num_decodes, step_target_ms, 4096)
 
 
 def test_the_request_path_delays_a_lone_first_token_by_its_time(profile_path):

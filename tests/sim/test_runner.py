@@ -5,9 +5,10 @@ from dataclasses import replace
 import pytest
 
 from tests.sim.test_executor import prefill
+from tokenflow.core.clock import SimClock
 from tokenflow.core.plan import BlockCopy, CopyKind, StepPlan
 from tokenflow.core.policies import POLICY_NAMES
-from tokenflow.sim.clock import SimClock
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.overhead import OverheadCharge, SchedulerOverhead, default_overhead
 from tokenflow.sim.runner import (
     SimConfig,
@@ -17,7 +18,6 @@ from tokenflow.sim.runner import (
     setup_config,
 )
 from tokenflow.sim.setups import get_setup
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 EMPTY_PLAN = StepPlan(0, (), (), (), ())
 
@@ -110,7 +110,7 @@ def test_without_write_through_no_write_through_copies_are_made() -> None:
     workload = small_burst(12)
     plans: list[StepPlan] = []
     core, _ = build_engine(replace(PRESSED, write_through=False), "tokenflow")
-    core.on_plan = plans.append
+    core.before_execute = plans.append
     for item in workload:
         core.add_request(make_request(item))
     for _ in range(3000):

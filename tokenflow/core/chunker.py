@@ -54,13 +54,12 @@ class ChunkBuilder:
         """The executor drops `request_id`'s table (preempted or finished): the next comes whole."""
         self._sent_blocks.pop(request_id, None)
 
-    def build(self, view: SchedulingView) -> StepChunks:
-        """Prefill-first (whole prompts) or chunked (decodes + prefill chunks in one budget):
-        the chunks, decodes first, and their counts.  Leaves the chunks' requests, in the same
-        order, in `decoding` and `prefilling`."""
+    def build(self, view: SchedulingView, chunk_tokens: int | None) -> StepChunks:
+        """Prefill-first (`chunk_tokens` None: whole prompts) or chunked (decodes and prefill
+        chunks within `chunk_tokens`): the chunks, decodes first, and their counts.  Leaves
+        the chunks' requests, in the same order, in `decoding` and `prefilling`."""
         decoding, prefills = self._split_residents()
         self.decoding, self.prefilling = [], []
-        chunk_tokens = self._policy.prefill_chunk_tokens
         if chunk_tokens is None and prefills:
             chunks = self._prefill_chunks(prefills, self._config.max_prefill_tokens, whole=True)
             return StepChunks(chunks, ChunkCounts.of(chunks))

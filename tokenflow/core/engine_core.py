@@ -1,7 +1,8 @@
 """The step loop shared by the real engine and the simulator.
 
-    plan    = scheduler.schedule(now)        # pure Python decisions
-    result  = executor.execute(plan)         # a model forward pass, or a cost model
+    plan    = scheduler.schedule(now, step_budget)   # pure Python decisions
+    before_execute(plan)                             # the simulator charges CPU time here
+    result  = executor.execute(plan)                 # a model forward pass, or a cost model
     outputs = scheduler.update(plan, result, now)
 
 Only the executor and the clock differ between a real run and a simulated one.
@@ -12,15 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from tokenflow.core.clock import Clock
 from tokenflow.core.plan import RequestOutput, StepPlan, StepResult
 from tokenflow.core.request import FinishReason, Request
 from tokenflow.core.scheduler import Scheduler
-
-
-class Clock(Protocol):
-    def now(self) -> float:
-        """Seconds on this run's time line."""
-        ...
+from tokenflow.core.step_budget import StepBudget
 
 
 class Executor(Protocol):
@@ -29,22 +26,38 @@ class Executor(Protocol):
         ...
 
 
+class StepFailed(Exception):
+    """The executor raised on `plan`; the error is this exception's `__cause__`.  The caller
+    decides whom to blame (the real engine ends the plan's requests only)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        super().__init__(f"step {plan.step_index} failed")
+        self.plan = plan
+
+
 class EngineCore:
-    """Drives a scheduler and an executor with an injected clock."""
+    """Drives a scheduler and an executor with an injected clock.
+
+    `step_budget`, when given, sizes every step's tokens (tokenflow.core.step_budget);
+    `before_execute` sees each plan between scheduling and execution (the simulator advances
+    its clock there by the CPU time a real engine spends on the step)."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         executor: Executor,
         clock: Clock,
+        *,
+        step_budget: StepBudget | None = None,
+        before_execute: Callable[[StepPlan], None] | None = None,
         check_integrity: bool = False,
-        on_plan: Callable[[StepPlan], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock
+        self.step_budget = step_budget
+        self.before_execute = before_execute
         self.check_integrity = check_integrity
-        self.on_plan = on_plan
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
@@ -60,11 +73,15 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> tuple[StepPlan, list[RequestOutput]]:
-        """Run one step; an empty plan means nothing could run now (the caller waits)."""
-        plan = self.scheduler.schedule(self.clock.now())
-        if self.on_plan is not None:
-            self.on_plan(plan)
-        result = self.executor.execute(plan)
+        """Run one step; an empty plan means nothing could run now (the caller waits).
+        StepFailed if the executor raised (the scheduler's own errors propagate as they are)."""
+        plan = self.scheduler.schedule(self.clock.now(), self.step_budget)
+        if self.before_execute is not None:
+            self.before_execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except Exception as err:
+            raise StepFailed(plan) from err
         outputs = self.scheduler.update(plan, result, self.clock.now())
         if self.check_integrity:
             self.scheduler.kv.check_integrity()

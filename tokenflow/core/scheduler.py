@@ -23,6 +23,7 @@ from tokenflow.core.plan import (
 from tokenflow.core.policies.base import Moves, Policy, Preemption, SchedulingView, Start
 from tokenflow.core.queues import RequestQueues
 from tokenflow.core.request import FinishReason, PreemptMode, Request, RequestState
+from tokenflow.core.step_budget import StepBudget
 
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
 
@@ -141,15 +142,20 @@ class Scheduler:
         )
 
     # -- schedule -------------------------------------------------------------------------------
-    def schedule(self, now_s: float) -> StepPlan:
-        """Plan one step at time `now_s`."""
+    def schedule(self, now_s: float, step_budget: StepBudget | None = None) -> StepPlan:
+        """Plan one step at time `now_s`, within `step_budget`'s tokens if given (else the
+        policy's own prefill rule, `Policy.prefill_chunk_tokens`)."""
         self._step_started_s = now_s
+        chunk_tokens = self.policy.prefill_chunk_tokens
+        if step_budget is not None:
+            num_decodes = sum(1 for r in self.running if not r.is_prefilling)
+            chunk_tokens = step_budget.tokens(self.estimator, num_decodes)
         view = self.view(now_s)
         moves: Moves = self.policy.plan_moves(view)
         for preemption in moves.preemptions:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
         self._apply_starts(moves.starts)
-        built = self._chunks.build(view)
+        built = self._chunks.build(view, chunk_tokens)
         chunks, counts = built.chunks, built.counts
         budget = self._copy_budget_blocks(len(chunks))  # per link direction
         loads = self._plan_loads(budget)

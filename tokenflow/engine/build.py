@@ -4,7 +4,9 @@
 arguments and device, and the factory returns the executor with what the engine must know of
 the model (config, tokenizer) and of the KV tier (bytes per block, device blocks, the context it
 serves).  The PyTorch factory lives here; other executors (llama.cpp) live in integrations and
-are chosen by name above the engine (`tokenflow.executors`), so no engine module imports one.
+are chosen by name above the
+engine
+(`tokenflow.integrations.executors`), so no engine module imports one.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import torch
 from tokenflow.core.plan import StepPlan, StepResult
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.executor import ModelExecutor
-from tokenflow.engine.kernels import ProbeSettings
-from tokenflow.engine.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
-from tokenflow.engine.loader import load_model
-from tokenflow.engine.model_config import ModelConfig, ModelLoadError
-from tokenflow.engine.tokenizer import Tokenizer
+from tokenflow.model.config import ModelConfig, ModelLoadError
+from tokenflow.model.kernels import ProbeSettings
+from tokenflow.model.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
+from tokenflow.model.loader import load_model
+from tokenflow.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

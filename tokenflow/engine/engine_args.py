@@ -23,7 +23,7 @@ from tokenflow.core.request import is_reader_rate, reader_rate_error
 # defaults keep 2 s and 0.7 (docs/design.md).
 SERVE_TOKENFLOW = TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
 EXECUTORS = ("torch", "llama-cpp")
-# CPU steps of fewer tokens run on one thread (tokenflow/engine/threads.py has the numbers).
+# CPU steps of fewer tokens run on one thread (tokenflow/model/threads.py has the numbers).
 SERIAL_BELOW_TOKENS = 8
 
 
@@ -35,7 +35,7 @@ class EngineArgs:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: best for the device
     # torch: "auto" (on CPU with no dtype: the kernels this machine runs fastest, measured and
-    # cached, tokenflow/engine/kernels/), "int4", "dense" (dequantized); llama-cpp: "auto"
+    # cached, tokenflow/model/kernels/), "int4", "dense" (dequantized); llama-cpp: "auto"
     # (the GGUF as shipped) or "q8_0" (its Q4_1 tensors rewritten as Q8_0, faster in batches)
     weights: str = "auto"
     kernel_cache: bool = True  # reuse this machine's stored kernel choice (False: probe again)

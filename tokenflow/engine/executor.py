@@ -20,14 +20,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from tokenflow.core.plan import BlockTables, SampledToken, StepPlan, StepResult
-from tokenflow.engine.attention import ModelInputs, build_model_inputs
-from tokenflow.engine.compiled_decode import CompiledDecoder
-from tokenflow.engine.kv_cache import TieredKVCache
-from tokenflow.engine.model import LlamaModel
-from tokenflow.engine.model_config import ModelConfig
-from tokenflow.engine.paged_decode import MIN_KEYS, can_read_in_place
-from tokenflow.engine.sampler import Sampler, SamplingRow, sample_isolated
-from tokenflow.engine.threads import StepThreads
+from tokenflow.model.attention import ModelInputs, build_model_inputs
+from tokenflow.model.compiled_decode import CompiledDecoder
+from tokenflow.model.config import ModelConfig
+from tokenflow.model.kv_cache import TieredKVCache
+from tokenflow.model.paged_decode import MIN_KEYS, can_read_in_place
+from tokenflow.model.sampler import Sampler, SamplingRow, sample_isolated
+from tokenflow.model.threads import StepThreads
+from tokenflow.model.transformer import LlamaModel
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,8 @@ import time
 
 import torch
 
-from tokenflow.clock import WallClock
 from tokenflow.core.config import SchedulerConfig
-from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.engine_core import EngineCore, StepFailed
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
@@ -33,8 +32,10 @@ from tokenflow.core.request import (
     SamplingParams,
 )
 from tokenflow.core.scheduler import Scheduler
+from tokenflow.core.step_budget import StepBudget
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import EngineStats, GenerationDelta
+from tokenflow.engine.clock import WallClock
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.output_processor import OutputProcessor
 from tokenflow.engine.streams import MoveWatch, StreamsSnapshot, take_snapshot
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Below this a prefill chunk's fixed cost (one pass over the weights) dominates its step: smaller
 # chunks would multiply the steps a long prompt takes without shortening any step much.
-_MIN_PREFILL_CHUNK_TOKENS = 128
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,7 +75,9 @@ def measure_copy_bytes_per_s(device: torch.device, num_bytes: int = 32 << 20) ->
 class LLMEngine:
     """Add requests, step, read deltas.  Not thread-safe: one thread drives it.
 
-    `build_executor` makes the executor (the PyTorch one by default; `tokenflow.executors`
+    `build_executor` makes the executor (the PyTorch one by
+    default;
+    `tokenflow.integrations.executors`
     maps the names `EngineArgs.executor` takes to factories)."""
 
     def __init__(
@@ -84,7 +86,7 @@ class LLMEngine:
         if args.executor != "torch" and build_executor is build_torch_executor:
             raise ValueError(
                 f"the {args.executor} executor needs its factory: "
-                f"tokenflow.executors.executor_factory({args.executor!r})"
+                f"tokenflow.integrations.executors.executor_factory({args.executor!r})"
             )
         self.args = args
         self.device = resolve_device(args.device)
@@ -111,11 +113,9 @@ class LLMEngine:
         )
         policy = make_policy(args.policy, scheduler_config, args.tokenflow)
         self.scheduler = Scheduler(scheduler_config, kv_config, policy)
-        self.core = EngineCore(
-            self.scheduler, self.executor, WallClock(), on_plan=self._remember_plan
-        )
+        budget = StepBudget(args.step_target_ms / 1000, args.max_prefill_tokens)
+        self.core = EngineCore(self.scheduler, self.executor, WallClock(), step_budget=budget)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._plan: StepPlan | None = None
         self._moves = MoveWatch()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -181,15 +181,11 @@ class LLMEngine:
         Raises only when the scheduler itself fails (no plan to blame); a plan whose execution
         raises fails just its own requests.
         """
-        self._plan = None
-        self._size_prefill_chunks()
         self._moves.before_step(self.scheduler)
         try:
             plan, outputs = self.core.step()
-        except Exception as err:  # noqa: BLE001 - attributed to the plan's requests below
-            if self._plan is None:
-                raise
-            return True, self._fail_plan(self._plan, err)
+        except StepFailed as failed:  # attributed to the plan's requests alone
+            return True, self._fail_plan(failed.plan, failed.__cause__)
         self._moves.after_step(self.scheduler, self.core.clock.now())
         failed_rows = self.executor.last_failed_rows
         if failed_rows:
@@ -207,23 +203,6 @@ class LLMEngine:
             if delta is not None:
                 deltas.append(delta)
         return not plan.is_empty, deltas
-
-    def _remember_plan(self, plan: StepPlan) -> None:
-        self._plan = plan
-
-    def _size_prefill_chunks(self) -> None:
-        """Give every policy a per-step token budget: the decodes plus a prefill chunk that
-        takes about the target step time at the measured prefill cost (or as long as the
-        decodes themselves when they alone exceed the target, so a long prompt still moves at
-        no worse than half speed on a slow machine; a step's fixed prefill cost takes at most
-        half of that time from the chunk)."""
-        estimator = self.scheduler.estimator
-        num_decodes = sum(1 for r in self.scheduler.running if not r.is_prefilling)
-        budget_s = max(self.args.step_target_ms / 1000, estimator.decode_time_s(num_decodes))
-        budget_s = max(budget_s - estimator.prefill_step_s, budget_s / 2)
-        chunk = int(budget_s / max(estimator.prefill_token_s, 1e-9))
-        chunk = min(max(chunk, _MIN_PREFILL_CHUNK_TOKENS), self.args.max_prefill_tokens)
-        self.scheduler.policy.prefill_chunk_tokens = num_decodes + chunk
 
     def _fail_plan(self, plan: StepPlan, err: Exception) -> list[GenerationDelta]:
         """End every request the failed plan touched (chunks and copies) with an error."""

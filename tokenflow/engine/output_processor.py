@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tokenflow.core.plan import RequestOutput
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.client import GenerationDelta
-from tokenflow.engine.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from tokenflow.model.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -89,7 +89,9 @@ def stalled_s(request: Request, now_s: float) -> float:
 
     The reader model's recurrence c_j = max(g_j, c_(j-1) + 1/r) gives, summed over its stalls,
     c_n = g_1 + (n - 1)/r + (stalls so far): so they are read off the last consumption time in
-    O(1) (`tokenflow.metrics` sums the same stalls from a finished trace); a reader waiting past
+    O(1) (`tokenflow.eval.metrics` sums the same stalls from a finished trace); a reader
+    waiting
+    past
     its buffer now stalls for the time since it ran dry."""
     if not request.output_token_ids or not request.is_reader:
         return 0.0

@@ -101,11 +101,11 @@ class EngineReplica:
         report_period_s: float,
         drain_signal: ActorHandle | None = None,
     ) -> None:
+        from tokenflow.cli.serve import add_serve_arguments
         from tokenflow.engine.async_engine import AsyncEngine
         from tokenflow.engine.engine_args import EngineArgs
-        from tokenflow.executors import executor_factory
+        from tokenflow.integrations.executors import executor_factory
         from tokenflow.serving.app import build_app
-        from tokenflow.serving.cli import add_serve_arguments
 
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_serve_arguments(parser)

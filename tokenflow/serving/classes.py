@@ -46,6 +46,7 @@ class ClassRule:
     consumption: Consumption
     rate_tps: float | None = None
     binds: bool = False  # what a request states of its class and rate is ignored
+
     def __post_init__(self) -> None:
         rate = self.rate_tps
         if rate is not None and not is_reader_rate(rate):

@@ -17,7 +17,7 @@ context (a decode), a longer one is a compute-bound prefill.  Every single-token
 assumed to run the lm_head (a decode always samples).  Decode attention is given two ways: the
 contexts' sum (what paged kernels read, the GPU roofline's charge) and the padded keys, every
 decode padded to the longest in whole blocks (what this project's engine reads: its decode batch
-is dense, tokenflow/engine/attention.py; the profiled model's charge).
+is dense, tokenflow/model/attention.py; the profiled model's charge).
 
 Token ids: the simulator does not model text.  A sampled token is a deterministic function of the
 seed and the request's output position, in [1, 1000): no EOS of the supported models (Llama 3:
@@ -29,15 +29,15 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from tokenflow.core.clock import SimClock
 from tokenflow.core.plan import CopyKind, SampledToken, StepPlan, StepResult
-from tokenflow.sim.clock import SimClock
 
 _TOKEN_ID_RANGE = 999  # ids 1 .. 999
 
 
 class StepCostModel(Protocol):
     """What the executor charges: the roofline `CostModel` of a GPU, or the
-    `ProfiledCostModel` fitted to a real engine (tokenflow/sim/profile_costs.py)."""
+    `ProfiledCostModel` fitted to a real engine (tokenflow/calibrate/costs.py)."""
 
     @property
     def kv_bytes_per_token(self) -> int:

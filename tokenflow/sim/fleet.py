@@ -15,21 +15,21 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
+from tokenflow.core.clock import SimClock
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.request import Request
 from tokenflow.core.routing import RouteRequest, load_report, make_router
-from tokenflow.metrics import MetricsConfig, Summary, summarize
-from tokenflow.sim.clock import SimClock
+from tokenflow.eval.metrics import MetricsConfig, Summary, summarize
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadRequest, WorkloadSpec
 from tokenflow.sim.runner import (
     SimConfig,
     SimulationStalled,
-    _trace,
     build_engine,
     executor_clock,
     make_request,
+    trace_of,
 )
 from tokenflow.sim.setups import PAPER_RATES
-from tokenflow.workload import LengthDist, RateMix, WorkloadRequest, WorkloadSpec
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def run_fleet(
             requests[replica.replica_id].append(request)
         else:
             _step(min(busy, key=lambda r: r.clock.now()), pending, config)
-    traces = {rid: [_trace(r) for r in reqs] for rid, reqs in requests.items()}
+    traces = {rid: [trace_of(r) for r in reqs] for rid, reqs in requests.items()}
     metrics = metrics_config or MetricsConfig()
     every = [t for rid in by_id for t in traces[rid]]
     return FleetResult(

@@ -21,8 +21,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenflow.core.clock import SimClock
 from tokenflow.core.plan import StepPlan
-from tokenflow.sim.clock import SimClock
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def default_overhead(policy: str) -> SchedulerOverhead:
 
 
 class OverheadCharge:
-    """An `EngineCore.on_plan` hook: advances the clock by the step's scheduling time, and by
+    """An `EngineCore.before_execute` hook: advances the clock by the step's scheduling time, and by
     `engine_s(plan)` for what else the engine spends on a step (a profiled engine's own CPU
     and serving path, tokenflow/sim/profiled.py).
 

@@ -6,15 +6,15 @@ engine made, its measured link rate and step-time priors included, and `serve`'s
 real engine does around the core is charged too:
 
 - the forward pass and the tier copies: the profile's fitted `StepCosts`
-  (tokenflow/sim/profile_costs.py);
+  (tokenflow/calibrate/costs.py);
 - the scheduler's decision: the calibrated per-policy charge, as in every simulation
   (tokenflow/sim/overhead.py);
 - the rest of the engine's step (inputs, detokenizing, delivering the deltas, the stats the
   server reads) and the serving path (HTTP frames, the interpreter lock, the client's share of
   the CPU): the profile's fixed + per-chunk charge, with the scheduler's, so the estimator
   sees it as the real one does;
-- the chunk budget the engine sets before every step from `--step-target-ms`
-  (`prefill_chunk_budget`, the rule of `LLMEngine._size_prefill_chunks`);
+- the step budget the engine gives every policy from `--step-target-ms`
+  (`tokenflow.core.step_budget`, the one rule both pass to the scheduler);
 - the prompt the server tokenizes: the bench client's n words plus the chat template's own
   tokens (the profile's `prompt` mapping);
 - the server loop's pause after a step in which nothing could run (2 ms, the serving
@@ -27,18 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tokenflow.calibrate.costs import ProfiledCostModel
+from tokenflow.calibrate.profile_file import Profile
+from tokenflow.core.clock import SimClock
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.engine_core import EngineCore
-from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
 from tokenflow.core.scheduler import Scheduler
-from tokenflow.sim.clock import SimClock
+from tokenflow.core.step_budget import StepBudget
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.overhead import OverheadCharge, default_overhead
-from tokenflow.sim.profile_costs import ProfiledCostModel
-from tokenflow.sim.profile_file import Profile
 from tokenflow.sim.runner import SimEngine
 
 _NOTHING_RAN_WAIT_S = 0.002  # tokenflow/engine/async_engine.py waits this after an empty step
@@ -70,24 +70,6 @@ class ProfiledDeployment:
         return getattr(self.profile.engine, name) if given is None else given
 
 
-def prefill_chunk_budget(
-    estimator: StepTimeEstimator,
-    num_decodes: int,
-    step_target_s: float,
-    min_chunk_tokens: int,
-    max_prefill_tokens: int,
-) -> int:
-    """The step's token budget the real engine sets before each step: the decodes plus a
-    prefill chunk that takes about the step target at the measured prefill cost (or as long as
-    the decodes alone, when they exceed it); a step's fixed prefill cost takes at most half of
-    that time.  `LLMEngine._size_prefill_chunks` is this rule (tests/sim/test_profiled.py
-    holds the two to the same answers)."""
-    budget_s = max(step_target_s, estimator.decode_time_s(num_decodes))
-    budget_s = max(budget_s - estimator.prefill_step_s, budget_s / 2)
-    chunk = int(budget_s / max(estimator.prefill_token_s, 1e-9))
-    return num_decodes + min(max(chunk, min_chunk_tokens), max_prefill_tokens)
-
-
 def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEngine:
     """The core as the real engine builds it, on the profile's costs and a simulated clock."""
     profile = deployment.profile
@@ -117,26 +99,19 @@ def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEng
         lambda: scheduler.num_unfinished,
         engine_s=lambda plan: _server_step_s(profile, plan),
     )
-    core = EngineCore(scheduler, executor, clock, on_plan=charge)
+    budget = StepBudget(
+        float(deployment.value("step_target_ms")) / 1000,
+        scheduler_config.max_prefill_tokens,
+        facts.min_prefill_chunk_tokens,
+    )
+    core = EngineCore(scheduler, executor, clock, step_budget=budget, before_execute=charge)
     prompt = profile.prompt[deployment.endpoint]
     return SimEngine(
         core=core,
         executor=executor,
-        before_step=lambda: _size_chunks(scheduler, deployment),
         prompt_tokens=prompt.tokens,
         idle_tick_s=_NOTHING_RAN_WAIT_S,
         arrival_delay_s=profile.costs.request_path_s,
-    )
-
-
-def _size_chunks(scheduler: Scheduler, deployment: ProfiledDeployment) -> None:
-    num_decodes = sum(1 for r in scheduler.running if not r.is_prefilling)
-    scheduler.policy.prefill_chunk_tokens = prefill_chunk_budget(
-        scheduler.estimator,
-        num_decodes,
-        float(deployment.value("step_target_ms")) / 1000,
-        deployment.profile.engine.min_prefill_chunk_tokens,
-        scheduler.config.max_prefill_tokens,
     )
 
 

@@ -9,20 +9,20 @@ from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
+from tokenflow.core.clock import SimClock
 from tokenflow.core.config import AndesConfig, SchedulerConfig, TokenFlowConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
-from tokenflow.metrics import MetricsConfig, RequestTrace, Summary, summarize
-from tokenflow.sim.clock import SimClock
+from tokenflow.eval.metrics import MetricsConfig, RequestTrace, Summary, summarize
+from tokenflow.eval.workload import WorkloadRequest
 from tokenflow.sim.cost_model import CostModel, CostModelConfig
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.hardware import get_gpu, get_model
 from tokenflow.sim.overhead import OverheadCharge, SchedulerOverhead, default_overhead
 from tokenflow.sim.setups import Setup
-from tokenflow.workload import WorkloadRequest
 
 _GIB = 2**30
 
@@ -120,7 +120,9 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
     )
     overhead = config.scheduler_overhead or default_overhead(policy)
     charge = OverheadCharge(overhead, clock, lambda: scheduler.num_unfinished)
-    core = EngineCore(scheduler, executor, clock, config.check_integrity, on_plan=charge)
+    core = EngineCore(
+        scheduler, executor, clock, before_execute=charge, check_integrity=config.check_integrity
+    )
     return core, executor
 
 
@@ -164,7 +166,6 @@ class SimEngine:
 
     core: EngineCore
     executor: SimExecutor
-    before_step: Callable[[], None] | None = None  # e.g. the real engine's chunk sizing
     prompt_tokens: Callable[[int], int] | None = None  # workload prompt -> tokens served
     idle_tick_s: float | None = None  # the wait after a step that ran nothing (None: config's)
     arrival_delay_s: float = 0.0  # a request's way to the engine (its TTFT still counts it)
@@ -209,8 +210,6 @@ def run_engine(
         if not core.has_work:
             clock.advance_to(pending[0].arrival_s + delay_s)
             continue
-        if engine.before_step is not None:
-            engine.before_step()
         plan, outputs = core.step()
         bar.update(sum(1 for o in outputs if o.is_finished))
         idle_steps = 0 if outputs else idle_steps + 1
@@ -232,7 +231,7 @@ def _result(
     metrics_config: MetricsConfig | None,
     started: float,
 ) -> SimResult:
-    traces = tuple(_trace(r) for r in requests)
+    traces = tuple(trace_of(r) for r in requests)
     scheduler = core.scheduler
     return SimResult(
         policy=policy,
@@ -256,11 +255,12 @@ def executor_clock(core: EngineCore) -> SimClock:
 
 
 def _overhead_total_s(core: EngineCore) -> float:
-    charge = core.on_plan
+    charge = core.before_execute
     return charge.total_s if isinstance(charge, OverheadCharge) else 0.0
 
 
-def _trace(request: Request) -> RequestTrace:
+def trace_of(request: Request) -> RequestTrace:
+    """What the metrics read of a simulated request."""
     return RequestTrace(
         request_id=request.request_id,
         arrival_s=request.arrival_s,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenflow.workload import LengthDist, RateMix, WorkloadSpec
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec
 
 PAPER_RATES = "15:0.4,20:0.6"
 

@@ -13,9 +13,9 @@ import torch
 
 from tokenflow.engine.build import BuiltExecutor, size_device_tier
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.engine.kv_cache import bytes_per_block
-from tokenflow.engine.loader import read_gguf_header
-from tokenflow.engine.model_config import ModelConfig
+from tokenflow.model.config import ModelConfig
+from tokenflow.model.kv_cache import bytes_per_block
+from tokenflow.model.loader import read_gguf_header
 
 
 def build_llamacpp_executor(args: EngineArgs, device: torch.device) -> BuiltExecutor:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from tokenflow.core.plan import SampledToken, ScheduledChunk, StepPlan, StepResult
-from tokenflow.engine.sampler import Sampler, SamplingRow, sample_isolated
 from tokenflow.integrations.llamacpp.context import ContextSpec, DecodeFailed, LlamaContext
+from tokenflow.model.sampler import Sampler, SamplingRow, sample_isolated
 
 
 class LlamaCppExecutor:

@@ -1,1 +1,0 @@
-"""Benchmark client: replay a workload against OpenAI-compatible servers and report metrics."""
