@@ -70,6 +70,18 @@ class PreemptMode(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """What the output's text must be, token by token: the engine compiles it into a grammar.
+
+    `json_schema` is a JSON Schema as JSON text (`{"type": "object"}` for any JSON object); the
+    output is its compact serialization (no free whitespace), ended by an end-of-sequence token
+    once the value is complete.
+    """
+
+    json_schema: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen and when a request stops (the vLLM names and meanings)."""
 
@@ -82,6 +94,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    structured_output: StructuredOutput | None = None  # None = free text
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -96,6 +109,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )
+        if self.structured_output is not None and self.ignore_eos:
+            # The grammar ends the output with an end-of-sequence token once the value is whole.
+            raise ValueError("ignore_eos cannot be combined with a structured output")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

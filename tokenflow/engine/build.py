@@ -20,6 +20,7 @@ from tokenflow.core.plan import StepPlan, StepResult
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.executor import ModelExecutor
 from tokenflow.model.config import ModelConfig, ModelLoadError
+from tokenflow.model.grammar import Grammars
 from tokenflow.model.kernels import ProbeSettings
 from tokenflow.model.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
 from tokenflow.model.loader import load_model
@@ -48,6 +49,7 @@ class BuiltExecutor:
     num_device_blocks: int
     max_model_len: int  # the served context: what the device tier holds, at most
     kernels: str | None = None  # the kernel choice in one line (our PyTorch model's)
+    grammars: Grammars | None = None  # the executor's structured outputs (None: not supported)
 
 
 class ExecutorFactory(Protocol):
@@ -72,8 +74,16 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
         device,
         dtype,
     )
+    grammars = Grammars(tokenizer, config.vocab_size, config.eos_token_ids)
     executor = ModelExecutor(
-        model, config, kv_cache, device, args.seed, args.compile_decode, args.serial_below_tokens
+        model,
+        config,
+        kv_cache,
+        device,
+        args.seed,
+        args.compile_decode,
+        args.serial_below_tokens,
+        grammars,
     )
     return BuiltExecutor(
         executor,
@@ -83,6 +93,7 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
         num_device_blocks,
         max_model_len,
         model.kernel_choice.describe(),
+        grammars,
     )
 
 

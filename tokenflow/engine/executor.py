@@ -23,6 +23,7 @@ from tokenflow.core.plan import BlockTables, SampledToken, StepPlan, StepResult
 from tokenflow.model.attention import ModelInputs, build_model_inputs
 from tokenflow.model.compiled_decode import CompiledDecoder
 from tokenflow.model.config import ModelConfig
+from tokenflow.model.grammar import Grammars
 from tokenflow.model.kv_cache import TieredKVCache
 from tokenflow.model.paged_decode import MIN_KEYS, can_read_in_place
 from tokenflow.model.sampler import Sampler, SamplingRow, sample_isolated
@@ -44,12 +45,14 @@ class ModelExecutor:
         seed: int = 0,
         compile_decode: bool = False,
         serial_below_tokens: int = 0,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.sampler = Sampler(config.eos_token_ids, seed=seed)
+        self.grammars = grammars  # structured outputs' matchers (None: not supported)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
@@ -74,6 +77,8 @@ class ModelExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's copies and forward pass concurrently; sample; return the tokens."""
         self.sampler.release(plan.released_request_ids)
+        if self.grammars is not None:
+            self.grammars.release(plan.released_request_ids)
         self.block_tables.apply(plan)
         self.last_failed_rows = {}
         copies = self._start_copies(plan)
@@ -122,11 +127,23 @@ class ModelExecutor:
             rows = [
                 SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in chunks
             ]
-            token_ids = sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
+            token_ids = self._sample(logits, rows)
         return tuple(
             SampledToken(c.request_id, token_id)
             for c, token_id in zip(chunks, token_ids, strict=True)
         )
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        """One token per row; a constrained row is masked by its grammar first, and its
+        grammar accepts the token after (once the batch is sampled: the sampler may retry)."""
+        grammars = self.grammars
+        if grammars is None:
+            return sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
+        request_ids = [row.request_id for row in rows]
+        grammars.mask(logits, request_ids, [row.params for row in rows])
+        token_ids = sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
+        grammars.accept(request_ids, token_ids, self.last_failed_rows)
+        return token_ids
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         attn, layers = inputs.attn, self.kv_cache.device_layers

@@ -30,6 +30,7 @@ from tokenflow.core.request import (
     Request,
     RequestState,
     SamplingParams,
+    StructuredOutput,
 )
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.core.step_budget import StepBudget
@@ -97,6 +98,7 @@ class LLMEngine:
         self.model_config, self.tokenizer = built.model_config, built.tokenizer
         self.max_model_len = built.max_model_len
         self.kernels = built.kernels
+        self.grammars = built.grammars
         self.model_name = args.model or "SmolLM2-135M-Instruct"
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -136,6 +138,17 @@ class LLMEngine:
                 f"{n} prompt tokens + max_tokens {params.max_tokens} exceed the context length "
                 f"{self.max_model_len}"
             )
+        if params.structured_output is not None:
+            self._check_structured_output(params.structured_output)
+
+    def _check_structured_output(self, spec: StructuredOutput) -> None:
+        """Compile the request's grammar now (cached for its first token): a schema the
+        grammar library refuses is a ValueError naming why, before the request is queued."""
+        if self.grammars is None:
+            raise ValueError(
+                f"structured outputs are not supported by the {self.args.executor} executor"
+            )
+        self.grammars.compile(spec)
 
     def add_request(
         self,
