@@ -34,6 +34,7 @@ class WordTokenizer:
         self.eos_token_id: int | None = 0
 
     max_token_chars = 64  # a word longer than this is never one token
+    renders_tools = False  # its template has no tools section
 
     def token_id(self, word: str) -> int:
         if word not in self._ids:
@@ -47,7 +48,9 @@ class WordTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(" " + self._words[i] for i in token_ids if i != self.eos_token_id)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], tools: object = None
+    ) -> list[int]:
         parts = [f"<|{m['role']}|> {m['content']}" for m in messages]
         return self.encode(" ".join([*parts, "<|assistant|>"]))
 

@@ -75,10 +75,11 @@ class StructuredOutput:
 
     `json_schema` is a JSON Schema as JSON text (`{"type": "object"}` for any JSON object); the
     output is its compact serialization (no free whitespace), ended by an end-of-sequence token
-    once the value is complete.
+    once the value is complete.  `origin` names where the schema came from in errors.
     """
 
     json_schema: str
+    origin: str = "json_schema"
 
 
 @dataclass(frozen=True)

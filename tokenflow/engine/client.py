@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.streams import StreamsSnapshot
@@ -82,12 +82,15 @@ class EngineHealth:
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+    renders_tools: bool  # the chat template has a tools section
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Render OpenAI-style messages with the model's chat template and tokenize them."""
         ...
 

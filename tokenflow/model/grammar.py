@@ -62,7 +62,9 @@ class Grammars:
             return self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as err:
             message = _LOCATION_PREFIX.sub("", str(err).strip().splitlines()[0])
-            raise GrammarError(f"the JSON schema cannot be compiled: {message}") from None
+            raise GrammarError(
+                f"{spec.origin}: the JSON schema cannot be compiled: {message}"
+            ) from None
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget the matchers of requests that are gone."""

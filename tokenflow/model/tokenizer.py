@@ -80,20 +80,38 @@ class Tokenizer:
         """Text of `token_ids`; special tokens are left out unless asked for."""
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The chat template applied to `messages`, ending with the assistant's turn opener."""
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template has a tools section (it reads `tools`, tool messages or
+        assistant `tool_calls`); without one they cannot be shown to the model."""
+        return self.chat_template is not None and "tool" in self.chat_template
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat template applied to `messages` (and `tools`, for a template with a tools
+        section), ending with the assistant's turn opener."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
+        extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
         return self._template.render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=True,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **extra,
         )
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Render OpenAI-style messages with the chat template and tokenize them (no extra BOS)."""
-        return self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids
+        text = self.render_chat(messages, tools)
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     @classmethod
     def from_directory(cls, directory: str | Path) -> Tokenizer | None:

@@ -24,6 +24,7 @@ from tokenflow.serving.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from tokenflow.serving.tool_calls import ToolCallText
 
 DONE = "[DONE]"  # the data of a stream's last event
 
@@ -143,5 +144,47 @@ class ChatFormat:
             choices=[
                 ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
             ],
+            usage=usage,
+        )
+
+
+class ToolCallFormat(ChatFormat):
+    """/v1/chat/completions answered by one forced tool call (`tool_calls.py` reads its text):
+    its deltas carry `tool_calls`, its message `tool_calls` and no content."""
+
+    def __init__(self, call_id: str) -> None:
+        self._call = ToolCallText(call_id)
+
+    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+        delta = DeltaMessage(role="assistant")
+        return [self._chunk(request, [ChatChunkChoice(delta=delta, finish_reason=None)], None)]
+
+    def delta_chunk(
+        self,
+        request: PreparedRequest,
+        text: str,
+        finish_reason: str | None,
+        usage: UsageInfo | None,
+    ) -> ChatCompletionChunk:
+        delta = DeltaMessage(tool_calls=self._call.feed(text, finish_reason) or None)
+        choice = ChatChunkChoice(delta=delta, finish_reason=self._call.finish_reason(finish_reason))
+        return self._chunk(request, [choice], usage)
+
+    def response(
+        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+    ) -> ChatCompletionResponse:
+        self._call.feed(text, finish_reason)
+        call = self._call.call()
+        message = (
+            AssistantMessage(content=text)
+            if call is None
+            else AssistantMessage(content=None, tool_calls=[call])
+        )
+        choice = ChatChoice(message=message, finish_reason=self._call.finish_reason(finish_reason))
+        return ChatCompletionResponse(
+            id=request.request_id,
+            created=request.created_s,
+            model=request.model,
+            choices=[choice],
             usage=usage,
         )

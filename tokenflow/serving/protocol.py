@@ -3,7 +3,8 @@
 Requests are validated strictly (`extra="forbid"`, no type coercion), so an unknown field or a
 wrong type is a 400, as with OpenAI.  Besides the standard fields we accept a few known extras:
 `stream_rate` (the reader's consumption rate, tokens/s) and the vLLM sampling extras
-`ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids` and `stream_options.continuous_usage_stats`.
+`ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids`, `stream_options.continuous_usage_stats`
+and `guided_json`.
 Fields OpenAI defines but we do not implement are accepted only at their neutral value
 (checked in `validation.py`, which reports them as "not supported").
 
@@ -55,6 +56,68 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+# -- structured outputs and tools (requests) ----------------------------------------------------
+class ResponseFormatText(_Strict):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(default="response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any object
+    strict: bool | None = None  # the output is always held to the schema
+
+
+class ResponseFormatJsonSchema(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormatSpec = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+    Field(discriminator="type"),
+]
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    """A call the assistant made: in a request's history and in a response's message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -78,6 +141,9 @@ class _SamplingRequest(_Strict):
     min_tokens: int = Field(default=0, ge=0)  # at most max_tokens: SamplingParams checks it
     top_k: int = Field(default=0, ge=-1)  # 0 or -1 = disabled
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    # Structured outputs: OpenAI's `response_format`, or vLLM's `guided_json` (a schema).
+    response_format: ResponseFormatSpec | None = None
+    guided_json: dict[str, Any] | str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -94,9 +160,11 @@ class TextContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
         """The message's text, with text parts concatenated."""
@@ -112,10 +180,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; an answer holds at most one call
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -157,7 +224,8 @@ class CompletionChunk(_Response):
 
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChoice(_Response):
@@ -176,11 +244,27 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = Field(default=None, exclude_if=_is_none)  # on a call's first delta
+    arguments: str  # the next fragment of the arguments' JSON text
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed tool call: `id`, `type` and the name first, then fragments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
-    """Only the fields that changed: `role` on the first chunk, `content` when there is text."""
+    """Only the fields that changed: `role` on the first chunk, `content` when there is text,
+    `tool_calls` when a call grows."""
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(_Response):

@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import anyio
 
+from tokenflow.core.request import StructuredOutput
 from tokenflow.engine.client import (
     EngineClient,
     EngineDead,
@@ -36,7 +37,13 @@ from tokenflow.engine.client import (
 )
 from tokenflow.serving.classes import ClassRules, Stated
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S
-from tokenflow.serving.formatting import DONE, ChatFormat, CompletionFormat, ResponseFormat
+from tokenflow.serving.formatting import (
+    DONE,
+    ChatFormat,
+    CompletionFormat,
+    ResponseFormat,
+    ToolCallFormat,
+)
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.prepared import PreparedRequest, Progress, usage_of
 from tokenflow.serving.protocol import (
@@ -46,6 +53,12 @@ from tokenflow.serving.protocol import (
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+)
+from tokenflow.serving.structured import (
+    check_tool_messages,
+    forced_tool_call,
+    structured_output_of,
+    template_message,
 )
 from tokenflow.serving.validation import (
     ApiError,
@@ -110,8 +123,9 @@ class OpenAIServing:
         """Serve /v1/completions: a response model, or an async iterator of SSE frames."""
         check_completion_support(body)
         model = self._check_model(body.model)
+        structured = structured_output_of(body)
         prompt = await self._tokenize_prompt(body.prompt)
-        prepared = self.prepare(body, model, prompt, "cmpl-", stated, body.max_tokens)
+        prepared = self.prepare(body, model, prompt, "cmpl-", stated, body.max_tokens, structured)
         return await self._serve(prepared, CompletionFormat(), wait_for_disconnect)
 
     async def create_chat_completion(
@@ -123,12 +137,16 @@ class OpenAIServing:
         """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames."""
         check_chat_support(body)
         model = self._check_model(body.model)
+        check_tool_messages(body, self.engine.tokenizer.renders_tools)
+        tool_call = forced_tool_call(body)
+        structured = tool_call or structured_output_of(body)
         prompt = await self._apply_chat_template(body)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        prepared = self.prepare(body, model, prompt, "chatcmpl-", stated, max_tokens)
-        return await self._serve(prepared, ChatFormat(), wait_for_disconnect)
+        prepared = self.prepare(body, model, prompt, "chatcmpl-", stated, max_tokens, structured)
+        fmt = ChatFormat() if tool_call is None else ToolCallFormat("call_" + self._new_id())
+        return await self._serve(prepared, fmt, wait_for_disconnect)
 
     # -- validation -----------------------------------------------------------------------------
     def prepare(
@@ -139,6 +157,7 @@ class OpenAIServing:
         id_prefix: str,
         stated: Stated,
         max_tokens: int | None,
+        structured_output: StructuredOutput | None = None,
     ) -> PreparedRequest:
         """Check lengths; build the SamplingParams; find the class (`classes.py`).  Raises
         ApiError.  The rates (body and header) were checked by their pydantic types."""
@@ -159,7 +178,9 @@ class OpenAIServing:
             created_s=int(self._wall_clock()),
             received_s=self._clock(),
             prompt_token_ids=prompt_token_ids,
-            sampling_params=build_sampling_params(body, max_tokens, self.engine.vocab_size),
+            sampling_params=build_sampling_params(
+                body, max_tokens, self.engine.vocab_size, structured_output
+            ),
             rate_tps=rate_tps,
             consumption=consumption,
             stream=body.stream,
@@ -180,12 +201,14 @@ class OpenAIServing:
     # Tokenizing runs in a worker thread: a long prompt on the event loop held every other
     # request, /health included, for seconds.  A text no context could hold is refused first.
     async def _apply_chat_template(self, body: ChatCompletionRequest) -> tuple[int, ...]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tokenizer = self.engine.tokenizer
+        messages = [template_message(m) for m in body.messages]
         self._check_chars(sum(len(m["content"]) for m in messages))
+        tools = None
+        if body.tools and tokenizer.renders_tools:
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
         try:
-            ids = await anyio.to_thread.run_sync(
-                self.engine.tokenizer.apply_chat_template, messages
-            )
+            ids = await anyio.to_thread.run_sync(tokenizer.apply_chat_template, messages, tools)
         except Exception as exc:  # a template rejecting these messages (e.g. role order)
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         return tuple(ids)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from starlette.types import Send
 
-from tokenflow.core.request import SamplingParams
+from tokenflow.core.request import SamplingParams, StructuredOutput
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -116,7 +116,10 @@ def _stop_strings(body: CompletionRequest | ChatCompletionRequest) -> tuple[str,
 
 
 def build_sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, max_tokens: int, vocab_size: int
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    vocab_size: int,
+    structured_output: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams; its own checks (e.g. min_tokens <= max_tokens) give 400s."""
     stop_token_ids = check_token_ids(body.stop_token_ids or (), vocab_size, "stop_token_ids")
@@ -132,6 +135,7 @@ def build_sampling_params(
             stop_token_ids=stop_token_ids,
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
+            structured_output=structured_output,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -173,9 +177,3 @@ def check_chat_support(body: ChatCompletionRequest) -> None:
         raise _unsupported("logprobs", body.logprobs)
     if body.top_logprobs is not None:
         raise _unsupported("top_logprobs", body.top_logprobs)
-    if body.tools:
-        raise _unsupported("tools", "[...]")
-    if body.tool_choice not in (None, "none"):
-        raise _unsupported("tool_choice", body.tool_choice)
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise _unsupported("response_format", body.response_format)

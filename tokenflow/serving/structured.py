@@ -1,0 +1,164 @@
+"""What a request's output must be: `response_format`, vLLM's `guided_json`, or a forced tool call.
+
+Each becomes one `StructuredOutput` (a JSON Schema the engine compiles into a token grammar):
+
+- `response_format: {"type": "json_object"}`: any JSON object;
+- `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}`, or
+  `guided_json`: that schema;
+- `tools` with `tool_choice: "required"` or a named function: one call, written as
+  `{"name": "<function>", "arguments": <its parameters>}` (for "required", any of the tools,
+  each with its own parameters), which `tool_calls.py` turns into `tool_calls`.
+
+`tool_choice: "auto"` with tools would need a parser for the model's own tool-call format, which
+this server does not have: it is a 400 naming `--tool-call-parser`, the vLLM flag that enables
+one.  `"none"`, or "auto" without tools, is plain chat.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokenflow.core.request import StructuredOutput
+from tokenflow.serving.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    ToolCall,
+    ToolDefinition,
+)
+from tokenflow.serving.validation import ApiError
+
+TOOL_CALL_PARSER_FLAG = "--tool-call-parser"
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def structured_output_of(
+    body: CompletionRequest | ChatCompletionRequest,
+) -> StructuredOutput | None:
+    """The constraint of `response_format` or `guided_json` (at most one of them), or None."""
+    fmt, guided = body.response_format, body.guided_json
+    if guided is not None:
+        if fmt is not None and fmt.type != "text":
+            raise ApiError(
+                400, "give either response_format or guided_json, not both", param="guided_json"
+            )
+        text = guided if isinstance(guided, str) else json.dumps(guided)
+        return StructuredOutput(text, origin="guided_json")
+    if isinstance(fmt, ResponseFormatJsonObject):
+        return StructuredOutput(json.dumps(_ANY_OBJECT), origin="response_format")
+    if isinstance(fmt, ResponseFormatJsonSchema):
+        schema = fmt.json_schema.schema_ or _ANY_OBJECT
+        return StructuredOutput(json.dumps(schema), origin="response_format.json_schema.schema")
+    return None
+
+
+def forced_tool_call(body: ChatCompletionRequest) -> StructuredOutput | None:
+    """The constraint of a forced tool call, or None when the answer is plain chat."""
+    choice, tools = body.tool_choice, body.tools or []
+    if choice is None or choice == "none":
+        return None
+    if choice == "auto":
+        if not tools:
+            return None
+        raise ApiError(
+            400,
+            'tool_choice="auto" with tools needs a parser for the model\'s tool-call format '
+            f"({TOOL_CALL_PARSER_FLAG} in vLLM), which this server does not have; use "
+            'tool_choice="required" or a named function',
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+    if not tools:
+        raise ApiError(400, f"tool_choice={_shown(choice)} needs tools", param="tool_choice")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(
+            400, "response_format cannot be combined with a forced tool call", param="tool_choice"
+        )
+    if isinstance(choice, NamedToolChoice):
+        tools = [_named_tool(tools, choice.function.name)]
+    return StructuredOutput(json.dumps(call_schema(tools)), origin="tools")
+
+
+def call_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
+    """The schema of one call to any of `tools`: `{"name": ..., "arguments": ...}`, the name
+    first (so a stream can name the call before its arguments come)."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.function.name},
+                "arguments": tool.function.parameters or _NO_ARGUMENTS,
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def check_tool_messages(body: ChatCompletionRequest, template_renders_tools: bool) -> None:
+    """Tool results and assistant tool calls in the history need a chat template that renders
+    them; otherwise a 400 (the conversation cannot be shown to the model faithfully)."""
+    for index, message in enumerate(body.messages):
+        if message.role == "tool" or message.tool_calls:
+            if not template_renders_tools:
+                raise ApiError(
+                    400,
+                    f"messages[{index}]: this model's chat template has no tools section, so "
+                    "tool messages and assistant tool_calls cannot be rendered",
+                    param="messages",
+                )
+            if message.role == "tool" and message.tool_call_id is None:
+                raise ApiError(
+                    400, f"messages[{index}]: a tool message needs tool_call_id", param="messages"
+                )
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates read it: `role` and `content` text, and for tool use
+    `tool_calls` (their arguments as objects, as Hugging Face templates expect) and
+    `tool_call_id`."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": _arguments(call)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _arguments(call: ToolCall) -> object:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments  # not JSON: the template gets the text
+
+
+def _named_tool(tools: list[ToolDefinition], name: str) -> ToolDefinition:
+    for tool in tools:
+        if tool.function.name == name:
+            return tool
+    names = ", ".join(t.function.name for t in tools)
+    raise ApiError(
+        400,
+        f"tool_choice names the function {name!r}, which is not in tools ({names})",
+        param="tool_choice",
+    )
+
+
+def _shown(choice: object) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return f"function {choice.function.name!r}"
+    return repr(choice)
