@@ -107,14 +107,13 @@ def _predicted(workload, profile: Path, config: Path, out_dir: Path) -> dict[str
     from dataclasses import replace
 
     from tokenflow.calibrate.profile_file import load_profile
-    from tokenflow.cli.simulate_policy import POLICY_OPTIONS
+    from tokenflow.core.config import POLICY_KNOBS, with_knobs
 
     knobs = tomllib.loads(config.read_text())
     base = load_profile(profile)
-    tuned_config = replace(base.tokenflow, **{
-        field: knobs[dest.replace("_", "-")] for dest, field in POLICY_OPTIONS.items()
-        if dest.replace("_", "-") in knobs
-    })  # fmt: skip
+    tuned_config = with_knobs(
+        base.tokenflow, {name: knobs.get(name.replace("_", "-")) for name in POLICY_KNOBS}
+    )
     tuned_profile = out_dir / f"profile-tuned-{workload.name}.json"
     replace(base, tokenflow=tuned_config).save(tuned_profile)
     return {
