@@ -170,6 +170,15 @@ class Request:
         return self.consumption is Consumption.READER
 
     @property
+    def num_remaining_output_tokens(self) -> int:
+        """Tokens it may still generate (its max_tokens less those generated)."""
+        return self.sampling_params.max_tokens - len(self.output_token_ids)
+
+    def is_at_output_limit(self, max_model_len: int) -> bool:
+        """It has all the tokens it may have: its max_tokens, or the context is full."""
+        return self.num_tokens >= self.end_tokens or self.num_tokens >= max_model_len
+
+    @property
     def is_decoding(self) -> bool:
         """Running past its prefill: a pause frees its blocks with no work under way lost."""
         return self.state is RequestState.RUNNING and not self.is_prefilling
