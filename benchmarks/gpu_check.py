@@ -29,9 +29,9 @@ runs; one that no longer fits in `--budget-s` (480; give 720 where vLLM runs too
    simulator's H200 preset against each; writes a SmolLM2-shaped checkpoint for stages 4-6;
 4. profile: `tokenflow profile` (one round, no serving probe) on that checkpoint;
 5. bench_engine: a reading burst through `tokenflow bench`, `tokenflow serve --policy fcfs`
-   against `--policy tokenflow` (`cpu_burst.py --skip-vllm`), the same KV budget;
+   against `--policy tokenflow` (`vs_vllm.py burst --skip-vllm`), the same KV budget;
 6. bench_vllm: the same burst, vLLM's default scheduler against TokenFlow inside vLLM with
-   vLLM's `OffloadingConnector`, the same KV pool (`vllm_burst.py`), with a Python that has
+   vLLM's `OffloadingConnector`, the same KV pool (`vs_vllm.py in-vllm`), with a Python that has
    vLLM 0.32 for CUDA (`--vllm-python`, else this one if it imports vllm); else skipped.
 
 Exit status: 0 when every stage that ran passed, 1 when one failed, 2 without a CUDA device.
@@ -135,7 +135,7 @@ def stages(args: argparse.Namespace, paths: Paths, vllm_python: str | None) -> l
         f"--out {q(work / 'profile.json')} --rounds 1 --repeats 2 --no-serve-probe --no-progress"
     )
     bench = (
-        f"{py} benchmarks/cpu_burst.py --skip-vllm --num-blocks {NUM_BLOCKS} {' '.join(BURST)} "
+        f"{py} benchmarks/vs_vllm.py burst --skip-vllm --num-blocks {NUM_BLOCKS} {' '.join(BURST)} "
         f"--ours-args {q(ours)} --json {q(work / 'bench_engine.json')} "
         f"--log-dir {q(work / 'bench_engine')}"
     )
@@ -175,7 +175,7 @@ def vllm_stage(paths: Paths, vllm_python: str | None, no_tokenizer: str | None) 
     venv = Path(vllm_python).parent.parent if vllm_python else Path("<none>")
     work = paths.work
     command = split(
-        f"{q(sys.executable)} benchmarks/vllm_burst.py --vllm-venv {q(venv)} "
+        f"{q(sys.executable)} benchmarks/vs_vllm.py in-vllm --vllm-venv {q(venv)} "
         f"--model-dir {q(paths.model_dir)} --num-gpu-blocks {NUM_BLOCKS + 1} "
         f"--max-model-len 1024 --dtype bfloat16 {' '.join(BURST)} "
         f"--ours-vllm-args {q('--kv-offloading-size ' + OFFLOAD_GIB)} "
