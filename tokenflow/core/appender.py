@@ -80,9 +80,10 @@ class TokenAppender:
                 or num_tokens >= request.end_tokens
                 or num_tokens >= max_len
             ):
-                add(self._output(request, token_id))
+                add(self._output(request, sample))
             else:
-                add(make(request.request_id, (token_id,), len(output_ids), None))
+                logprobs = () if sample.logprobs is None else (sample.logprobs,)
+                add(make(request.request_id, (token_id,), len(output_ids), None, logprobs))
         return outputs
 
     def append_prefills(
@@ -114,18 +115,22 @@ class TokenAppender:
             request.append_token(sample.token_id, now_s)
             if filled or num_new > 1:
                 queues.token_appended(request)
-            outputs.append(self._output(request, sample.token_id))
+            outputs.append(self._output(request, sample))
         return outputs
 
-    def _output(self, request: Request, token_id: int) -> RequestOutput:
-        """The output of a request that just sampled `token_id`, finishing it if it stops."""
+    def _output(self, request: Request, sample: SampledToken) -> RequestOutput:
+        """The output of a request that just sampled `sample`, finishing it if it stops."""
+        token_id = sample.token_id
         num_output = len(request.output_token_ids)
         reason = None
         if token_id in request.stop_token_set or num_output >= self._limits[request.request_id]:
             reason = self._stop_reason(request, token_id)
             if reason is not None:
                 self._finish(request, reason)
-        return RequestOutput(request.request_id, (token_id,), num_output, reason)
+        logprobs = () if sample.logprobs is None else (sample.logprobs,)
+        return RequestOutput(
+            request.request_id, (token_id,), num_output, reason, logprobs, sample.prompt_logprobs
+        )
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         num_output = len(request.output_token_ids)
