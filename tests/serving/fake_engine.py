@@ -43,7 +43,7 @@ class WordTokenizer:
 
     eos_token: str | None = EOS
     bos_token: str | None = None
-    chat_template: str | None = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+    chat_template: str | None = "{% for m in messages %}{{ m.content }} {% endfor %}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.token_id(word) for word in text.split()]
