@@ -93,7 +93,7 @@ class Sampler:
         scaled = logits / temperatures[:, None]
         scaled = _top_k(scaled, [row.params.top_k for row in rows])
         probs = torch.softmax(scaled, dim=-1)
-        probs = _min_p(probs, [row.params.min_p for row in rows])
+        probs = drop_below_min_p(probs, [row.params.min_p for row in rows])
         top_p = [row.params.top_p for row in rows]
         if min(top_p) < 1.0:
             probs = _top_p(probs, top_p)
@@ -150,7 +150,7 @@ def _top_k(scaled: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     return scaled.masked_fill(scaled < kth, float("-inf"))
 
 
-def _min_p(probs: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+def drop_below_min_p(probs: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     """Drop each row's tokens less likely than its min_p times its most likely token's
     probability (min_p = 0: keep all); probs [R, vocab], not renormalised (see `_top_p`)."""
     if not any(min_p):
