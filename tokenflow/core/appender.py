@@ -56,10 +56,8 @@ class TokenAppender:
             if not request.num_computed_tokens % block_size:  # the step filled a block
                 queues.block_filled(request)
                 queues.token_appended(request)
-            if token_id in request.stop_token_set or request.is_at_output_limit(max_len):
-                add(self._output(request, token_id))
-            else:
-                add(RequestOutput(request.request_id, (token_id,), request.num_output_tokens, None))
+            stops = token_id in request.stop_token_set or request.is_at_output_limit(max_len)
+            add(self._output(request, sample, self._stop_reason(request) if stops else None))
         return outputs
 
     def append_prefills(
@@ -91,21 +89,26 @@ class TokenAppender:
             request.append_token(sample.token_id, now_s)
             if filled or num_new > 1:
                 queues.token_appended(request)
-            outputs.append(self._output(request, sample.token_id))
+            outputs.append(self._output(request, sample, self._stop_reason(request)))
         return outputs
 
-    def _output(self, request: Request, token_id: int) -> RequestOutput:
-        """The output of a request that just sampled `token_id`, with the reason it stops."""
+    def _output(
+        self, request: Request, sample: SampledToken, reason: FinishReason | None
+    ) -> RequestOutput:
+        """The output of a request that just sampled `sample`, with the reason it stops."""
         return RequestOutput(
             request.request_id,
-            (token_id,),
+            (sample.token_id,),
             request.num_output_tokens,
-            self._stop_reason(request, token_id),
+            reason,
+            () if sample.logprobs is None else (sample.logprobs,),
+            sample.prompt_logprobs,
         )
 
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        """Why `request` stops after its newest token (None: it goes on)."""
         if (
-            token_id in request.stop_token_set
+            request.output_token_ids[-1] in request.stop_token_set
             and request.num_output_tokens >= request.sampling_params.min_tokens
         ):
             return FinishReason.STOP

@@ -149,10 +149,25 @@ class BlockTables:
         return len(self._tables)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One token's log-probability under the model (its raw logits' log-softmax) and the most
+    likely alternatives at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
 @dataclass(slots=True)
 class SampledToken:  # treated as immutable (built per token: see ScheduledChunk)
     request_id: str
     token_id: int
+    logprobs: TokenLogprobs | None = None  # when the request asks (SamplingParams.logprobs)
+    # With a request's first token, when it asks (SamplingParams.prompt_logprobs): one entry
+    # per prompt position, None for the first (nothing predicts it).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +185,8 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     num_output_tokens: int
     finish_reason: FinishReason | None
+    new_logprobs: tuple[TokenLogprobs, ...] = ()  # of new_token_ids, when the request asks
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token
 
     @property
     def is_finished(self) -> bool:

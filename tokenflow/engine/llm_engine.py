@@ -119,6 +119,11 @@ class LLMEngine:
             raise ValueError(
                 f"the prompt has {n} tokens; the context length is {self.max_model_len}"
             )
+        asks_scores = params.logprobs is not None or params.prompt_logprobs is not None
+        if self.args.executor != "torch" and (params.has_penalties or asks_scores):
+            raise ValueError(
+                f"penalties and logprobs need the torch executor, not {self.args.executor!r}"
+            )
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"{n} prompt tokens + max_tokens {params.max_tokens} exceed the context length "
