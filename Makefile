@@ -23,6 +23,7 @@ simulate: install
 
 test: install
 	$(BIN)/ruff check tokenflow tests benchmarks
+	$(BIN)/ruff format --check tokenflow benchmarks tests tests_*
 	$(BIN)/python -m pytest $(ARGS)
 
 # /dashboard in headless Chromium against a live server (tests_dashboard/); installs Debian's
