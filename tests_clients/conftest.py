@@ -18,9 +18,10 @@ import pytest
 from tokenflow.eval.compare import RunningServer, free_port, running_server, serve_command
 
 MAX_MODEL_LEN = 1024
+DEVICE_KV_TOKENS = 4096
 SERVE_ARGS = (
     "--dtype", "float32", "--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN),
-    "--device-kv-tokens", "4096", "--host-kv-tokens", "8192", "--max-num-seqs", "8",
+    "--device-kv-tokens", str(DEVICE_KV_TOKENS), "--host-kv-tokens", "8192", "--max-num-seqs", "8",
     "--keepalive-s", "0.2",
 )  # fmt: skip
 
