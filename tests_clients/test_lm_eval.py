@@ -128,5 +128,6 @@ def test_lm_eval_loglikelihoods_are_the_servers_prompt_logprobs(
             context, continuation = arguments["arg_0"], arguments["arg_1"]
             recorded = float(response[0][0])
             expected = _continuation_logprob(client, model_id, context, continuation)
-            # float32 sums of a few tokens; a token more or less would move it by nats
-            assert recorded == pytest.approx(expected, rel=1e-4, abs=1e-4), continuation
+            # Up to float32 rounding, which differs between batch shapes; the context's last
+            # token or the generated one counted in would move the sum by far more.
+            assert recorded == pytest.approx(expected, rel=1e-3, abs=1e-3), continuation

@@ -55,6 +55,54 @@ def test_completion_of_a_string_streamed_and_not_agree(
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_completion_logprobs_streamed_and_not_agree(client: openai.OpenAI, model_id: str) -> None:
+    fields = {"prompt": COMPLETION_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    answer = client.completions.create(model=model_id, logprobs=2, **fields)
+    whole = answer.choices[0].logprobs
+    assert whole is not None and "".join(whole.tokens) == answer.choices[0].text
+    assert len(whole.tokens) == answer.usage.completion_tokens
+    offsets = [len("".join(whole.tokens[:i])) for i in range(len(whole.tokens))]
+    assert whole.text_offset == offsets
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []}
+    for chunk in client.completions.create(model=model_id, logprobs=2, stream=True, **fields):
+        for name, values in streamed.items():
+            values.extend(getattr(chunk.choices[0].logprobs, name))
+    assert streamed["tokens"] == whole.tokens and streamed["text_offset"] == whole.text_offset
+    assert [list(top) for top in streamed["top_logprobs"]] == [
+        list(top) for top in whole.top_logprobs
+    ]
+    # float32 rounding differs between batch shapes
+    assert streamed["token_logprobs"] == pytest.approx(whole.token_logprobs, rel=1e-3, abs=1e-3)
+
+
+def test_streamed_completion_n2_names_its_choice_and_counts_usage_once_per_prompt(
+    client: openai.OpenAI, model_id: str, server
+) -> None:
+    fields = {"prompt": COMPLETION_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 1.0}
+    extra = {"ignore_eos": True}
+    answer = client.completions.create(model=model_id, n=2, seed=5, extra_body=extra, **fields)
+    texts: dict[int, str] = collections.defaultdict(str)
+    chunks = list(
+        client.completions.create(
+            model=model_id,
+            n=2,
+            seed=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+            **fields,
+        )
+    )
+    for chunk in chunks:
+        for choice in chunk.choices:
+            assert choice.index in (0, 1), chunk  # AttributeError when a chunk lacks it
+            texts[choice.index] += choice.text
+    assert texts == {choice.index: choice.text for choice in answer.choices}
+    assert chunks[-1].usage == answer.usage
+    assert answer.usage.completion_tokens == 2 * MAX_TOKENS
+    assert answer.usage.prompt_tokens == len(_token_ids(server.url, COMPLETION_PROMPT))
+
+
 def test_completion_of_a_list_of_strings_answers_each_in_order(
     client: openai.OpenAI, model_id: str
 ) -> None:
