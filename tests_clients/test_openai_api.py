@@ -34,6 +34,8 @@ def test_models_list_and_retrieve_show_the_served_model(
         {"store": False},
         {"service_tier": "auto"},
         {"reasoning_effort": "low"},
+        {"prompt_cache_key": "conversation-1"},
+        {"safety_identifier": "user-hash"},
     ],
     ids=lambda fields: next(iter(fields)),
 )
@@ -55,6 +57,7 @@ def test_accepted_no_op_field_leaves_the_answer_unchanged(
         ("completions", "logit_bias", {"logit_bias": {"100": 5}}),
         ("completions", "suffix", {"suffix": " and so on."}),
         ("completions", "best_of", {"best_of": 2}),
+        ("chat", "allowed_token_ids", {"extra_body": {"allowed_token_ids": [100, 200]}}),
     ],
     ids=lambda value: value if isinstance(value, str) else None,
 )
