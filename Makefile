@@ -40,9 +40,10 @@ test-reliability: install
 	$(BIN)/ruff check tests_reliability
 	$(BIN)/python -m pytest tests_reliability -p no:cacheprovider --timeout 600 $(ARGS)
 
-# The clients users bring against one live `tokenflow serve` (tests_clients/): the openai SDK,
-# langchain-openai, lm-eval on two tiny local tasks, and `vllm bench serve` where `make test-vllm`
-# built its venv (skipped otherwise); offline, a few minutes on 2 cores. Installs the `clients` extra.
+# The clients users bring (the `clients` extra, installed here where missing) against one live
+# `tokenflow serve` (tests_clients/): the openai SDK, langchain-openai, lm-eval on two tiny local
+# tasks, and `vllm bench serve` where `make test-vllm` built its venv (skipped otherwise);
+# offline, about 3 minutes on 2 cores, each test at most 5 minutes.
 test-clients: install
 	@$(BIN)/python -c "import lm_eval, langchain_openai" >/dev/null 2>&1 || $(BIN)/pip install -q -e ".[dev,clients]"
 	$(BIN)/ruff check tests_clients
