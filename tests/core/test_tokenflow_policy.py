@@ -120,8 +120,10 @@ def test_oom_victim_is_the_pausable_stream_with_most_buffer_offloaded():
     view = core.scheduler.view(clock.t)
     preemption = core.scheduler.policy.choose_oom_victim([r1, r2], view)
     assert preemption.request_id == "R1" and preemption.mode is PreemptMode.OFFLOAD
-    fallback = core.scheduler.policy.choose_oom_victim([r2], view)
-    assert fallback.mode is PreemptMode.RECOMPUTE
+    unpausable = core.scheduler.policy.choose_oom_victim([r2], view)
+    assert unpausable.mode is PreemptMode.OFFLOAD  # decoding: its KV goes to the host
+    fallback = core.scheduler.policy.choose_oom_victim([r3], view)
+    assert fallback.mode is PreemptMode.RECOMPUTE  # none decoding: SGLang's rule
 
 
 def test_write_through_goes_largest_buffer_first_and_can_be_disabled():

@@ -34,6 +34,7 @@ from tokenflow.core.policies.admission import (
     DemandOf,
     admit,
     refilled_prefill_budget_s,
+    spare_engine_share,
     waiting_within_budget,
     working_set_limit,
 )
@@ -50,9 +51,18 @@ from tokenflow.core.policies.capacity import (
     Capacity,
     CapacityFloor,
     measure_capacity,
+    paced_batch,
     reader_demand_tps,
 )
-from tokenflow.core.policies.pricing import Member, Prices, is_pausable, member, prefill_price_s
+from tokenflow.core.policies.pricing import (
+    Member,
+    Prices,
+    is_pausable,
+    member,
+    outlasts,
+    prefill_hold_s,
+    prefill_price_s,
+)
 from tokenflow.core.policies.resume import queued_io_blocks, resume_start
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
@@ -71,6 +81,7 @@ class Decision:
     start_requests: Mapping[str, Request] = field(default_factory=dict)
     spare_rate_tps: float = 0.0  # reading rate waiting requests may still add
     rate_cap_tps: float = math.inf  # the most one reader's rate counts for
+    max_batch: int = 1 << 30  # the most streams on the device (`capacity.paced_batch`)
     prefill_budget_s: float = 0.0  # prefill time newcomers may still take this interval
 
     @property
@@ -149,10 +160,13 @@ class TokenFlowPolicy(Policy):
         self.num_degraded_decisions += int(degraded)
         admitted = self._admission(view, last, capacity, demand_tps, degraded, started)
         newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
+        hold_s = prefill_hold_s(view, sum(r.num_tokens for r in admitted.requests))
+        kept = [m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf) for m in started]
+        max_batch = paced_batch(view, started_requests)
         selected = select(
-            [*started, *newcomers],
+            [*kept, *newcomers],
             view.kv.config.num_device_blocks,
-            view.config.max_num_seqs,
+            max_batch,
             by_arrival=degraded,
             resume_budget_s=cfg.schedule_interval_s,
         )
@@ -167,6 +181,7 @@ class TokenFlowPolicy(Policy):
             start_requests={r.request_id: r for r in resumed},
             spare_rate_tps=admitted.spare_rate_tps,
             rate_cap_tps=capacity.rate_cap_tps,
+            max_batch=max_batch,
             prefill_budget_s=admitted.prefill_budget_s,
         )
 
@@ -202,7 +217,10 @@ class TokenFlowPolicy(Policy):
         if not view.waiting:  # (the last decision's prefill budget stands)
             return _Admitted([], max(spare_tps, 0.0), last.prefill_budget_s)
         budget_s = refilled_prefill_budget_s(
-            cfg.schedule_interval_s, last.prefill_budget_s, queue_drained=False
+            cfg.schedule_interval_s,
+            last.prefill_budget_s,
+            queue_drained=False,
+            spare_share=spare_engine_share(demand_tps, trusted_tps),
         )
         admission = admit(
             view,
@@ -211,6 +229,7 @@ class TokenFlowPolicy(Policy):
             spare_rate_tps=spare_tps,
             demand_of=demand_of,
             prefill_budget_s=budget_s,
+            margin_s=cfg.critical_slack_s,
         )
         return _Admitted(
             admission.requests,
@@ -246,7 +265,7 @@ class TokenFlowPolicy(Policy):
         waiting = waiting_within_budget(
             view, last.spare_rate_tps, last.prefill_budget_s, last.demand_tps, has_other_work
         )
-        starts = fcfs_starts(view, candidates=preempted + waiting)
+        starts = fcfs_starts(view, candidates=preempted + waiting, max_num_seqs=last.max_batch)
         new = waiting[: max(len(starts) - len(preempted), 0)]
         if new:
             last = replace(
@@ -259,12 +278,16 @@ class TokenFlowPolicy(Policy):
 
     # -- mechanism hooks -------------------------------------------------------------------------
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
-        """Offload the pausable stream with the most reading buffered; else SGLang's rule."""
+        """Offload the pausable stream with the most reading buffered; else the decoding one
+        with the most (its KV goes to the host, or is dropped when the host has no room: a
+        recompute of a long prompt costs seconds of every stream's steps, a reload a few
+        blocks of link); else SGLang's rule."""
         prices = Prices.at(self.config, view)
         pausable = [r for r in candidates if is_pausable(self.config, view, r, prices)]
-        if not pausable:
+        decoding = pausable or [r for r in candidates if r.is_decoding]
+        if not decoding:
             return super().choose_oom_victim(candidates, view)
-        victim = max(pausable, key=lambda r: (r.slack_s(view.now_s), r.sort_key))
+        victim = max(decoding, key=lambda r: (r.slack_s(view.now_s), r.sort_key))
         return Preemption(victim.request_id, PreemptMode.OFFLOAD)
 
     def write_through_order(
