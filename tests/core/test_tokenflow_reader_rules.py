@@ -161,6 +161,7 @@ def test_between_decisions_starts_stop_at_the_decided_batch():
     core.add_request(make_request("R1", max_tokens=50))
     core.step()
     core.add_request(make_request("R2", max_tokens=50, arrival=clock.t))
+    core.add_request(make_request("R3", num_prompt=240, max_tokens=4, arrival=clock.t))  # no room
     policy = core.scheduler.policy
     assert isinstance(policy, TokenFlowPolicy)
     view = core.scheduler.view(clock.t)

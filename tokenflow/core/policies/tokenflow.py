@@ -123,8 +123,14 @@ class TokenFlowPolicy(Policy):
         return max(ratio, config.min_new_token_ratio)
 
     def plan_moves(self, view: SchedulingView) -> Moves:
-        """A full decision at interval boundaries under stress; otherwise carry out the last one."""
+        """Room for everyone: FCFS; else a full decision at interval boundaries under stress,
+        and between them carry out the last one."""
         last = self.last_decision
+        if (view.waiting or view.preempted) and (everyone := self._room_for_everyone(view)):
+            # (a decision in effect: the next one comes an interval later, as after any)
+            next_s = max(last.next_decision_s, view.now_s + self.config.schedule_interval_s)
+            self.last_decision = replace(last, next_decision_s=next_s)
+            return Moves(starts=tuple(everyone))
         if not view.waiting:
             refilled_s = refilled_prefill_budget_s(
                 self.config.schedule_interval_s, last.prefill_budget_s, queue_drained=True
@@ -135,6 +141,19 @@ class TokenFlowPolicy(Policy):
             return self.last_decision.moves
         self.last_decision, starts = self._between_decisions(view, last)
         return Moves(starts=tuple(starts))
+
+    def _room_for_everyone(self, view: SchedulingView) -> list[Start]:
+        """Every paused and waiting request's start when all fit the device beside the
+        residents' reserve and all readers' rates fit `capacity_headroom` x Gamma: then FCFS
+        serves them all at once, and no pause or pacing would buy any reader anything; else
+        none."""
+        everyone = fcfs_starts(view)
+        if len(everyone) < len(view.waiting) + len(view.preempted):
+            return []
+        capacity = measure_capacity(view)
+        requests = (*view.running, *view.preempted, *view.waiting)
+        fits = capacity.demand_tps(requests) <= self.config.capacity_headroom * capacity.gamma_tps
+        return everyone if fits else []
 
     def is_stressed(self, view: SchedulingView) -> bool:
         """Some request waits, or some started stream's reader is close to running dry."""
