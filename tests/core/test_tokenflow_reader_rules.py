@@ -138,7 +138,7 @@ def test_the_batch_limit_never_leaves_a_pinned_member_out():
 # -- capacity: the batch that keeps up with the fastest reader -----------------------------------
 
 
-def test_the_paced_batch_keeps_one_token_per_step_within_the_fastest_started_reader():
+def test_the_paced_batch_keeps_up_with_the_fastest_started_reader_unless_short_of_demand():
     estimator = StepTimeEstimator(0.05, 1e-4, per_seq_s=0.01)  # a step: 0.04 + 0.01 x batch
     view = replace(empty_view(400), estimator=estimator)
 
@@ -151,9 +151,11 @@ def test_the_paced_batch_keeps_one_token_per_step_within_the_fastest_started_rea
     fast, slow = reader("fast", 10.0), reader("slow", 2.0)
     unstarted = reader("new", 100.0, started=False)
     eager = reader("eager", math.inf, consumption=Consumption.EAGER)
-    assert paced_batch(view, [slow, fast, unstarted, eager]) == 6  # 0.04 + 0.06 <= 1 / 10
-    assert paced_batch(view, [slow]) == 46  # 0.04 + 0.46 <= 1 / 2
-    assert paced_batch(view, [unstarted, eager]) == view.config.max_num_seqs
+    assert paced_batch(view, [slow, fast, unstarted, eager], 0.0) == 6  # 0.04 + 0.06 <= 1 / 10
+    assert paced_batch(view, [slow], 0.0) == 46  # 0.04 + 0.46 <= 1 / 2
+    assert paced_batch(view, [unstarted, eager], 0.0) == view.config.max_num_seqs
+    # readers asking 80 tok/s in all: 6 streams make 60; 16 make 16 / (0.04 + 0.16) = 80
+    assert paced_batch(view, [slow, fast], 80.0) == 16
 
 
 def test_between_decisions_starts_stop_at_the_decided_batch():
@@ -173,6 +175,21 @@ def test_between_decisions_starts_stop_at_the_decided_batch():
 
 
 # -- the decision and the out-of-memory victim ----------------------------------------------------
+
+
+def test_room_for_everyone_starts_everyone_at_once_as_fcfs():
+    def starts(rate: float) -> int:
+        core, clock, _ = make_core("tokenflow", scheduler_config=OPTIMISTIC)
+        for i in range(8):  # (one block each, and a small reserve: all fit)
+            core.add_request(make_request(f"n{i}", num_prompt=4, max_tokens=200, rate=rate))
+        policy = core.scheduler.policy
+        assert isinstance(policy, TokenFlowPolicy)
+        policy.last_decision = Decision(next_decision_s=1e9, prefill_budget_s=-1.0)  # pace spent
+        return len(policy.plan_moves(core.scheduler.view(clock.t)).starts)
+
+    assert starts(rate=0.1) == 8
+    # readers asking more than Gamma (at 2 streams of 104 tokens' footprint): the pace decides
+    assert starts(rate=1e3) == 1
 
 
 def test_a_decision_pauses_no_resident_whose_buffer_is_shorter_than_the_newcomers_prefill(

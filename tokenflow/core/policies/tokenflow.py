@@ -181,7 +181,7 @@ class TokenFlowPolicy(Policy):
         newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
         hold_s = prefill_hold_s(view, sum(r.num_tokens for r in admitted.requests))
         kept = [m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf) for m in started]
-        max_batch = paced_batch(view, started_requests)
+        max_batch = paced_batch(view, started_requests, demand_tps)
         selected = select(
             [*kept, *newcomers],
             view.kv.config.num_device_blocks,
