@@ -2,14 +2,17 @@
 workload seeds, in the simulator (`tokenflow simulate --profile`).
 
     python -m benchmarks.profiled_workloads --profile PROFILE.json [--seeds 3]
-        [--workloads burst-40,long-prompts-20] [--json out.json] [--markdown docs/results.md]
+        [--workloads burst-40,long-prompts-20] [--slowdown 1.5] [--json out.json]
+        [--markdown docs/results.md]
 
 Prints per workload the readers' mean stall, P99 TTFT and QoE of both policies (medians over
 the seeds), then the targets (`tokenflow.eval.report.check_targets`, runs paired by seed):
 TokenFlow's stall minus FCFS's, its P99 TTFT over FCFS's, its QoE minus FCFS's and its raw
 throughput over FCFS's, each median [min, max] over the seeds with its verdict.  With
-`--markdown` both tables replace the block between this runner's markers in that file.
-A profile comes from `tokenflow profile --out PROFILE.json` (minutes; take it once).
+`--markdown` both tables replace the block between this runner's markers in that file (not
+with `--slowdown`, which scales every step and copy of the profile: another machine's speed).
+A profile comes from `tokenflow profile --out PROFILE.json` (minutes; take it once); the one
+docs/results.md reports is docs/results/cpu-profile.json (the 2-core development VM).
 """
 
 from __future__ import annotations
@@ -18,22 +21,37 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.paper_setups import ENGINE
+from benchmarks.paper_setups import PROFILED as MARKERS
 from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.eval.report import aggregate, check_targets, format_targets_table
 from tokenflow.sim.suite import SUITE, run_suite_workload, suite_workload
 
 POLICIES = ("fcfs", "tokenflow")
+HEADING = """## TokenFlow against FCFS on the profiled CPU engine
+
+The suite of `tokenflow/sim/suite.py` in `simulate --profile` on a profile of the 2-core
+development VM (`tokenflow profile`), readers only (the class mix's eager and batch requests
+are left out of stall, TTFT and QoE). First each policy's medians [min-max] over the seeds,
+then TokenFlow against FCFS on the same seed, median [min, max] over the seeds, with the
+verdicts: mean stall <= fcfs's + max(0.1 s, 10%), P99 TTFT <= fcfs's, QoE >= fcfs's, raw
+throughput >= 0.97x."""
 ABSOLUTE = (("rebuffer_mean_s", "stall mean s", 3), ("ttft_p99_s", "TTFT P99 s", 2),
             ("qoe_mean", "QoE", 3))  # fmt: skip
-MARKERS = ("<!-- profiled workloads: written by benchmarks/profiled_workloads.py -->",
-           "<!-- /profiled workloads -->")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     """workload -> policy -> its runs by seed."""
     profile = load_profile(args.profile)
+    if args.slowdown != 1.0:  # a slower (> 1) or faster machine: every step and copy scaled
+        costs = profile.costs
+        profile = replace(profile, costs=replace(
+            costs, speed_factor=costs.speed_factor * args.slowdown,
+            prefill_speed_factor=costs.prefill_speed_factor * args.slowdown,
+        ))  # fmt: skip
     results: dict[str, dict[str, list[dict]]] = {}
     for name in args.workloads:
         workload = suite_workload(name)
@@ -70,14 +88,16 @@ def targets_table(results: dict[str, dict[str, list[dict]]]) -> str:
 
 
 def write_markdown(path: Path, command: str, absolute: list[str], targets: str) -> None:
-    """Replace the block between MARKERS in `path` (append one if there is none)."""
-    block = "\n".join([MARKERS[0], "```bash", command, "```", "", *absolute, "", "```",
-                       targets, "```", MARKERS[1]])  # fmt: skip
+    """Replace the block between MARKERS in `path` (new: before the real engine's section)."""
+    block = "\n".join([MARKERS[0], HEADING, "", "```bash", command, "```", "", *absolute, "",
+                       "```", targets, "```", MARKERS[1]])  # fmt: skip
     text = path.read_text()
     if MARKERS[0] in text and MARKERS[1] in text:
         before, rest = text.split(MARKERS[0], 1)
-        after = rest.split(MARKERS[1], 1)[1]
-        text = before + block + after
+        text = before + block + rest.split(MARKERS[1], 1)[1]
+    elif ENGINE[0] in text:
+        before, rest = text.split(ENGINE[0], 1)
+        text = before + block + "\n\n" + ENGINE[0] + rest
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
@@ -88,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, required=True, help="a `tokenflow profile` file")
     parser.add_argument("--seeds", type=int, default=3, help="workload seeds 0 .. N-1")
     parser.add_argument("--workloads", default=",".join(w.name for w in SUITE))
+    parser.add_argument(
+        "--slowdown", type=float, default=1.0, help="scale the profile's step and copy times"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -97,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(absolute) + "\n\n" + targets)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown:
+    if args.markdown and args.slowdown == 1.0:
         command = (
-            f"python -m benchmarks.profiled_workloads --profile PROFILE.json --seeds {args.seeds}"
+            f"python -m benchmarks.profiled_workloads --profile {args.profile} "
+            f"--seeds {args.seeds} --markdown {args.markdown}"
         )
         write_markdown(args.markdown, command, absolute, targets)
     return 0
