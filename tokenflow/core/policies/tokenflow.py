@@ -19,7 +19,11 @@ of Gamma, and yield the device only to a paused reader about to run dry (`balanc
 
 Between decisions the decided starts are carried out as memory frees; free memory then goes to
 the paused streams nearest to running dry, then to waiting requests within the rate and prefill
-budgets the last decision left (memory-aware FCFS; a drained queue refills the prefill budget).
+budgets the last decision left (memory-aware FCFS; a drained queue refills the prefill budget),
+never past the last decision's paced batch (`capacity.paced_batch`).  When every paused and
+waiting request fits the device and all readers' rates fit Gamma, they all start at once, as
+under FCFS: there is no decision to make.
+
 Write-through copies go largest buffer first (section 5: the likeliest paused is synced first).
 """
 
@@ -127,9 +131,9 @@ class TokenFlowPolicy(Policy):
         and between them carry out the last one."""
         last = self.last_decision
         if (view.waiting or view.preempted) and (everyone := self._room_for_everyone(view)):
-            # (a decision in effect: the next one comes an interval later, as after any)
-            next_s = max(last.next_decision_s, view.now_s + self.config.schedule_interval_s)
-            self.last_decision = replace(last, next_decision_s=next_s)
+            if view.now_s >= last.next_decision_s:  # (in place of the decision due)
+                next_s = view.now_s + self.config.schedule_interval_s
+                self.last_decision = replace(last, next_decision_s=next_s)
             return Moves(starts=tuple(everyone))
         if not view.waiting:
             refilled_s = refilled_prefill_budget_s(
