@@ -192,6 +192,20 @@ def test_room_for_everyone_starts_everyone_at_once_as_fcfs():
     assert starts(rate=1e3) == 1
 
 
+def test_room_for_everyone_takes_the_place_of_a_due_decision_only():
+    def next_decision_after(due_in_s: float) -> float:
+        core, clock, _ = make_core("tokenflow", scheduler_config=OPTIMISTIC)
+        core.add_request(make_request("a", num_prompt=4, max_tokens=200, rate=0.1))
+        policy = core.scheduler.policy
+        assert isinstance(policy, TokenFlowPolicy)
+        policy.last_decision = Decision(next_decision_s=clock.t + due_in_s)
+        assert policy.plan_moves(core.scheduler.view(clock.t)).starts  # room for a
+        return policy.last_decision.next_decision_s - clock.t
+
+    assert next_decision_after(0.3) == pytest.approx(0.3)  # not postponed by arrivals that fit
+    assert next_decision_after(-0.1) == pytest.approx(TokenFlowConfig().schedule_interval_s)
+
+
 def test_a_decision_pauses_no_resident_whose_buffer_is_shorter_than_the_newcomers_prefill(
     monkeypatch,
 ):
