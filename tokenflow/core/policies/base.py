@@ -139,15 +139,19 @@ def fcfs_starts(
     view: SchedulingView,
     max_prefill_tokens: int | None = None,
     candidates: Sequence[Request] | None = None,
+    max_num_seqs: int | None = None,
 ) -> list[Start]:
     """Starts while they fit beside the reserve of every resident request.
 
     Candidates default to the preempted and waiting requests in arrival order.  Strict order:
     stops at the first candidate that does not fit (no overtaking).  The prefill tokens started
-    together are capped by `max_prefill_tokens` (default: the config's).
+    together are capped by `max_prefill_tokens`, the residents by `max_num_seqs` (defaults:
+    the config's).
     """
     if max_prefill_tokens is None:
         max_prefill_tokens = view.config.max_prefill_tokens
+    if max_num_seqs is None:
+        max_num_seqs = view.config.max_num_seqs
     if candidates is None:
         # Both queues are in arrival order: with none paused (most steps of a baseline) the
         # merge is the waiting queue itself.
@@ -165,7 +169,7 @@ def fcfs_starts(
         start = view.start_for(request)
         need = view.start_blocks(request)
         tokens = 0 if start.by_load else request.num_tokens
-        if num_resident >= view.config.max_num_seqs:
+        if num_resident >= max_num_seqs:
             break
         if need + view.reserve_blocks(request) > free:
             break

@@ -19,7 +19,11 @@ of Gamma, and yield the device only to a paused reader about to run dry (`balanc
 
 Between decisions the decided starts are carried out as memory frees; free memory then goes to
 the paused streams nearest to running dry, then to waiting requests within the rate and prefill
-budgets the last decision left (memory-aware FCFS; a drained queue refills the prefill budget).
+budgets the last decision left (memory-aware FCFS; a drained queue refills the prefill budget),
+never past the last decision's paced batch (`capacity.paced_batch`).  When every paused and
+waiting request fits the device and all readers' rates fit Gamma, they all start at once, as
+under FCFS: there is no decision to make.
+
 Write-through copies go largest buffer first (section 5: the likeliest paused is synced first).
 """
 
@@ -34,6 +38,7 @@ from tokenflow.core.policies.admission import (
     DemandOf,
     admit,
     refilled_prefill_budget_s,
+    spare_engine_share,
     waiting_within_budget,
     working_set_limit,
 )
@@ -50,9 +55,18 @@ from tokenflow.core.policies.capacity import (
     Capacity,
     CapacityFloor,
     measure_capacity,
+    paced_batch,
     reader_demand_tps,
 )
-from tokenflow.core.policies.pricing import Member, Prices, is_pausable, member, prefill_price_s
+from tokenflow.core.policies.pricing import (
+    Member,
+    Prices,
+    is_pausable,
+    member,
+    outlasts,
+    prefill_hold_s,
+    prefill_price_s,
+)
 from tokenflow.core.policies.resume import queued_io_blocks, resume_start
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
@@ -71,6 +85,7 @@ class Decision:
     start_requests: Mapping[str, Request] = field(default_factory=dict)
     spare_rate_tps: float = 0.0  # reading rate waiting requests may still add
     rate_cap_tps: float = math.inf  # the most one reader's rate counts for
+    max_batch: int = 1 << 30  # the most streams on the device (`capacity.paced_batch`)
     prefill_budget_s: float = 0.0  # prefill time newcomers may still take this interval
 
     @property
@@ -112,8 +127,14 @@ class TokenFlowPolicy(Policy):
         return max(ratio, config.min_new_token_ratio)
 
     def plan_moves(self, view: SchedulingView) -> Moves:
-        """A full decision at interval boundaries under stress; otherwise carry out the last one."""
+        """Room for everyone: FCFS; else a full decision at interval boundaries under stress,
+        and between them carry out the last one."""
         last = self.last_decision
+        if (view.waiting or view.preempted) and (everyone := self._room_for_everyone(view)):
+            if view.now_s >= last.next_decision_s:  # (in place of the decision due)
+                next_s = view.now_s + self.config.schedule_interval_s
+                self.last_decision = replace(last, next_decision_s=next_s)
+            return Moves(starts=tuple(everyone))
         if not view.waiting:
             refilled_s = refilled_prefill_budget_s(
                 self.config.schedule_interval_s, last.prefill_budget_s, queue_drained=True
@@ -124,6 +145,19 @@ class TokenFlowPolicy(Policy):
             return self.last_decision.moves
         self.last_decision, starts = self._between_decisions(view, last)
         return Moves(starts=tuple(starts))
+
+    def _room_for_everyone(self, view: SchedulingView) -> list[Start]:
+        """Every paused and waiting request's start when all fit the device beside the
+        residents' reserve and all readers' rates fit `capacity_headroom` x Gamma: then FCFS
+        serves them all at once, and no pause or pacing would buy any reader anything; else
+        none."""
+        everyone = fcfs_starts(view)
+        if len(everyone) < len(view.waiting) + len(view.preempted):
+            return []
+        capacity = measure_capacity(view)
+        requests = (*view.running, *view.preempted, *view.waiting)
+        fits = capacity.demand_tps(requests) <= self.config.capacity_headroom * capacity.gamma_tps
+        return everyone if fits else []
 
     def is_stressed(self, view: SchedulingView) -> bool:
         """Some request waits, or some started stream's reader is close to running dry."""
@@ -149,10 +183,13 @@ class TokenFlowPolicy(Policy):
         self.num_degraded_decisions += int(degraded)
         admitted = self._admission(view, last, capacity, demand_tps, degraded, started)
         newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
+        hold_s = prefill_hold_s(view, sum(r.num_tokens for r in admitted.requests))
+        kept = [m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf) for m in started]
+        max_batch = paced_batch(view, started_requests, demand_tps)
         selected = select(
-            [*started, *newcomers],
+            [*kept, *newcomers],
             view.kv.config.num_device_blocks,
-            view.config.max_num_seqs,
+            max_batch,
             by_arrival=degraded,
             resume_budget_s=cfg.schedule_interval_s,
         )
@@ -167,6 +204,7 @@ class TokenFlowPolicy(Policy):
             start_requests={r.request_id: r for r in resumed},
             spare_rate_tps=admitted.spare_rate_tps,
             rate_cap_tps=capacity.rate_cap_tps,
+            max_batch=max_batch,
             prefill_budget_s=admitted.prefill_budget_s,
         )
 
@@ -202,7 +240,10 @@ class TokenFlowPolicy(Policy):
         if not view.waiting:  # (the last decision's prefill budget stands)
             return _Admitted([], max(spare_tps, 0.0), last.prefill_budget_s)
         budget_s = refilled_prefill_budget_s(
-            cfg.schedule_interval_s, last.prefill_budget_s, queue_drained=False
+            cfg.schedule_interval_s,
+            last.prefill_budget_s,
+            queue_drained=False,
+            spare_share=spare_engine_share(demand_tps, trusted_tps),
         )
         admission = admit(
             view,
@@ -211,6 +252,7 @@ class TokenFlowPolicy(Policy):
             spare_rate_tps=spare_tps,
             demand_of=demand_of,
             prefill_budget_s=budget_s,
+            margin_s=cfg.critical_slack_s,
         )
         return _Admitted(
             admission.requests,
@@ -246,7 +288,7 @@ class TokenFlowPolicy(Policy):
         waiting = waiting_within_budget(
             view, last.spare_rate_tps, last.prefill_budget_s, last.demand_tps, has_other_work
         )
-        starts = fcfs_starts(view, candidates=preempted + waiting)
+        starts = fcfs_starts(view, candidates=preempted + waiting, max_num_seqs=last.max_batch)
         new = waiting[: max(len(starts) - len(preempted), 0)]
         if new:
             last = replace(
@@ -259,12 +301,16 @@ class TokenFlowPolicy(Policy):
 
     # -- mechanism hooks -------------------------------------------------------------------------
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
-        """Offload the pausable stream with the most reading buffered; else SGLang's rule."""
+        """Offload the pausable stream with the most reading buffered; else the decoding one
+        with the most (its KV goes to the host, or is dropped when the host has no room: a
+        recompute of a long prompt costs seconds of every stream's steps, a reload a few
+        blocks of link); else SGLang's rule."""
         prices = Prices.at(self.config, view)
         pausable = [r for r in candidates if is_pausable(self.config, view, r, prices)]
-        if not pausable:
+        decoding = pausable or [r for r in candidates if r.is_decoding]
+        if not decoding:
             return super().choose_oom_victim(candidates, view)
-        victim = max(pausable, key=lambda r: (r.slack_s(view.now_s), r.sort_key))
+        victim = max(decoding, key=lambda r: (r.slack_s(view.now_s), r.sort_key))
         return Preemption(victim.request_id, PreemptMode.OFFLOAD)
 
     def write_through_order(
