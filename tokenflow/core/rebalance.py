@@ -7,7 +7,7 @@ filled their replica; a replica told to stop holds streams it can only finish or
 moves them (`plan_moves`), on the same reports the router reads:
 
 - a source is a replica whose load (reading demand / Gamma, `routing.project`) exceeds 1, or
-  one that is leaving;
+  one that is leaving (draining, `ReplicaLoad.drain_left_s` before it must be empty);
 - a target has room: once the moves it takes join it, its load is still <= 1, its tiers still
   hold every joining request's longest footprint, and it has no queue of its own;
 - a move costs the target's recompute of the stream's context (its prefill rate, from the
@@ -16,18 +16,23 @@ moves them (`plan_moves`), on the same reports the router reads:
   target has room (its wait there is shorter than behind the burst).  A paused stream moves
   only if its slack covers the move and that wait, so its reader never notices;
 - each goes to the target with room where it resumes first (the move's cost), then the least
-  loaded; a leaving replica's streams all move (running ones too, resumed by recompute, in
-  `MigrateMode.PAUSED`), to the least loaded target where none has room: a late stream beats
-  a cut one.
+  loaded;
+- a leaving replica's queued requests all move at once; its started streams (running ones too,
+  resumed by recompute, in `MigrateMode.PAUSED`) move paced over the drain, an equal share of
+  them each period (`period_s`), the most tokens still to generate first: the streams that
+  finish before the deadline never move, and no target has a whole replica's recomputes to do
+  at once (they would delay its own new requests).  Whatever is left moves in the last period,
+  to the least loaded target where none has room: a late stream beats a cut one.
 
 Order, deterministic: sources in replica order; from each, queued requests oldest first, then
-paused streams (and, from a leaving replica, running ones) least slack first, ties by request
-id; targets tied on cost and load go to the replica listed first.
+paused streams least slack first (from a leaving replica: started streams most tokens left
+first), ties by request id; targets tied on cost and load go to the replica listed first.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +67,7 @@ class Movable:
     route: RouteRequest  # what the target's load counts of it
     kind: StreamKind
     num_context_tokens: int  # prompt + generated: what the target recomputes
+    num_left_tokens: int  # still to generate (max_tokens - generated)
     slack_s: float  # seconds of reading its buffer holds (0 for a queued request)
     arrival_s: float
 
@@ -72,14 +78,18 @@ class Movable:
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """A replica as the rule sees it: its report, what it could give up, and whether it is
-    leaving (then everything it holds must go)."""
+    """A replica as the rule sees it: its report, what it could give up, and, when it is
+    leaving, how long until everything it holds must be gone."""
 
     replica_id: str
     report: LoadReport
     movable: tuple[Movable, ...] = ()
     routed_since: tuple[RouteRequest, ...] = ()  # sent to it since its report
-    is_leaving: bool = False
+    drain_left_s: float | None = None  # leaving: seconds to its drain deadline
+
+    @property
+    def is_leaving(self) -> bool:
+        return self.drain_left_s is not None
 
 
 @dataclass(frozen=True)
@@ -113,27 +123,41 @@ class _Target:
 def plan_moves(
     replicas: Sequence[ReplicaLoad],
     mode: MigrateMode = MigrateMode.PAUSED,
+    period_s: float = 1.0,
     move_latency_s: float = MOVE_LATENCY_S,
 ) -> list[Move]:
-    """The moves that bring overloaded and leaving replicas' requests to replicas with room
-    (see the module docstring for the rule and its order); none in `MigrateMode.OFF`."""
+    """The moves that bring overloaded and leaving replicas' requests to replicas with room,
+    for a rule run every `period_s` (see the module docstring for the rule and its order);
+    none in `MigrateMode.OFF`."""
     if mode is MigrateMode.OFF:
         return []
     targets = [_Target(r) for r in replicas if not r.is_leaving]
     moves: list[Move] = []
     for source in replicas:
         if source.is_leaving:
-            moves += _drain(source, mode, targets, move_latency_s)
+            moves += _drain(source, mode, targets, period_s, move_latency_s)
         else:
             moves += _shed(source, mode, targets, move_latency_s)
     return moves
 
 
 def _drain(
-    source: ReplicaLoad, mode: MigrateMode, targets: list[_Target], move_latency_s: float
+    source: ReplicaLoad,
+    mode: MigrateMode,
+    targets: list[_Target],
+    period_s: float,
+    move_latency_s: float,
 ) -> list[Move]:
-    """A leaving replica: everything the mode lets move goes, whatever its slack."""
-    offered = _in_order([m for m in source.movable if mode.allows(m.kind)])
+    """A leaving replica: its queued requests now, its started streams paced (their share of
+    the periods left, most tokens left first; all of them in the last period)."""
+    allowed = [m for m in source.movable if mode.allows(m.kind)]
+    queued = _in_order([m for m in allowed if m.kind is StreamKind.QUEUED])
+    started = sorted(
+        (m for m in allowed if m.kind is not StreamKind.QUEUED),
+        key=lambda m: (-m.num_left_tokens, m.request_id),
+    )
+    num_periods_left = max((source.drain_left_s or 0.0) / period_s, 1.0)
+    offered = [*queued, *started[: math.ceil(len(started) / num_periods_left)]]
     moves = (_place(source, m, targets, move_latency_s) for m in offered)
     return [m for m in moves if m is not None]
 

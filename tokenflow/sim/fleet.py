@@ -206,7 +206,7 @@ class _Fleet:
             now = max(replica.clock.now(), self.next_report_s)
             report = load_report(replica.core.scheduler.view(now))
             self.router.report(replica.replica_id, report)
-        self._rebalance(self.next_report_s, leaving=None)
+        self._rebalance(self.next_report_s)
         self.next_report_s += self.config.report_period_s
 
     def _change(self, change: ReplicaJoined | ReplicaLeft) -> None:
@@ -221,7 +221,7 @@ class _Fleet:
             raise ValueError(f"{change.replica_id} leaves at {change.at_s:g} s but is not serving")
         replica.drain_deadline_s = change.at_s + self.config.drain_timeout_s
         self.router.remove(replica.replica_id)
-        self._rebalance(change.at_s, leaving=replica)
+        self._rebalance(change.at_s)
 
     def _cut(self, replica: _Replica) -> None:
         """A draining replica's deadline: whatever it still holds is cut."""
@@ -259,14 +259,14 @@ class _Fleet:
             replica.clock.advance_to(max(now, min(next_arrival, now + tick_s)))
 
     # -- moves ------------------------------------------------------------------------------
-    def _rebalance(self, now_s: float, leaving: _Replica | None) -> None:
-        """Run the rule on the latest reports (and `leaving`'s streams), and send its moves."""
+    def _rebalance(self, now_s: float) -> None:
+        """Run the rule on the latest reports and the draining replicas' streams, and send
+        its moves."""
         if self.config.migrate is MigrateMode.OFF:
             return
-        loads = [self._load(r, now_s, is_leaving=False) for r in self._serving]
-        if leaving is not None:
-            loads.append(self._load(leaving, now_s, is_leaving=True))
-        for move in plan_moves(loads, self.config.migrate):
+        loads = [self._load(r, now_s) for r in self._live]
+        period_s = self.config.report_period_s
+        for move in plan_moves(loads, self.config.migrate, period_s):
             source = self._by_id(move.source_id)
             exported_s = max(source.clock.now(), now_s)
             state = source.core.scheduler.export_stream(move.request_id)
@@ -275,16 +275,18 @@ class _Fleet:
             heapq.heappush(self.landings, landing)
             self.num_moved += 1
 
-    def _load(self, replica: _Replica, now_s: float, is_leaving: bool) -> ReplicaLoad:
+    def _load(self, replica: _Replica, now_s: float) -> ReplicaLoad:
         scheduler = replica.core.scheduler
         now = max(replica.clock.now(), now_s)
         report = self.router.reports.get(replica.replica_id) or self._report(replica, now)
         kinds = [(scheduler.waiting, StreamKind.QUEUED), (scheduler.preempted, StreamKind.PAUSED)]
-        if is_leaving:
+        drain_left_s = None
+        if replica.drain_deadline_s is not None:
             kinds.append((scheduler.running, StreamKind.RUNNING))
+            drain_left_s = max(replica.drain_deadline_s - now_s, 0.0)
         movable = tuple(_movable(r, kind, now) for queue, kind in kinds for r in queue)
         routed = tuple(self.router.routed_since.get(replica.replica_id, ()))
-        return ReplicaLoad(replica.replica_id, report, movable, routed, is_leaving)
+        return ReplicaLoad(replica.replica_id, report, movable, routed, drain_left_s)
 
     # -- replicas ---------------------------------------------------------------------------
     def _new_replica(self, config: SimConfig) -> _Replica:
@@ -311,6 +313,7 @@ def _movable(request: Request, kind: StreamKind, now_s: float) -> Movable:
         route=RouteRequest.of(request),
         kind=kind,
         num_context_tokens=request.num_tokens,
+        num_left_tokens=request.sampling_params.max_tokens - request.num_output_tokens,
         slack_s=request.slack_s(now_s) if kind is not StreamKind.QUEUED else 0.0,
         arrival_s=request.arrival_s,
     )
