@@ -7,7 +7,9 @@ filled their replica; a replica told to stop holds streams it can only finish or
 moves them (`plan_moves`), on the same reports the router reads:
 
 - a source is a replica whose load (reading demand / Gamma, `routing.project`) exceeds 1, or
-  one that is leaving (draining, `ReplicaLoad.drain_left_s` before it must be empty);
+  one that is leaving (draining, `ReplicaLoad.drain_left_s` before it must be empty); and a
+  queued request that its replica has not started in a whole period (memory, or its policy's
+  admission, holds it back even where the load reads <= 1) is offered too;
 - a target has room: once the moves it takes join it, its load is still <= 1, its tiers still
   hold every joining request's longest footprint, and it has no queue of its own;
 - a move costs the target's recompute of the stream's context (its prefill rate, from the
@@ -70,6 +72,7 @@ class Movable:
     num_left_tokens: int  # still to generate (max_tokens - generated)
     slack_s: float  # seconds of reading its buffer holds (0 for a queued request)
     arrival_s: float
+    queued_s: float = 0.0  # a queued request: how long it has waited on this replica
 
     @property
     def request_id(self) -> str:
@@ -137,7 +140,7 @@ def plan_moves(
         if source.is_leaving:
             moves += _drain(source, mode, targets, period_s, move_latency_s)
         else:
-            moves += _shed(source, mode, targets, move_latency_s)
+            moves += _shed(source, mode, targets, period_s, move_latency_s)
     return moves
 
 
@@ -163,22 +166,26 @@ def _drain(
 
 
 def _shed(
-    source: ReplicaLoad, mode: MigrateMode, targets: list[_Target], move_latency_s: float
+    source: ReplicaLoad,
+    mode: MigrateMode,
+    targets: list[_Target],
+    period_s: float,
+    move_latency_s: float,
 ) -> list[Move]:
     """An overloaded replica gives up queued requests and paused streams (never running ones)
-    while its load without them stays above 1."""
+    while its load without them stays above 1; any replica, the queued requests it has not
+    started in a whole period (its policy has no room for them there)."""
     report = source.report
     load = project(report, source.routed_since).load
-    if load <= 1.0:
-        return []
     cap_tps = report.capacity_at(_mean_blocks(report)).rate_cap_tps
     offered = [
         m for m in source.movable if m.kind is not StreamKind.RUNNING and mode.allows(m.kind)
     ]
     moves = []
     for movable in _in_order(offered):
-        if load <= 1.0:
-            break
+        is_stuck = movable.kind is StreamKind.QUEUED and movable.queued_s >= period_s
+        if load <= 1.0 and not is_stuck:
+            continue
         move = _place(source, movable, targets, move_latency_s)
         if move is not None:
             moves.append(move)

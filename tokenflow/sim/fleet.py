@@ -162,6 +162,7 @@ class _Fleet:
         self.changes = deque(c for _, c in changes)  # (joins before leaves at one time)
         self.landings: list[_Landing] = []  # a heap
         self.records: dict[str, Request] = {}  # each request's latest object (moves replace it)
+        self.landed_s: dict[str, float] = {}  # when each moved request reached its replica
         self.next_report_s = 0.0
         self.num_moved = 0
         self.num_cut = 0
@@ -243,6 +244,7 @@ class _Fleet:
             route = RouteRequest.of(self.records[landing.state.request_id])
             replica = self._by_id(self.router.choose(route))
         self._join(replica, landing.at_s)
+        self.landed_s[landing.state.request_id] = landing.at_s
         self.records[landing.state.request_id] = replica.core.scheduler.import_stream(landing.state)
 
     def _step(self, replica: _Replica) -> None:
@@ -284,7 +286,11 @@ class _Fleet:
         if replica.drain_deadline_s is not None:
             kinds.append((scheduler.running, StreamKind.RUNNING))
             drain_left_s = max(replica.drain_deadline_s - now_s, 0.0)
-        movable = tuple(_movable(r, kind, now) for queue, kind in kinds for r in queue)
+        movable = tuple(
+            _movable(r, kind, now, self.landed_s.get(r.request_id, r.arrival_s))
+            for queue, kind in kinds
+            for r in queue
+        )
         routed = tuple(self.router.routed_since.get(replica.replica_id, ()))
         return ReplicaLoad(replica.replica_id, report, movable, routed, drain_left_s)
 
@@ -308,7 +314,8 @@ class _Fleet:
             replica.clock.advance_to(max(replica.clock.now(), at_s))
 
 
-def _movable(request: Request, kind: StreamKind, now_s: float) -> Movable:
+def _movable(request: Request, kind: StreamKind, now_s: float, reached_s: float) -> Movable:
+    """What the rule knows of `request`, which reached its replica at `reached_s`."""
     return Movable(
         route=RouteRequest.of(request),
         kind=kind,
@@ -316,6 +323,7 @@ def _movable(request: Request, kind: StreamKind, now_s: float) -> Movable:
         num_left_tokens=request.sampling_params.max_tokens - request.num_output_tokens,
         slack_s=request.slack_s(now_s) if kind is not StreamKind.QUEUED else 0.0,
         arrival_s=request.arrival_s,
+        queued_s=now_s - reached_s,
     )
 
 
