@@ -60,6 +60,7 @@ TIGHT_TTFT_SETUPS = ("h200-b", "h200-c", "4090-a")  # P99 TTFT <= 0.3x fcfs ther
 # The hand-written blocks of docs/results.md, kept when it is regenerated: (begin, end) markers.
 NOTES = ("<!-- notes: kept when regenerated -->", "<!-- /notes -->")
 ENGINE = ("<!-- real engine: kept when regenerated -->", "<!-- /real engine -->")
+RUNNERS = ("<!-- benchmarks: kept when regenerated -->", "<!-- /benchmarks -->")
 
 
 @dataclass(frozen=True)
@@ -341,7 +342,7 @@ def _write_markdown(
     md: Path, meta: dict, all_targets: dict, ablations: dict, per_setup_lines: list[str]
 ) -> None:
     """docs/results.md: the header, the kept notes, the targets, the ablations, every setup,
-    and the kept section on the real engine."""
+    and the kept sections on the real engine and on the benchmark runners."""
     tight = ", ".join(TIGHT_TTFT_SETUPS)
     lines = header(meta) + ["", kept_block(md, NOTES), ""]
     lines += ["### TokenFlow against FCFS: the targets", ""]
@@ -355,6 +356,7 @@ def _write_markdown(
         lines += ["", "### Ablations of the KV mechanisms (paper §5-6): completion time", ""]
         lines += ablation_table(ablations)
     lines += ["", "### Per setup, every policy", *per_setup_lines, "", kept_block(md, ENGINE), ""]
+    lines += [kept_block(md, RUNNERS), ""]
     md.write_text("\n".join(lines))
 
 

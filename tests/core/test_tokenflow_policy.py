@@ -199,7 +199,7 @@ def test_a_request_arriving_between_decisions_starts_within_the_rate_left_spare(
     while clock.t < 0.6:  # decisions at 0 (a starts) and at 0.5 s (a's reader near dry)
         core.step()
     policy = core.scheduler.policy
-    assert policy.num_decisions == 2 and clock.t < policy._next_decision_s
+    assert policy.num_decisions == 2 and clock.t < policy.last_decision.next_decision_s
     late = make_request("b", num_prompt=4, max_tokens=60, rate=5.0, arrival=clock.t)
     core.add_request(late)
     core.step()
@@ -216,7 +216,7 @@ def test_an_eager_or_batch_stream_is_never_paused_for_its_buffer(consumption):
     core, clock, (r1, r2, r3) = three_streams(agile, consumption=consumption)
     assert r1.rate_tps == math.inf and r1.buffered_s(clock.t) == 0.0
     view = core.scheduler.view(clock.t)
-    assert not is_pausable(agile, view, r1, Prices.of(agile, view))
+    assert not is_pausable(agile, view, r1, Prices.at(agile, view))
     while not r1.is_finished:
         core.step()
         assert r1.state is not RequestState.PREEMPTED and clock.t < 30
@@ -243,5 +243,5 @@ def test_an_arrival_after_the_queue_drained_is_not_held_by_the_last_prefill_pace
     late = make_request("b", num_prompt=8, max_tokens=60, consumption=eager, arrival=clock.t)
     core.add_request(late)
     core.step()
-    assert clock.t < policy._next_decision_s and policy.num_decisions == 1
+    assert clock.t < policy.last_decision.next_decision_s and policy.num_decisions == 1
     assert late.state is RequestState.RUNNING

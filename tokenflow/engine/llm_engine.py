@@ -36,24 +36,11 @@ from tokenflow.core.step_budget import StepBudget
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import EngineStats, GenerationDelta
 from tokenflow.engine.clock import WallClock
-from tokenflow.engine.engine_args import EngineArgs
+from tokenflow.engine.engine_args import EngineArgs, resolve_device
 from tokenflow.engine.output_processor import OutputProcessor
 from tokenflow.engine.streams import MoveWatch, StreamsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
-
-# Below this a prefill chunk's fixed cost (one pass over the weights) dominates its step: smaller
-# chunks would multiply the steps a long prompt takes without shortening any step much.
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto" picks CUDA when present; a CUDA device without CUDA is a clear error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
 
 
 def measure_copy_bytes_per_s(device: torch.device, num_bytes: int = 32 << 20) -> float:
@@ -111,7 +98,8 @@ class LLMEngine:
         kv_config = KVConfig(
             built.num_device_blocks, num_host_blocks, args.block_size, built.block_bytes
         )
-        policy = make_policy(args.policy, scheduler_config, args.tokenflow)
+        tokenflow = args.tokenflow_for(self.device.type)
+        policy = make_policy(args.policy, scheduler_config, tokenflow)
         self.scheduler = Scheduler(scheduler_config, kv_config, policy)
         budget = StepBudget(args.step_target_ms / 1000, args.max_prefill_tokens)
         self.core = EngineCore(self.scheduler, self.executor, WallClock(), step_budget=budget)
@@ -130,6 +118,11 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens; the context length is {self.max_model_len}"
+            )
+        asks_scores = params.logprobs is not None or params.prompt_logprobs is not None
+        if self.args.executor != "torch" and (params.has_penalties or asks_scores):
+            raise ValueError(
+                f"penalties and logprobs need the torch executor, not {self.args.executor!r}"
             )
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(

@@ -126,6 +126,8 @@ class OutputProcessor:
             num_prompt_tokens=stream.num_prompt_tokens,
             num_output_tokens=output.num_output_tokens,
             finish_reason=finish,
+            logprobs=output.new_logprobs,
+            prompt_logprobs=output.prompt_logprobs,
         )
 
     def aborted(self, request_id: str) -> GenerationDelta | None:

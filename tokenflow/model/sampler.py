@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenflow.core.request import SamplingParams
+from tokenflow.model.penalties import SeenTokens, apply_penalties
 
 logger = logging.getLogger(__name__)
 PLACEHOLDER_TOKEN_ID = 0  # stands in for a row whose sampling failed (the request is ended)
@@ -33,6 +34,7 @@ class SamplingRow:
     request_id: str
     params: SamplingParams
     num_output_tokens: int  # tokens generated before this one
+    seen: SeenTokens | None = None  # the counts its penalties need (None: it asks for none)
 
 
 class Sampler:
@@ -59,6 +61,7 @@ class Sampler:
         if not rows:
             return []
         logits = self._mask_min_tokens(logits, rows)
+        logits = apply_penalties(logits, [row.params for row in rows], [row.seen for row in rows])
         # Greedy for every row at once; max().indices is argmax (first maximum on ties) and
         # measured 1.7x faster than argmax() on CPU for [32, 49152].
         tokens = logits.max(dim=-1).indices.tolist()
@@ -90,6 +93,7 @@ class Sampler:
         scaled = logits / temperatures[:, None]
         scaled = _top_k(scaled, [row.params.top_k for row in rows])
         probs = torch.softmax(scaled, dim=-1)
+        probs = drop_below_min_p(probs, [row.params.min_p for row in rows])
         top_p = [row.params.top_p for row in rows]
         if min(top_p) < 1.0:
             probs = _top_p(probs, top_p)
@@ -144,6 +148,17 @@ def _top_k(scaled: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     kth = values.gather(1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])  # [R, 1]
     kth[torch.tensor([k == 0 for k in ks])] = float("-inf")
     return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def drop_below_min_p(probs: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """Drop each row's tokens less likely than its min_p times its most likely token's
+    probability (min_p = 0: keep all); probs [R, vocab], not renormalised (see `_top_p`)."""
+    if not any(min_p):
+        return probs
+    limits = (
+        torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
+    )
+    return probs.masked_fill(probs < limits, 0.0)
 
 
 def _top_p(probs: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:

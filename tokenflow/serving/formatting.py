@@ -2,7 +2,8 @@
 
 A stream is one Server-Sent Event per chunk, whose data is the chunk's compact JSON, and a last
 event whose data is `DONE` (`[DONE]`); the SSE framing and keep-alives are sse-starlette's (see
-`app.py`).  Finish reasons always come from the engine's delta.
+`app.py`).  Each chunk carries one choice, named by its `index`.  Finish reasons always come
+from the engine's delta.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from tokenflow.serving.prepared import PreparedRequest
+from tokenflow.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tokenflow.serving.prepared import Piece, PreparedRequest
 from tokenflow.serving.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
     UsageInfo,
@@ -31,16 +35,12 @@ DONE = "[DONE]"  # the data of a stream's last event
 class ResponseFormat(Protocol):
     """How one endpoint renders its chunks and its full response."""
 
-    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
-        """Chunks sent before the first delta's (the chat role chunk)."""
+    def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
+        """Chunks sent before choice `index`'s first delta's (the chat role chunk)."""
         ...
 
     def delta_chunk(
-        self,
-        request: PreparedRequest,
-        text: str,
-        finish_reason: str | None,
-        usage: UsageInfo | None,
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
     ) -> BaseModel:
         """The chunk of one engine delta (usage only with continuous_usage_stats)."""
         ...
@@ -50,31 +50,42 @@ class ResponseFormat(Protocol):
         ...
 
     def response(
-        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> CompletionResponse | ChatCompletionResponse:
-        """The non-streaming body."""
+        """The non-streaming body: one piece per choice, in index order."""
         ...
 
 
 class CompletionFormat:
     """/v1/completions: `text_completion` objects whose choices carry `text`."""
 
-    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+    def __init__(self, texts: TokenTexts) -> None:
+        self._texts = texts
+
+    def _logprobs(self, piece: Piece) -> CompletionLogprobs | None:
+        if piece.tokens is None:
+            return None
+        return completion_logprobs(piece.tokens, self._texts, piece.text_offset)
+
+    def _choice(self, index: int, piece: Piece) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=piece.text,
+            logprobs=self._logprobs(piece),
+            finish_reason=piece.finish_reason,
+        )
+
+    def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
         return []
 
     def delta_chunk(
-        self,
-        request: PreparedRequest,
-        text: str,
-        finish_reason: str | None,
-        usage: UsageInfo | None,
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
     ) -> CompletionChunk:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
         return CompletionChunk(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
-            choices=[choice],
+            choices=[self._choice(index, piece)],
             usage=usage,
         )
 
@@ -88,19 +99,25 @@ class CompletionFormat:
         )
 
     def response(
-        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> CompletionResponse:
         return CompletionResponse(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+            choices=[self._choice(i, piece) for i, piece in enumerate(pieces)],
             usage=usage,
         )
 
 
 class ChatFormat:
-    """/v1/chat/completions: `chat.completion.chunk` deltas; the first one carries the role."""
+    """/v1/chat/completions: `chat.completion.chunk` deltas; a choice's first carries the role."""
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self._texts = texts
+
+    def _logprobs(self, piece: Piece) -> ChatLogprobs | None:
+        return None if piece.tokens is None else chat_logprobs(piece.tokens, self._texts)
 
     def _chunk(
         self, request: PreparedRequest, choices: list[ChatChunkChoice], usage: UsageInfo | None
@@ -113,35 +130,43 @@ class ChatFormat:
             usage=usage,
         )
 
-    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+    def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
         delta = DeltaMessage(role="assistant", content="")
-        return [self._chunk(request, [ChatChunkChoice(delta=delta, finish_reason=None)], None)]
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=None)
+        return [self._chunk(request, [choice], None)]
 
     def delta_chunk(
-        self,
-        request: PreparedRequest,
-        text: str,
-        finish_reason: str | None,
-        usage: UsageInfo | None,
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
     ) -> ChatCompletionChunk:
         # The closing chunk of OpenAI has an empty delta; text and finish may share a chunk.
-        has_content = bool(text) or finish_reason is None
-        delta = DeltaMessage(content=text) if has_content else DeltaMessage()
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        has_content = bool(piece.text) or piece.finish_reason is None
+        delta = DeltaMessage(content=piece.text) if has_content else DeltaMessage()
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=self._logprobs(piece),
+            finish_reason=piece.finish_reason,
+        )
         return self._chunk(request, [choice], usage)
 
     def usage_chunk(self, request: PreparedRequest, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk(request, [], usage)
 
     def response(
-        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
             choices=[
-                ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=piece.text),
+                    logprobs=self._logprobs(piece),
+                    finish_reason=piece.finish_reason,
+                )
+                for i, piece in enumerate(pieces)
             ],
             usage=usage,
         )

@@ -33,7 +33,7 @@ def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks
     return math.ceil(w_static - config.working_set_smoothing * (w_static - num_running))
 
 
-def refilled_prefill_budget_s(interval_s: float, left_s: float, queue_drained: bool) -> float:
+def refilled_prefill_budget_s(interval_s: float, left_s: float, *, queue_drained: bool) -> float:
     """Prefill time newcomers may take, a token bucket: each decision adds one interval to what
     the last left, up to two (prompts over half an interval still start in pairs); a drained
     queue refills it to one, so a lone arrival starts at once, not at the last queue's pace."""

@@ -31,13 +31,13 @@ def utility_order(m: Member) -> tuple:
     is_newcomer = not r.output_token_ids
     tie = r.arrival_s if is_newcomer else -r.rate_tps
     key = (not m.is_pinned, not m.is_overdue, -m.utility, is_newcomer, tie)
-    return (*key, r.arrival_s, r.arrival_index)
+    return (*key, r.sort_key)
 
 
 def arrival_order(m: Member) -> tuple:
     """The balancer's rank of `m` when degraded to first come, first served."""
     r = m.request
-    return (not m.is_pinned, not m.is_overdue, not m.is_urgent, r.arrival_s, r.arrival_index)
+    return (not m.is_pinned, not m.is_overdue, not m.is_urgent, r.sort_key)
 
 
 def select(

@@ -39,7 +39,7 @@ def lifetime_blocks(request: Request, block_size: int) -> int:
 def interval_footprint_blocks(request: Request, growth_tokens: int, block_size: int) -> int:
     """Device blocks that hold a stream through the next interval: its tokens plus what it
     generates meanwhile (at most its remaining budget, at least one token)."""
-    remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+    remaining = request.num_remaining_output_tokens
     ahead = growth_tokens if growth_tokens < remaining else remaining
     return -(-(request.num_tokens + (ahead if ahead > 1 else 1)) // block_size)
 
@@ -96,14 +96,21 @@ class Prices:
     least_pause_threshold_s: float  # `pause_threshold_s` of a stream with no blocks
 
     @classmethod
-    def of(cls, config: TokenFlowConfig, view: SchedulingView) -> Prices:
+    def at(cls, config: TokenFlowConfig, view: SchedulingView) -> Prices:
+        """The prices in `view`'s state."""
         per_block_s = seconds_per_block(view)
         resume_s = {
             r.request_id: resume_price_s(r, view.kv, per_block_s, view.estimator)
             for r in view.preempted
         }
         queue_s = sum(resume_s.values())
-        least_s = pause_threshold_s(config, 0, 0, per_block_s, queue_s)
+        least_s = pause_threshold_s(
+            config,
+            num_blocks=0,
+            num_unsynced_blocks=0,
+            seconds_per_block=per_block_s,
+            resume_queue_s=queue_s,
+        )
         return cls(per_block_s, resume_s, queue_s, least_s)
 
 
@@ -134,12 +141,7 @@ def unsynced_blocks(kv: KVState, r: Request) -> int:
 def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices) -> bool:
     """A running, decoding stream whose buffer covers `pause_threshold_s`, and whose unsynced
     tail finds host room (else the pause would drop its KV and cost a recompute)."""
-    return _is_pausable(config, view, r, r.buffered_s(view.now_s), prices)
-
-
-def _is_pausable(
-    config: TokenFlowConfig, view: SchedulingView, r: Request, buffered_s: float, prices: Prices
-) -> bool:
+    buffered_s = r.buffered_s(view.now_s)
     if not r.is_decoding or buffered_s < prices.least_pause_threshold_s:
         return False  # (the threshold only grows with the stream's blocks)
     kv = view.kv
@@ -163,7 +165,7 @@ def member(
         utility=utility(config, buffered_s, resident),
         footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size),
         is_resident=resident,
-        is_pausable=_is_pausable(config, view, r, buffered_s, prices),
+        is_pausable=is_pausable(config, view, r, prices),
         is_urgent=started and slack_s < config.critical_slack_s,
         is_overdue=started and slack_s <= -config.max_stall_s,
         resume_s=prices.resume_s[r.request_id] if state is _PREEMPTED else 0.0,
