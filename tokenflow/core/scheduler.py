@@ -121,7 +121,6 @@ class Scheduler:
         self._chunks.forget(request_id)
         self.kv.drop(request_id)
         del self.requests[request_id]
-        del self._output_limits[request_id]
         self._released.append(request_id)  # (the executor forgets its per-request state)
         return state
 
