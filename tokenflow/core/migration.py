@@ -18,7 +18,7 @@ unseeded one draws from the target's own derived seed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenflow.core.request import Consumption, Request, SamplingParams
 
@@ -65,6 +65,17 @@ class StreamState:
     def consumption_start_s(self) -> float | None:
         """When the reader started reading (its first token); None before it."""
         return self.token_times_s[0] if self.token_times_s else None
+
+    def shifted(self, by_s: float) -> StreamState:
+        """The same stream with every time moved by `by_s` seconds: engines on clocks of their
+        own exchange states with times relative to the export (`by_s` = -now there, + now on
+        import), so the reader's slack carries over whatever each clock's origin."""
+        return replace(
+            self,
+            arrival_s=self.arrival_s + by_s,
+            token_times_s=tuple(t + by_s for t in self.token_times_s),
+            last_consume_s=self.last_consume_s + by_s,
+        )
 
     def slack_s(self, now_s: float) -> float:
         """Seconds until the reader asks for a token not generated yet (`Request.slack_s`)."""
