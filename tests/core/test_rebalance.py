@@ -133,17 +133,42 @@ def test_moves_spread_over_equal_targets_in_turn_ties_to_the_first_listed():
     assert plan_moves([_overloaded(queued), *targets]) == moves  # deterministic
 
 
-def test_a_leaving_replica_moves_its_queue_at_once_and_its_streams_paced_over_the_drain():
+def _started(slack_s: float = 10.0) -> list[Movable]:
+    """Ten started streams, 0, 100, ..., 900 tokens left (r13 paused, the others running)."""
+    kinds = [StreamKind.PAUSED if i == 3 else StreamKind.RUNNING for i in range(10)]
+    return [_movable(10 + i, kinds[i], slack_s, left=100 * i) for i in range(10)]
+
+
+def test_a_leaving_replica_moves_its_queue_at_once_and_its_late_streams_paced_over_the_drain():
     queued = [_movable(i) for i in range(3)]
-    started = [_movable(10 + i, StreamKind.RUNNING, left=10 * i) for i in range(10)]
-    started[3] = _movable(13, StreamKind.PAUSED, left=30)
-    leaving = ReplicaLoad("old", _report(), tuple(queued + started), drain_left_s=5.0)
+    leaving = ReplicaLoad("old", _report(), tuple(queued + _started()), drain_left_s=5.0)
     moves = plan_moves([leaving, ReplicaLoad("new", _report())], period_s=1.0)
-    # the queue, then a fifth of the ten started streams: those with the most tokens left
+    # 5 s at one stream's share of Gamma (16 tok/s) is 80 tokens: nine streams must leave, a
+    # fifth of them (rounded up) each period, the most tokens left first; then the queue
     assert [m.request_id for m in moves] == ["r0", "r1", "r2", "r19", "r18"]
     assert {m.target_id for m in moves} == {"new"}
-    last = ReplicaLoad("old", _report(), tuple(started), drain_left_s=0.5)
-    assert len(plan_moves([last, ReplicaLoad("new", _report())], period_s=1.0)) == 10
+    last = ReplicaLoad("old", _report(), tuple(_started()), drain_left_s=0.5)
+    moves = plan_moves([last, ReplicaLoad("new", _report())], period_s=1.0)
+    assert sorted(m.request_id for m in moves) == [f"r{10 + i}" for i in range(1, 10)]
+
+
+def test_a_leaving_replica_keeps_the_streams_that_finish_before_its_deadline():
+    # 30 s at 16 tok/s: 480 tokens; the five streams with more left must go, one a period
+    leaving = ReplicaLoad("old", _report(), tuple(_started()), drain_left_s=30.0)
+    assert _ids(plan_moves([leaving, ReplicaLoad("new", _report())])) == [("r19", "new")]
+    nearly_done = ReplicaLoad("old", _report(), tuple(_started()[:5]), drain_left_s=30.0)
+    assert plan_moves([nearly_done, ReplicaLoad("new", _report())]) == []
+
+
+def test_a_leaving_replica_s_stream_with_a_short_buffer_waits_for_it_until_the_last_period():
+    started = _started()
+    started[9] = _movable(19, StreamKind.RUNNING, slack_s=0.01, left=900)  # the move: 0.05 s
+    leaving = ReplicaLoad("old", _report(), tuple(started), drain_left_s=5.0)
+    moves = plan_moves([leaving, ReplicaLoad("new", _report())], move_latency_s=0.05)
+    assert [m.request_id for m in moves] == ["r18", "r17"]  # r19's buffer grows meanwhile
+    last = ReplicaLoad("old", _report(), tuple(started), drain_left_s=1.0)
+    moves = plan_moves([last, ReplicaLoad("new", _report())], move_latency_s=0.05)
+    assert "r19" in [m.request_id for m in moves]  # late beats cut
 
 
 def test_a_leaving_replica_s_streams_go_even_where_no_target_has_room():

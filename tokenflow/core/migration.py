@@ -11,9 +11,11 @@ Imported (`Scheduler.import_stream`), a started stream enters as a paused stream
 resumes by recompute when the target's policy starts it; a request that never started re-enters
 the waiting queue, keeping its arrival time, so its TTFT still counts from its arrival.
 
-What stays behind: the sampler's random state lives in the model layer.  A seeded stream
-continues exactly when the sampler derives its draws from the seed and the token position; an
-unseeded one draws from the target's own derived seed.
+Nothing random stays behind: the real engine's sampler draws each token from a function of the
+stream's seed and the token's position (tokenflow/model/sampler.py), and its penalties count the
+recomputed chunks' own tokens (tokenflow/model/penalties.py), so a seeded stream continues with
+the tokens it would have produced (tests/runtime/test_migration_exact.py); an unseeded one draws
+from the engine seed and its request id, the same on a target started with the same seed.
 """
 
 from __future__ import annotations

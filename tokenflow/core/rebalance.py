@@ -19,12 +19,16 @@ moves them (`plan_moves`), on the same reports the router reads:
   only if its slack covers the move and that wait, so its reader never notices;
 - each goes to the target with room where it resumes first (the move's cost), then the least
   loaded;
-- a leaving replica's queued requests all move at once; its started streams (running ones too,
-  resumed by recompute, in `MigrateMode.PAUSED`) move paced over the drain, an equal share of
-  them each period (`period_s`), the most tokens still to generate first: the streams that
-  finish before the deadline never move, and no target has a whole replica's recomputes to do
-  at once (they would delay its own new requests).  Whatever is left moves in the last period,
-  to the least loaded target where none has room: a late stream beats a cut one.
+- a leaving replica's queued requests all move at once.  Of its started streams (running ones
+  too, resumed by recompute, in `MigrateMode.PAUSED`) only those that would not finish before
+  the deadline at one stream's share of its Gamma move: the others finish where they are, and
+  each move costs its target a recompute that delays the target's own streams and arrivals.
+  They move paced over the drain, an equal share of them each period (`period_s`), the most
+  tokens still to generate first among those whose slack covers the move (a stream whose
+  buffer is short waits: it grows while it runs), so no target has a whole replica's
+  recomputes to do at once.  Whatever must still
+  leave in the last period moves then, whatever its slack, to the least loaded target where
+  none has room: a late stream beats a cut one.
 
 Order, deterministic: sources in replica order; from each, queued requests oldest first, then
 paused streams least slack first (from a leaving replica: started streams most tokens left
@@ -151,18 +155,38 @@ def _drain(
     period_s: float,
     move_latency_s: float,
 ) -> list[Move]:
-    """A leaving replica: its queued requests now, its started streams paced (their share of
-    the periods left, most tokens left first; all of them in the last period)."""
+    """A leaving replica: its queued requests now; of its started streams, only those that
+    cannot finish there before the deadline (`_must_leave`), paced: their share of the periods
+    left, most tokens left first among those whose slack covers the move (in the last period
+    all of them, whatever their slack)."""
     allowed = [m for m in source.movable if mode.allows(m.kind)]
     queued = _in_order([m for m in allowed if m.kind is StreamKind.QUEUED])
+    drain_left_s = source.drain_left_s or 0.0
     started = sorted(
-        (m for m in allowed if m.kind is not StreamKind.QUEUED),
+        (m for m in allowed if m.kind is not StreamKind.QUEUED and _must_leave(source, m)),
         key=lambda m: (-m.num_left_tokens, m.request_id),
     )
-    num_periods_left = max((source.drain_left_s or 0.0) / period_s, 1.0)
-    offered = [*queued, *started[: math.ceil(len(started) / num_periods_left)]]
-    moves = (_place(source, m, targets, move_latency_s) for m in offered)
+    is_last = drain_left_s <= period_s
+    moves = [_place(source, m, targets, move_latency_s) for m in queued]
+    num_to_move = math.ceil(len(started) / max(drain_left_s / period_s, 1.0))
+    for movable in started:
+        if num_to_move == 0:
+            break
+        move = _place(source, movable, targets, move_latency_s, is_last)
+        if move is not None:
+            moves.append(move)
+            num_to_move -= 1
     return [m for m in moves if m is not None]
+
+
+def _must_leave(source: ReplicaLoad, movable: Movable) -> bool:
+    """Whether a leaving replica's started stream would still have tokens to generate at its
+    deadline, generating at one stream's share of the replica's Gamma (what each stream of a
+    full batch gets: a floor, since a draining replica takes no new request).  The others
+    finish where they are: a move would cost their target a recompute for nothing."""
+    report = source.report
+    rate_tps = report.capacity_at(_mean_blocks(report)).rate_cap_tps
+    return movable.num_left_tokens > rate_tps * (source.drain_left_s or 0.0)
 
 
 def _shed(
@@ -194,13 +218,18 @@ def _shed(
 
 
 def _place(
-    source: ReplicaLoad, movable: Movable, targets: list[_Target], move_latency_s: float
+    source: ReplicaLoad,
+    movable: Movable,
+    targets: list[_Target],
+    move_latency_s: float,
+    is_last_period: bool = False,
 ) -> Move | None:
     """`movable`'s target, recorded as joining it; None where no target takes it.
 
     Among the targets with room, the one where it resumes first (the move's cost, the
     recomputes already moved there included), then the least loaded, then the first listed;
-    from a leaving replica, where none has room, the least loaded."""
+    from a leaving replica, where none has room, the least loaded.  A started stream moves
+    only if its slack covers the cost, except from a leaving replica in its last period."""
     scored = []
     for index, target in enumerate(targets):
         if target.load.replica_id == source.replica_id:
@@ -214,7 +243,7 @@ def _place(
     if is_full and not source.is_leaving:
         return None
     is_started = movable.kind is not StreamKind.QUEUED
-    if is_started and not source.is_leaving and movable.slack_s < cost_s:
+    if is_started and not is_last_period and movable.slack_s < cost_s:
         return None
     target.joining.append(movable.route)
     target.busy_s += target.recompute_s(movable)
