@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{SCALEOUT}: {setups[SCALEOUT].description}", scaleout, command.format(SCALEOUT)
     )
     sections += [scaleout_verdict(scaleout), ""]
+    steady = f"`; never restarted: `tokenflow simulate --setup {STEADY} --router tokenflow --seed S"
     sections += section(
-        f"{ROLLING}: {setups[ROLLING].description}", rolling, command.format(ROLLING)
+        f"{ROLLING}: {setups[ROLLING].description}", rolling, command.format(ROLLING) + steady
     )
     sections += [rolling_verdict(rolling), ""]
     print("\n".join(sections), flush=True)
