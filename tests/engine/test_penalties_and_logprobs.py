@@ -28,6 +28,24 @@ def test_counts_come_from_the_chunks_and_survive_a_recompute() -> None:
     assert counts.get("r").in_prompt.tolist() == [False, True, True, False, False, False]
 
 
+def test_an_arrived_stream_s_chunked_recompute_counts_as_if_it_had_stayed() -> None:
+    """A stream moved here mid-answer (prompt [1, 2, 4], outputs [3, 3, 5]) is recomputed in
+    chunks; the first ones cannot tell prompt from output, so they wait for the sampling one."""
+    params = SamplingParams(max_tokens=8, presence_penalty=1.0)
+    stayed = TokenCounts(vocab_size=6, device="cpu")
+    stayed.observe([chunk([1, 2, 4], 0, 0, True, params)])
+    for position, token in enumerate([3, 3, 5]):
+        stayed.observe([chunk([token], 3 + position, position + 1, True, params)])
+    arrived = TokenCounts(vocab_size=6, device="cpu")
+    arrived.observe([chunk([1, 2], 0, 3, False, params)])
+    arrived.observe([chunk([4, 3], 2, 3, False, params)])
+    assert arrived.get("r").output_counts.sum() == 0  # held until the prompt's end is known
+    arrived.observe([chunk([3, 5], 4, 3, True, params)])
+    assert torch.equal(arrived.get("r").output_counts, stayed.get("r").output_counts)
+    assert torch.equal(arrived.get("r").in_prompt, stayed.get("r").in_prompt)
+    assert arrived.get("r").output_counts.tolist() == [0, 0, 0, 2, 0, 1]
+
+
 def test_penalties_as_vllm_defines_them() -> None:
     params = SamplingParams(
         max_tokens=8, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0

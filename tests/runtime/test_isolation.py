@@ -72,7 +72,6 @@ def test_a_poison_sampling_row_fails_only_its_own_request(engine, solo, monkeypa
     assert ends["poison"][0] == "error" and "sampling failed" in ends["poison"][1]
     assert ends["innocent"] == ("length", None)
     assert tokens["innocent"] == solo
-    assert engine.executor.sampler.num_generators <= 1  # released on the next steps
 
 
 def test_a_failing_detokenizer_fails_only_its_own_request(engine, solo, monkeypatch):

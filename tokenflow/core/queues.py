@@ -42,6 +42,13 @@ class RequestQueues:
         request.state = RequestState.WAITING
         bisect.insort(self.waiting, request, key=_arrival)
 
+    def park(self, request: Request) -> None:
+        """A waiting request that started on another engine (an imported stream) waits among
+        the paused instead, to resume by recompute."""
+        self.waiting.remove(request)
+        request.state = RequestState.PREEMPTED
+        bisect.insort(self.preempted, request, key=_arrival)
+
     def enter_device(self, request: Request, state: RequestState) -> None:
         """A waiting or paused request starts running, or loading (`state`)."""
         if request.state is RequestState.WAITING:

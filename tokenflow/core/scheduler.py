@@ -14,6 +14,7 @@ from tokenflow.core.chunker import ChunkBuilder
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
+from tokenflow.core.migration import StreamState, request_of, stream_state
 from tokenflow.core.plan import (
     BlockCopy,
     RequestOutput,
@@ -104,6 +105,34 @@ class Scheduler:
         self.kv.drop(request.request_id)
         del self.requests[request.request_id]
         self._released.append(request.request_id)
+
+    # -- streams moving between engines (tokenflow/core/migration.py) -------------------------
+    def export_stream(self, request_id: str) -> StreamState:
+        """Take an unfinished request out between steps, freeing its KV in both tiers, and
+        return its portable state.  A resident's KV is dropped: it resumes by recompute
+        wherever it is imported.  ValueError if it is unknown or a step is in flight."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"cannot export {request_id!r}: no such unfinished request")
+        if self._planned is not None:
+            raise ValueError(f"cannot export {request_id!r} while a step is in flight")
+        state = stream_state(request)
+        self.queues.remove(request)
+        self._chunks.forget(request_id)
+        self.kv.drop(request_id)
+        del self.requests[request_id]
+        self._released.append(request_id)  # (the executor forgets its per-request state)
+        return state
+
+    def import_stream(self, state: StreamState) -> Request:
+        """Take in a stream exported by another engine: a started one as a paused stream that
+        resumes by recompute, one that never started as a waiting request (its arrival time
+        kept).  ValueError as `add_request`."""
+        request = request_of(state)
+        self.add_request(request)
+        if state.is_started:
+            self.queues.park(request)
+        return request
 
     @property
     def has_work(self) -> bool:

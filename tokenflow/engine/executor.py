@@ -78,7 +78,6 @@ class ModelExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's copies and forward pass concurrently; sample; return the tokens."""
-        self.sampler.release(plan.released_request_ids)
         self.token_counts.release(plan.released_request_ids)
         self.prompt_logprobs.release(plan.released_request_ids)
         self.block_tables.apply(plan)

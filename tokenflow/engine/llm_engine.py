@@ -22,6 +22,7 @@ import torch
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.engine_core import EngineCore, StepFailed
 from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.migration import StreamState
 from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import (
@@ -156,6 +157,31 @@ class LLMEngine:
             self.core.add_request(request)
         except Exception:
             self.outputs.drop(request_id)
+            raise
+
+    # -- streams moving between engines (tokenflow/core/migration.py) ---------------------------
+    def export_stream(self, request_id: str) -> StreamState:
+        """Take an unfinished request out between steps and return its portable state (times
+        relative to now); this engine forgets it (its KV in both tiers and its text state now,
+        its executor state on the next step).  ValueError if it is unknown."""
+        state = self.scheduler.export_stream(request_id)
+        self.outputs.drop(request_id)
+        return state.shifted(-self.core.clock.now())
+
+    def import_stream(self, exported: StreamState) -> None:
+        """Go on with a stream another engine exported: a started one resumes by recompute, and
+        its deltas carry only the tokens and text after those it produced there (a seeded
+        stream draws what it would have: tokenflow/model/sampler.py).  An exported state's times
+        are seconds relative to its export, put on this engine's clock here (the time the state
+        took to arrive is not counted).  ValueError as `add_request`."""
+        state = exported.shifted(self.core.clock.now())
+        prompt, outputs = list(state.prompt_token_ids), list(state.output_token_ids)
+        self.validate(prompt, state.sampling_params)
+        self.outputs.resume(state.request_id, prompt, state.sampling_params, outputs)
+        try:
+            self.scheduler.import_stream(state)
+        except Exception:
+            self.outputs.drop(state.request_id)
             raise
 
     def abort(self, request_id: str) -> GenerationDelta | None:

@@ -6,7 +6,10 @@ output (for all three).  A chunk's tokens at positions below the prompt's length
 tokens, the rest are outputs; a stream resumed by recompute sends its prompt and outputs again,
 which changes nothing here (positions already counted are skipped), and one resumed by a reload
 sends nothing new.  So a paused stream keeps its counts exactly, and only requests that ask for
-a penalty are tracked (`SamplingParams.has_penalties`): the others cost nothing.
+a penalty are tracked (`SamplingParams.has_penalties`): the others cost nothing.  A stream that
+arrives with outputs (moved here from another engine, tokenflow/core/migration.py) is recomputed
+from position 0 in chunks; where the prompt ends is known only at the chunk that samples (it
+ends the known sequence), so the chunks before it are held until then and counted with it.
 
 The penalties are vLLM's (and OpenAI's), applied to the logits before temperature and greedy:
 `repetition_penalty` divides a positive logit of any token seen in the prompt or output (and
@@ -17,7 +20,7 @@ output, `presence_penalty` once for any.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +36,8 @@ class SeenTokens:
     in_prompt: torch.Tensor  # [vocab] bool: the token occurs in the prompt
     num_prompt_tokens: int | None = None  # known from the first chunk that samples
     num_counted_positions: int = 0  # outputs at positions below this are counted
+    # An arrived stream's recompute chunks that came before its prompt's end was known.
+    held_chunks: list[ScheduledChunk] = field(default_factory=list)
 
 
 class TokenCounts:
@@ -68,15 +73,26 @@ class TokenCounts:
                 torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device),
                 torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device),
             )
-        start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
+        end = chunk.start_position + chunk.num_tokens
         if chunk.num_output_tokens == 0:  # the first prefill: every token is the prompt's
             num_prompt = end
         elif seen.num_prompt_tokens is not None:
             num_prompt = seen.num_prompt_tokens
-        else:  # a sampling chunk ends the known sequence: prompt + outputs
+        elif chunk.samples_token:  # a sampling chunk ends the known sequence: prompt + outputs
             num_prompt = end - chunk.num_output_tokens
+        else:  # an arrived stream's recompute, before the chunk that tells where its prompt ends
+            seen.held_chunks.append(chunk)
+            return
         if chunk.samples_token:
             seen.num_prompt_tokens = num_prompt
+        for held in (*seen.held_chunks, chunk):
+            self._count(seen, held, num_prompt)
+        seen.held_chunks.clear()
+
+    def _count(self, seen: SeenTokens, chunk: ScheduledChunk, num_prompt: int) -> None:
+        """Add `chunk`'s tokens: those below `num_prompt` to the prompt's, the rest (the ones
+        not counted yet) to the output counts."""
+        start, end = chunk.start_position, chunk.start_position + chunk.num_tokens
         tokens = chunk.token_ids
         if start < num_prompt:
             prompt_ids = tokens[: min(end, num_prompt) - start]
