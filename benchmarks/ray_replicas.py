@@ -25,6 +25,7 @@ from ray import serve
 from tokenflow.cli.bench import main as bench_main
 from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import format_spread_table
+from tokenflow.eval.rounds import run_rounds
 from tokenflow.replicas.launch import APP_NAME, build_application, start_serve
 
 
@@ -70,21 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     port = _free_port()
     start_serve("127.0.0.1", port, num_cpus=2, object_store_mib=128)
-    url, rounds, counts = f"http://127.0.0.1:{port}", [], []
+    url, counts = f"http://127.0.0.1:{port}", []
     with tempfile.TemporaryDirectory() as tmp:
-        for index in range(args.rounds):
-            one_round = {}
-            for router in args.routers.split(","):
-                summary, by_replica = one_run(
-                    args, router, url, Path(tmp) / f"{index}-{router}.json"
-                )
-                one_round[router] = summary
-                counts.append(
-                    f"round {index}, {router}: {by_replica} "
-                    f"({summary.num_completed}/{summary.num_requests} completed)"
-                )
-                print(counts[-1], flush=True)
-            rounds.append(one_round)
+
+        def measure(index: int, router: str) -> Summary:
+            summary, by_replica = one_run(args, router, url, Path(tmp) / f"{index}-{router}.json")
+            counts.append(
+                f"round {index}, {router}: {by_replica} "
+                f"({summary.num_completed}/{summary.num_requests} completed)"
+            )
+            print(counts[-1], flush=True)
+            return summary
+
+        rounds = run_rounds(args.routers.split(","), args.rounds, measure)
     print(format_spread_table(rounds, "router"))
     print("\n".join(counts))
     return 0

@@ -43,9 +43,9 @@ def test_without_a_lone_request_nothing_is_scaled_or_charged():
 def test_the_lone_request_is_one_prefill_step_of_the_embedded_model():
     from tokenflow.cli.profile import prompt_tokens
     from tokenflow.cli.profile_probe import LONE_PROMPT_WORDS, prompt_words
-    from tokenflow.engine.llm_engine import _MIN_PREFILL_CHUNK_TOKENS
+    from tokenflow.core.step_budget import MIN_PREFILL_CHUNK_TOKENS
     from tokenflow.model.loader import read_gguf_header
 
     chat = prompt_tokens(read_gguf_header().tokenizer)["chat"]
     assert prompt_words(1) == LONE_PROMPT_WORDS and prompt_words(16) < LONE_PROMPT_WORDS
-    assert 96 <= chat.tokens(LONE_PROMPT_WORDS) <= _MIN_PREFILL_CHUNK_TOKENS
+    assert 96 <= chat.tokens(LONE_PROMPT_WORDS) <= MIN_PREFILL_CHUNK_TOKENS

@@ -3,7 +3,7 @@
 Real format (config.json + model.safetensors + tokenizer.json + tokenizer_config.json), real
 tokenizer and chat template, and a model small enough that engine tests run in seconds.  The
 tokenizer comes from the embedded GGUF, or from the files in `TOKENFLOW_TOKENIZER_DIR` where
-the GGUF is not installed (a GPU machine: `benchmarks/gpu_check.py --prepare` writes them).
+the GGUF is not installed (a GPU machine: `python -m benchmarks.gpu_check --prepare` writes them).
 """
 
 from __future__ import annotations

@@ -299,7 +299,7 @@ def test_a_paused_copy_the_pool_still_holds_resumes_by_load():
     view = bridge.view([], [request], PoolState(10, {}, {"a": 16}), now_s=2.0)
     assert view.preempted[0].num_computed_tokens == 16  # the tail is recomputed
     assert view.start_for(view.preempted[0]).by_load
-    load_s = Prices.of(TokenFlowConfig(), view).resume_s["a"]
+    load_s = Prices.at(TokenFlowConfig(), view).resume_s["a"]
     assert load_s < recompute_price_s(view.estimator, view.preempted[0])
     assert bridge.num_copies_lost == 0
     view.kv.check_integrity()
@@ -311,7 +311,7 @@ def test_a_paused_copy_the_pool_evicted_is_priced_as_a_recompute():
     view = bridge.view([], [request], PoolState(10, {}, {"a": 0}), now_s=2.0)  # LRU evicted it
     paused = view.preempted[0]
     assert not view.start_for(paused).by_load and paused.num_computed_tokens == 0
-    assert Prices.of(TokenFlowConfig(), view).resume_s["a"] == recompute_price_s(
+    assert Prices.at(TokenFlowConfig(), view).resume_s["a"] == recompute_price_s(
         view.estimator, paused
     )
     assert bridge.num_copies_lost == 1 and bridge.paused_copy_ids == []
@@ -425,6 +425,6 @@ def test_a_mirror_still_prefilling_is_never_pausable():
         bridge.track(request, rate_tps=0.01, now_s=0.0)  # slow readers: seconds buffered
     view = bridge.view([decoding, prefilling], [], PoolState(6, {"a": 2, "b": 2}), now_s=0.0)
     config = TokenFlowConfig(critical_slack_s=0.0, buffer_conservativeness=1.0)
-    prices = Prices.of(config, view)
+    prices = Prices.at(config, view)
     assert is_pausable(config, view, bridge.requests["a"], prices)
     assert not is_pausable(config, view, bridge.requests["b"], prices)

@@ -4,7 +4,7 @@ import pytest
 
 from tests.core.helpers import make_core, make_request, run_to_completion
 from tokenflow.core.config import SchedulerConfig
-from tokenflow.core.plan import BlockTables, ChunkCounts, ScheduledChunk, StepPlan
+from tokenflow.core.plan import BlockTables, ScheduledChunk, StepPlan
 from tokenflow.core.request import SamplingParams
 
 PARAMS = SamplingParams()
@@ -24,17 +24,10 @@ def test_counts_are_derived_from_the_chunks():
     assert plan.num_decode_context_tokens == 10
 
 
-def test_counts_given_by_the_builder_are_kept():
-    chunks = (_chunk("a", 0, 7, (1, 2), 0),)
-    plan = StepPlan(0, chunks, (), (), (), counts=ChunkCounts(7, 0, 0))
-    assert plan == StepPlan(0, chunks, (), (), ())
-    assert StepPlan(0, chunks, (), (), (), counts=ChunkCounts(6, 0, 0)).num_prefill_tokens == 6
-
-
 @pytest.mark.parametrize("policy", ["fcfs", "chunked", "tokenflow"])
-def test_the_schedulers_counts_equal_the_chunks_counts(policy: str):
-    """The scheduler sums the counts as it builds the chunks; they must be what a pass over the
-    chunks derives, through prefill-first and mixed steps, retractions and recomputes."""
+def test_each_policy_makes_the_step_kinds_it_promises(policy: str):
+    """Prefill-first policies make decode-only and prefill-only steps, the chunked one mixed
+    steps too, through retractions and recomputes."""
     optimistic = SchedulerConfig(
         init_new_token_ratio=0.01, min_new_token_ratio=0.01, link_bytes_per_s=1e6, chunk_tokens=9
     )
@@ -47,13 +40,6 @@ def test_the_schedulers_counts_equal_the_chunks_counts(policy: str):
     steps = 0
     while core.has_work:
         plan, _ = core.step()
-        assert plan == StepPlan(
-            plan.step_index,
-            plan.chunks,
-            plan.device_to_host,
-            plan.host_to_device,
-            plan.released_request_ids,
-        ), f"step {steps}: given counts differ from the derived ones"
         kinds.add((plan.num_decode_tokens > 0, plan.num_prefill_tokens > 0))
         if plan.is_empty:
             clock.t += 0.005

@@ -36,7 +36,7 @@ def test_pausable_needs_a_buffer_of_mu_round_trips_and_host_room():
     core, clock, (r1, r2, r3) = three_streams()
     view = core.scheduler.view(clock.t)
     config = TokenFlowConfig()
-    prices = Prices.of(config, view)
+    prices = Prices.at(config, view)
     assert is_pausable(config, view, r1, prices)  # reads at 2 tok/s: seconds buffered
     assert not is_pausable(config, view, r2, prices)  # reads as fast as it is generated
     assert not is_pausable(config, view, r3, prices)  # waiting: nothing to pause
@@ -48,7 +48,7 @@ def test_a_stall_past_the_bound_is_overdue_and_a_newcomer_never_is():
     core, clock, (r1, r2, r3) = three_streams()
     config = TokenFlowConfig(max_stall_s=1.0)
     view = core.scheduler.view(r2.dry_s + 1.5)
-    prices = Prices.of(config, view)
+    prices = Prices.at(config, view)
     stalled, newcomer = (member_of(config, view, r, 1, prices) for r in (r2, r3))
     assert stalled.is_overdue and stalled.is_urgent  # stalled 1.5 s > 1 s
     assert not newcomer.is_overdue and not newcomer.is_urgent  # no token yet: no stall
@@ -167,7 +167,8 @@ def test_unused_prefill_time_carries_over_one_interval_at_most():
     assert len(first.requests) == 1 and first.prefill_budget_s == pytest.approx(0.2, abs=0.02)
     carried = refilled_prefill_budget_s(0.5, first.prefill_budget_s, queue_drained=False)
     assert _admit(view, [], waiting[1:], budget_s=carried) == ["n1", "n2"]
-    assert refilled_prefill_budget_s(0.5, 5.0, False) == 1.0  # a quiet spell carries one interval
+    # a quiet spell carries one interval
+    assert refilled_prefill_budget_s(0.5, 5.0, queue_drained=False) == 1.0
 
 
 def test_a_drained_queue_refills_the_prefill_budget_to_one_interval():

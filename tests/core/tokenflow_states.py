@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from tests.core.helpers import make_core, make_request
@@ -56,7 +57,8 @@ def member(
     consumption: Consumption = Consumption.READER,
     **fields: object,
 ) -> Member:
-    """A member record with the given priority fields (pausable unless pinned)."""
+    """A member record with the given priority fields (pausable, with any margin, unless
+    pinned or given a `pause_margin_s`)."""
     request = make_request(name, arrival=arrival, rate=rate, consumption=consumption)
     request.arrival_index = int(arrival * 1000)
     if started:
@@ -67,7 +69,8 @@ def member(
     values: dict = dict(is_urgent=False, is_overdue=False, resume_s=0.0)
     values.update(fields)
     pausable = resident and not pinned
-    return Member(request, utility, blocks, resident, pausable, **values)
+    values.setdefault("pause_margin_s", math.inf if pausable else -math.inf)
+    return Member(request, utility, blocks, resident, **values)
 
 
 def empty_view(num_device_blocks: int, num_host_blocks: int = 0) -> SchedulingView:

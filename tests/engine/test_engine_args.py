@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.config import TokenFlowConfig, tokenflow_defaults
 from tokenflow.engine.engine_args import EngineArgs
 
 
@@ -15,8 +15,8 @@ def parse(*argv: str) -> EngineArgs:
 
 
 def test_overload_options_reach_the_tokenflow_policy():
-    default = parse().tokenflow
-    tuned = parse("--capacity-headroom", "0.8", "--max-stall-s", "3").tokenflow
+    default = parse().tokenflow_for("cpu")
+    tuned = parse("--capacity-headroom", "0.8", "--max-stall-s", "3").tokenflow_for("cpu")
     assert (tuned.capacity_headroom, tuned.max_stall_s) == (0.8, 3.0)
     assert (default.capacity_headroom, default.max_stall_s) != (0.8, 3.0)
 
@@ -27,17 +27,21 @@ def test_bad_overload_options_are_refused(option, value):
         parse(option, value)
 
 
-def test_serve_runs_the_cpu_profile_of_the_policy_and_options_override_it():
-    served = parse().tokenflow
+def test_serve_runs_the_devices_defaults_of_the_policy_and_options_override_them():
+    served = parse().tokenflow_for("cpu")
     profile = (served.critical_slack_s, served.init_new_token_ratio, served.queue_headroom)
     assert profile == (1.0, 0.3, TokenFlowConfig().queue_headroom)
-    assert EngineArgs().tokenflow == served
+    assert parse().tokenflow_for("cuda") == tokenflow_defaults("cuda") == TokenFlowConfig()
+    assert EngineArgs().tokenflow_for("cpu") == served == tokenflow_defaults("cpu")
     argv = ("--critical-slack", "2", "--new-token-ratio", "0.7", "--queue-headroom", "1.15")
-    tuned = parse(*argv).tokenflow
+    tuned = parse("--device", "cpu", *argv).tokenflow_for("cpu")
     wanted = (2.0, 0.7, 1.15)
     assert (tuned.critical_slack_s, tuned.init_new_token_ratio, tuned.queue_headroom) == wanted
     with pytest.raises(ValueError):
         parse("--new-token-ratio", "1.5")
+    # a knob given keeps the device's other defaults
+    one = parse("--device", "cpu", "--mu", "3").tokenflow_for("cpu")
+    assert (one.buffer_conservativeness, one.critical_slack_s) == (3.0, 1.0)
     with pytest.raises(ValueError, match="queue_headroom"):
         parse("--queue-headroom", "0")
 

@@ -6,6 +6,7 @@ import torch
 
 from tokenflow.core.request import SamplingParams
 from tokenflow.model import Sampler, SamplingRow
+from tokenflow.model.sampler import position_uniform
 
 VOCAB = 50
 EOS = 7
@@ -88,14 +89,26 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert sampler.sample(logits, [SamplingRow("a", params, 3)]) == [EOS]
 
 
-def test_release_forgets_the_generator():
+def test_a_stream_resumed_by_a_fresh_sampler_draws_what_it_would_have():
+    """Draws are keyed by (seed, position): a seeded stream moved mid-answer to another engine
+    (a new sampler, another engine seed) goes on with the tokens of the undisturbed run."""
     params = SamplingParams(temperature=1.0, seed=11)
-    sampler = Sampler([EOS])
-    first = _draw(sampler, "a", params, 5)
-    assert sampler.num_generators == 1
-    sampler.release(["a", "never-seen"])
-    assert sampler.num_generators == 0
-    assert _draw(sampler, "a", params, 5) == first  # a fresh generator restarts the stream
+    undisturbed = _draw(Sampler([EOS], seed=0), "a", params, 12)
+    elsewhere = Sampler([EOS], seed=3)
+    resumed = [
+        elsewhere.sample(_logits(seed=step), [SamplingRow("a", params, step)])[0]
+        for step in range(7, 12)
+    ]
+    assert resumed == undisturbed[7:]
+
+
+def test_position_uniforms_are_independent_per_position_and_stream():
+    draws = [position_uniform("seed:1", p) for p in range(2000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.02  # mean of 2000 uniforms: sd 0.0065
+    assert len(set(draws)) == len(draws)
+    assert position_uniform("seed:1", 5) != position_uniform("seed:2", 5)
+    assert position_uniform("seed:1", 5) == position_uniform("seed:1", 5)
 
 
 def test_batched_draws_follow_the_distribution():

@@ -42,17 +42,25 @@ class WordTokenizer:
             self._words.append(word)
         return self._ids[word]
 
-    def encode(self, text: str) -> list[int]:
+    eos_token: str | None = EOS
+    bos_token: str | None = None
+    chat_template: str | None = "{% for m in messages %}{{ m.content }} {% endfor %}"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self.token_id(word) for word in text.split()]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(" " + self._words[i] for i in token_ids if i != self.eos_token_id)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], tools: object = None
+        self,
+        messages: Sequence[dict[str, str]],
+        tools: object = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         parts = [f"<|{m['role']}|> {m['content']}" for m in messages]
-        return self.encode(" ".join([*parts, "<|assistant|>"]))
+        opener = ["<|assistant|>"] if add_generation_prompt else []
+        return self.encode(" ".join([*parts, *opener]))
 
 
 @dataclass

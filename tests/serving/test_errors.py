@@ -54,7 +54,9 @@ async def test_malformed_json(client: httpx.AsyncClient, path: str, raw: bytes) 
         (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
         (COMPLETIONS, {"prompt": "x", "stream_rate": "fast"}, "stream_rate"),
-        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+        (COMPLETIONS, {"prompt": [["a"], ["b"]]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, "b"]}, "prompt"),
+        (COMPLETIONS, {"prompt": [[1], []]}, "prompt"),
         (CHAT, {"messages": "hi"}, "messages"),
         (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
         (CHAT, {"messages": []}, "messages"),
@@ -116,13 +118,21 @@ async def test_lengths(engine: FakeEngine) -> None:
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        (COMPLETIONS, {"n": 2}, "n"),
-        (CHAT, {"n": 2}, "n"),
-        (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
-        (COMPLETIONS, {"frequency_penalty": -1.0}, "frequency_penalty"),
-        (CHAT, {"logprobs": True}, "logprobs"),
-        (COMPLETIONS, {"logprobs": 3}, "logprobs"),
-        (COMPLETIONS, {"echo": True}, "echo"),
+        (COMPLETIONS, {"n": 129}, "n"),
+        (COMPLETIONS, {"n": 2, "prompt": ["x"] * 65}, "n"),  # 130 choices
+        (CHAT, {"presence_penalty": 2.5}, "presence_penalty"),
+        (COMPLETIONS, {"frequency_penalty": -2.5}, "frequency_penalty"),
+        (CHAT, {"repetition_penalty": 0.0}, "repetition_penalty"),
+        (CHAT, {"min_p": 1.5}, "min_p"),
+        (CHAT, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+        (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (COMPLETIONS, {"logprobs": 21}, "logprobs"),
+        (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),  # without echo
+        (COMPLETIONS, {"suffix": "y"}, "suffix"),
+        (COMPLETIONS, {"best_of": 3}, "best_of"),
+        (CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
+        (CHAT, {"frobnicate": True}, "frobnicate"),  # unknown: it might change the answer
+        (CHAT, {"reasoning_effort": "extreme"}, "reasoning_effort"),
         (CHAT, {"tools": [{"type": "function"}]}, "tools"),
         (COMPLETIONS, {"min_tokens": 5, "max_tokens": 2}, None),
         (COMPLETIONS, {"temperature": -1.0}, None),
@@ -146,6 +156,12 @@ async def test_supported_neutral_values_pass(client: httpx.AsyncClient) -> None:
         "presence_penalty": 0,
         "frequency_penalty": 0.0,
         "user": "u",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "reasoning_effort": "low",
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
         "seed": 3,
         "top_k": -1,
         "stop": "zzz",
@@ -262,7 +278,7 @@ async def test_tokenizing_runs_off_the_event_loop() -> None:
     started, release, finished = threading.Event(), threading.Event(), threading.Event()
     encode = engine.tokenizer.encode
 
-    def slow_encode(text: str) -> list[int]:
+    def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
         started.set()
         try:
             if not release.wait(10):

@@ -178,7 +178,7 @@ async def test_models_health_and_metrics(client: httpx.AsyncClient) -> None:
     assert "kernels" not in models["data"][0]  # an engine without a kernel plan shows none
     assert (await client.get("/health")).status_code == 200
     await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-    await client.post("/v1/completions", json={"prompt": "x", "n": 2})
+    await client.post("/v1/completions", json={"prompt": "x", "n": 200})  # a 400: n <= 128
     response = await client.get("/metrics")
     assert response.status_code == 200
     text = response.text

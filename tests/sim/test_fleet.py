@@ -52,7 +52,12 @@ def test_presets():
         "fleet-h200-poisson-40",
         "fleet-h200-poisson-80",
         "fleet-mixed-burst",
+        "fleet-h200-scaleout",
+        "fleet-h200-rolling",
     }
+    scaleout = get_fleet_setup("fleet-h200-scaleout")
+    assert scaleout.gpus == ("h200",) * 4 and scaleout.joins_at_s == (60.0,) * 4
+    assert len(get_fleet_setup("fleet-h200-rolling").restarts_at_s) == 8
     burst = get_fleet_setup("fleet-h200-burst", seed=3)
     assert burst.gpus == ("h200",) * 8 and burst.workload.num_requests == 3200
     assert burst.workload.seed == 3

@@ -311,7 +311,7 @@ def _assemble(
         model=_model_facts(engine),
         engine=facts,
         scheduler=engine.scheduler.config,
-        tokenflow=served.tokenflow,
+        tokenflow=served.tokenflow_for(engine.device.type),
         prompt=prompt_tokens(engine.tokenizer),
         costs=costs,
         residuals=tuple(fit_residuals),

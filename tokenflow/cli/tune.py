@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 
 from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.cli.config_file import write_config
-from tokenflow.cli.simulate_policy import POLICY_OPTIONS, tokenflow_config
 from tokenflow.cli.simulate_profile import DEPLOYMENT_OPTIONS
 from tokenflow.cli.workload import add_workload_arguments, workload_spec_from_args
+from tokenflow.core.config import POLICY_KNOBS, with_knobs
 from tokenflow.eval.workload import WorkloadRequest, generate
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, run_engine
@@ -125,10 +125,9 @@ def _simulate(job: tuple[argparse.Namespace, dict[str, float], list[WorkloadRequ
     """One (point, workload variant): the summary of TokenFlow on the profiled deployment."""
     args, knobs, workload = job
     profile = load_profile(args.profile)
-    options = argparse.Namespace(**{dest: knobs.get(dest) for dest in POLICY_OPTIONS})
     deployment = ProfiledDeployment(
         profile=profile,
-        tokenflow=tokenflow_config(options, profile.tokenflow),
+        tokenflow=with_knobs(profile.tokenflow, knobs),
         endpoint=args.endpoint,
         **{name: getattr(args, name) for name in DEPLOYMENT_OPTIONS},
     )
@@ -214,7 +213,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def served_knobs(base: object, knobs: dict[str, float]) -> dict[str, float]:
     """Every knob's value at a point: the point's, else serve's default (from the profile)."""
-    return {dest: knobs.get(dest, getattr(base, POLICY_OPTIONS[dest])) for dest in KNOB_VALUES}
+    return {dest: knobs.get(dest, getattr(base, POLICY_KNOBS[dest].field)) for dest in KNOB_VALUES}
 
 
 def _write(args: argparse.Namespace, base: object, chosen: Score, default: Score) -> None:

@@ -7,8 +7,6 @@ so each token meets its request by position instead of by a lookup per chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tokenflow.core.plan import RequestOutput, SampledToken, ScheduledChunk, StepPlan
 from tokenflow.core.queues import RequestQueues
 from tokenflow.core.request import FinishReason, Request, RequestState
@@ -31,22 +29,13 @@ def check_sampled(
 
 
 class TokenAppender:
-    """Appends sampled tokens to the requests of a step's chunks and reports them as outputs,
-    finishing the requests that stop (through the scheduler's `finish`)."""
+    """Appends sampled tokens to the requests of a step's chunks and reports them as outputs;
+    an output that ends its request carries the reason (the scheduler then finishes it)."""
 
-    def __init__(
-        self,
-        queues: RequestQueues,
-        block_size: int,
-        max_model_len: int,
-        output_limits: dict[str, int],
-        finish: Callable[[Request, FinishReason], None],
-    ) -> None:
+    def __init__(self, queues: RequestQueues, block_size: int, max_model_len: int) -> None:
         self._queues = queues
         self._block_size = block_size
         self._max_model_len = max_model_len
-        self._limits = output_limits  # the scheduler's, kept by it: request id -> max outputs
-        self._finish = finish
 
     def append_decodes(
         self, decoding: list[Request], sampled: tuple[SampledToken, ...], now_s: float
@@ -57,32 +46,18 @@ class TokenAppender:
         but finishing touches a resident between `schedule` and `update`."""
         outputs: list[RequestOutput] = []
         running, block_size, queues = RequestState.RUNNING, self._block_size, self._queues
-        max_len, make, add = self._max_model_len, RequestOutput, outputs.append
+        max_len, add = self._max_model_len, outputs.append
         for request, sample in zip(decoding, sampled, strict=False):  # (then the prefills')
             if request.state is not running:
                 continue  # finished or aborted while the step ran
             token_id = sample.token_id
-            computed = request.num_computed_tokens = request.num_computed_tokens + 1
-            # request.append_token(token_id, now_s), written out: it runs per stream per step
-            output_ids = request.output_token_ids
-            dry_s = request.dry_s
-            last_s = dry_s if dry_s > now_s else now_s  # (a decoding stream has output)
-            request.last_consume_s = last_s
-            output_ids.append(token_id)
-            request.token_times_s.append(now_s)
-            num_tokens = request.num_tokens = request.num_tokens + 1
-            request.dry_s = last_s + 1.0 / request.rate_tps
-            if not computed % block_size:  # the step filled a block: the rare branch
+            request.num_computed_tokens += 1
+            request.append_token(token_id, now_s)
+            if not request.num_computed_tokens % block_size:  # the step filled a block
                 queues.block_filled(request)
                 queues.token_appended(request)
-            if (
-                token_id in request.stop_token_set
-                or num_tokens >= request.end_tokens
-                or num_tokens >= max_len
-            ):
-                add(self._output(request, token_id))
-            else:
-                add(make(request.request_id, (token_id,), len(output_ids), None))
+            stops = token_id in request.stop_token_set or request.is_at_output_limit(max_len)
+            add(self._output(request, sample, self._stop_reason(request) if stops else None))
         return outputs
 
     def append_prefills(
@@ -114,23 +89,29 @@ class TokenAppender:
             request.append_token(sample.token_id, now_s)
             if filled or num_new > 1:
                 queues.token_appended(request)
-            outputs.append(self._output(request, sample.token_id))
+            outputs.append(self._output(request, sample, self._stop_reason(request)))
         return outputs
 
-    def _output(self, request: Request, token_id: int) -> RequestOutput:
-        """The output of a request that just sampled `token_id`, finishing it if it stops."""
-        num_output = len(request.output_token_ids)
-        reason = None
-        if token_id in request.stop_token_set or num_output >= self._limits[request.request_id]:
-            reason = self._stop_reason(request, token_id)
-            if reason is not None:
-                self._finish(request, reason)
-        return RequestOutput(request.request_id, (token_id,), num_output, reason)
+    def _output(
+        self, request: Request, sample: SampledToken, reason: FinishReason | None
+    ) -> RequestOutput:
+        """The output of a request that just sampled `sample`, with the reason it stops."""
+        return RequestOutput(
+            request.request_id,
+            (sample.token_id,),
+            request.num_output_tokens,
+            reason,
+            () if sample.logprobs is None else (sample.logprobs,),
+            sample.prompt_logprobs,
+        )
 
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        num_output = len(request.output_token_ids)
-        if num_output >= request.sampling_params.min_tokens and token_id in request.stop_token_set:
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        """Why `request` stops after its newest token (None: it goes on)."""
+        if (
+            request.output_token_ids[-1] in request.stop_token_set
+            and request.num_output_tokens >= request.sampling_params.min_tokens
+        ):
             return FinishReason.STOP
-        if num_output >= self._limits[request.request_id]:
+        if request.is_at_output_limit(self._max_model_len):
             return FinishReason.LENGTH
         return None

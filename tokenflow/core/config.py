@@ -6,7 +6,8 @@ Field comments double as CLI help; defaults are documented with their reason.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 
 
 def _check_positive(obj: object, *names: str) -> None:
@@ -72,7 +73,7 @@ class TokenFlowConfig:
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
     # Admission's reserve for the residents' future tokens starts at this share of their
     # remaining output, or the scheduler's init_new_token_ratio if lower.  SGLang's 0.7 by
-    # default; `tokenflow serve` uses less on the CPU (docs/design.md)
+    # default; less on a CPU (`tokenflow_defaults`)
     init_new_token_ratio: float = 0.7
 
     def __post_init__(self) -> None:
@@ -93,6 +94,62 @@ class TokenFlowConfig:
             raise ValueError("capacity_headroom must be in (0, 2]")
         if not 0.0 < self.queue_headroom <= 2.0:
             raise ValueError("queue_headroom must be in (0, 2]")
+
+
+def tokenflow_defaults(device_type: str) -> TokenFlowConfig:
+    """The TokenFlow policy's defaults for an engine whose steps run on `device_type` ("cpu",
+    or an accelerator: "cuda", and every simulated GPU), for every command that runs it.
+
+    On a CPU steps are ~100x slower than on a GPU, so buffers grow by about one second of
+    reading per second and newcomers wait for streams to become pausable: a pause margin
+    (critical slack) of 1 s instead of 2, and an admission reserve of 0.3 of the residents'
+    remaining output instead of SGLang's 0.7 (TokenFlow pauses a stream short of memory instead
+    of retracting it), took the CPU reading burst's P99 TTFT from 13-17 s to 11-12 s.  In the
+    GPU simulator the same values raised overload stalls, so accelerators keep 2 s and 0.7."""
+    if device_type == "cpu":
+        return TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
+    return TokenFlowConfig()
+
+
+@dataclass(frozen=True)
+class PolicyKnob:
+    """A TokenFlow knob as the commands' flags name it."""
+
+    field: str  # the TokenFlowConfig field it sets
+    help: str
+
+
+# `--<name>` in serve, simulate and profile, and the keys of `tokenflow tune`'s config files.
+POLICY_KNOBS = {
+    "schedule_interval": PolicyKnob(
+        "schedule_interval_s", "seconds between TokenFlow's decisions under stress"
+    ),
+    "mu": PolicyKnob(
+        "buffer_conservativeness", "buffer conservativeness: a pause needs mu x a round trip"
+    ),
+    "critical_slack": PolicyKnob(
+        "critical_slack_s", "seconds of buffer that mean stress, and a pause's margin"
+    ),
+    "new_token_ratio": PolicyKnob(
+        "init_new_token_ratio",
+        "admission reserves this share of each resident's remaining output at first",
+    ),
+    "capacity_headroom": PolicyKnob(
+        "capacity_headroom", "admit while reading rates stay <= this share of capacity"
+    ),
+    "queue_headroom": PolicyKnob(
+        "queue_headroom",
+        "admit the whole queue while its reading rates stay <= this share of capacity "
+        "(e.g. 1.15: shorter P99 TTFT, longer stalls)",
+    ),
+    "max_stall_s": PolicyKnob("max_stall_s", "a stream stalled this long goes on the device first"),
+}
+
+
+def with_knobs(base: TokenFlowConfig, knobs: Mapping[str, float | None]) -> TokenFlowConfig:
+    """`base` with the knobs given by their flag names (None: not given)."""
+    given = {POLICY_KNOBS[name].field: v for name, v in knobs.items() if v is not None}
+    return replace(base, **given)
 
 
 @dataclass(frozen=True)

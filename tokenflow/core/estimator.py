@@ -177,6 +177,11 @@ class StepTimeEstimator:
         return self._prefill_step_s
 
     @property
+    def prefill_step_tokens(self) -> float:
+        """Prompt tokens per step that prefills, recently (0 before any prefill was seen)."""
+        return self._mean_prefill_tokens
+
+    @property
     def prefill_mean_token_s(self) -> float:
         """Cost per token of the recent prefill steps, their fixed cost spread over their
         tokens (the per-token cost alone before any prefill was seen)."""

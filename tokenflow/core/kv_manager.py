@@ -13,7 +13,7 @@ and owned; synced_tokens never exceeds what the host table covers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -97,11 +97,6 @@ class KVTierManager:
         """Every live device table by request id (hot paths): read them, never modify them."""
         return self._device_tables
 
-    @property
-    def synced_tokens_of(self) -> Callable[[str, int], int]:
-        """`synced_tokens` as a C-level call (hot paths): `synced_tokens_of(request_id, 0)`."""
-        return self._synced_tokens.get
-
     def num_device_blocks_of(self, request_id: str) -> int:
         return len(self._device_tables.get(request_id, ()))
 
@@ -137,11 +132,6 @@ class KVTierManager:
         return self._num_blocks_to_load
 
     # -- device allocation ------------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """True when the device table can grow to cover `num_tokens` tokens."""
-        missing = self.blocks_for(num_tokens) - len(self._device_tables.get(request_id, ()))
-        return missing <= len(self._free_device)
-
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the device table to cover `num_tokens` tokens; False (and no change) if full."""
         table = self._device_tables.setdefault(request_id, [])

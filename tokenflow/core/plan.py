@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 from tokenflow.core.request import FinishReason, SamplingParams
 
@@ -89,12 +89,11 @@ class ChunkCounts:
         """The counts of `chunks`, summed in one pass."""
         prefill = decode = context = 0
         for chunk in chunks:
-            n = len(chunk.token_ids)
-            if n == 1 and chunk.num_output_tokens > 0:
+            if chunk.is_decode:
                 decode += 1
                 context += chunk.start_position + 1
             else:
-                prefill += n
+                prefill += len(chunk.token_ids)
         return cls(prefill, decode, context)
 
 
@@ -107,18 +106,13 @@ class StepPlan:
     device_to_host: tuple[BlockCopy, ...]  # write-through and eviction copies
     host_to_device: tuple[BlockCopy, ...]  # loads
     released_request_ids: tuple[str, ...]  # requests gone since the last plan: drop their state
-    # The chunks' counts, when the builder summed them as it built the chunks (the scheduler
-    # does: a second pass over ~200 chunks cost ~16 us a step); derived here when None.  They
-    # must equal `ChunkCounts.of(chunks)` (tests compare them on the scheduler's plans).
-    counts: InitVar[ChunkCounts | None] = None
-    # Derived from chunks (or given as `counts`):
+    # Derived from chunks (`ChunkCounts.of`):
     num_prefill_tokens: int = field(init=False)
     num_decode_tokens: int = field(init=False)
     num_decode_context_tokens: int = field(init=False)  # decodes' attention reads, summed
 
-    def __post_init__(self, counts: ChunkCounts | None) -> None:
-        if counts is None:
-            counts = ChunkCounts.of(self.chunks)
+    def __post_init__(self) -> None:
+        counts = ChunkCounts.of(self.chunks)
         object.__setattr__(self, "num_prefill_tokens", counts.num_prefill_tokens)
         object.__setattr__(self, "num_decode_tokens", counts.num_decode_tokens)
         object.__setattr__(self, "num_decode_context_tokens", counts.num_decode_context_tokens)
@@ -155,10 +149,25 @@ class BlockTables:
         return len(self._tables)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One token's log-probability under the model (its raw logits' log-softmax) and the most
+    likely alternatives at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
 @dataclass(slots=True)
 class SampledToken:  # treated as immutable (built per token: see ScheduledChunk)
     request_id: str
     token_id: int
+    logprobs: TokenLogprobs | None = None  # when the request asks (SamplingParams.logprobs)
+    # With a request's first token, when it asks (SamplingParams.prompt_logprobs): one entry
+    # per prompt position, None for the first (nothing predicts it).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,8 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     num_output_tokens: int
     finish_reason: FinishReason | None
+    new_logprobs: tuple[TokenLogprobs, ...] = ()  # of new_token_ids, when the request asks
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token
 
     @property
     def is_finished(self) -> bool:

@@ -14,11 +14,7 @@ from tokenflow.core.request import Request, RequestState
 
 
 def _arrival(request: Request) -> tuple[float, int]:
-    return (request.arrival_s, request.arrival_index)
-
-
-def _remaining(request: Request) -> int:
-    return request.sampling_params.max_tokens - len(request.output_token_ids)
+    return request.sort_key
 
 
 class RequestQueues:
@@ -33,7 +29,7 @@ class RequestQueues:
         # Residents that may have a full block without a host copy (a superset: a stream joins
         # when a step fills one of its blocks and leaves once write-through has caught up).
         self.write_candidates: dict[str, Request] = {}
-        # Residents that may not be decoding (a superset: a stream joins when it enters the
+        # Residents that may not be decoding yet (a superset: a stream joins when it enters the
         # device and leaves once it has sampled a token in a step that filled a block or ran a
         # prefill); every other resident with a token is decoding.
         self.unsettled: dict[str, Request] = {}
@@ -46,6 +42,13 @@ class RequestQueues:
         request.state = RequestState.WAITING
         bisect.insort(self.waiting, request, key=_arrival)
 
+    def park(self, request: Request) -> None:
+        """A waiting request that started on another engine (an imported stream) waits among
+        the paused instead, to resume by recompute."""
+        self.waiting.remove(request)
+        request.state = RequestState.PREEMPTED
+        bisect.insort(self.preempted, request, key=_arrival)
+
     def enter_device(self, request: Request, state: RequestState) -> None:
         """A waiting or paused request starts running, or loading (`state`)."""
         if request.state is RequestState.WAITING:
@@ -54,7 +57,7 @@ class RequestQueues:
             self.preempted.remove(request)
         request.state = state
         self.running.append(request)
-        self.remaining_output_tokens += _remaining(request)
+        self.remaining_output_tokens += request.num_remaining_output_tokens
         self.unsettled[request.request_id] = request
         if state is RequestState.LOADING:
             self.loading.append(request)
@@ -90,7 +93,7 @@ class RequestQueues:
 
     def _leave_device(self, request: Request) -> None:
         self.running.remove(request)
-        self.remaining_output_tokens -= _remaining(request)
+        self.remaining_output_tokens -= request.num_remaining_output_tokens
         if request.state is RequestState.LOADING:
             self.loading.remove(request)
         self.write_candidates.pop(request.request_id, None)

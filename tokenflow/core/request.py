@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 # time the clocks can add to (1e-309 made it infinite); above the cap it is no reader.
 MIN_READER_RATE_TPS = 1e-3
 MAX_READER_RATE_TPS = 1000.0
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 def is_reader_rate(rate_tps: float) -> bool:
@@ -95,6 +96,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0  # subtracted from a logit once its token is in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence of its token in the output
+    repetition_penalty: float = 1.0  # divides (or multiplies, < 0) the logits of seen tokens
+    min_p: float = 0.0  # drop tokens below min_p times the most likely one's probability
+    logprobs: int | None = None  # each output token's logprob and this many alternatives
+    prompt_logprobs: int | None = None  # each prompt token's, likewise (the first has none)
     structured_output: StructuredOutput | None = None  # None = free text
 
     def __post_init__(self) -> None:
@@ -113,8 +120,32 @@ class SamplingParams:
         if self.structured_output is not None and self.ignore_eos:
             # The grammar ends the output with an end-of-sequence token once the value is whole.
             raise ValueError("ignore_eos cannot be combined with a structured output")
+        self._check_penalties_and_logprobs()
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def _check_penalties_and_logprobs(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the tokens seen so far (presence, frequency, repetition)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -185,6 +216,15 @@ class Request:
     def is_reader(self) -> bool:
         """Read at a pace (`rate_tps`), rather than taken whole as it comes (eager, batch)."""
         return self.consumption is Consumption.READER
+
+    @property
+    def num_remaining_output_tokens(self) -> int:
+        """Tokens it may still generate (its max_tokens less those generated)."""
+        return self.sampling_params.max_tokens - len(self.output_token_ids)
+
+    def is_at_output_limit(self, max_model_len: int) -> bool:
+        """It has all the tokens it may have: its max_tokens, or the context is full."""
+        return self.num_tokens >= self.end_tokens or self.num_tokens >= max_model_len
 
     @property
     def is_decoding(self) -> bool:

@@ -102,6 +102,7 @@ class LoadReport:
     capacity_points: tuple[CapacityPoint, ...]  # Gamma at growing footprints (ascending)
     num_device_blocks: int  # the tiers' sizes, free or not
     num_host_blocks: int
+    prefill_token_s: float = 0.0  # what one more prefill token costs it (a move's recompute)
 
     @property
     def num_unfinished(self) -> int:
@@ -161,6 +162,7 @@ def load_report(view: SchedulingView) -> LoadReport:
         capacity_points=_capacity_points(view),
         num_device_blocks=view.kv.config.num_device_blocks,
         num_host_blocks=view.kv.config.num_host_blocks,
+        prefill_token_s=view.estimator.prefill_token_s,
     )
 
 
@@ -209,6 +211,11 @@ class Router:
         self.replica_ids = [r for r in self.replica_ids if r != replica_id]
         self.reports.pop(replica_id, None)
         self.routed_since.pop(replica_id, None)
+
+    def record(self, replica_id: str, request: RouteRequest) -> None:
+        """`request` reached `replica_id` other than by `choose` (moved there): counted as
+        routed to it until its next report."""
+        self.routed_since[replica_id].append(request)
 
     def choose(self, request: RouteRequest, candidates: Sequence[str] | None = None) -> str:
         """The replica for `request` (among `candidates`, default all), recorded as routed."""

@@ -1,9 +1,10 @@
 """The scheduler: turns a policy's decisions into a `StepPlan`, and a `StepResult` into outputs.
 
-`schedule(now)` runs five named phases: policy moves -> preemptions -> starts -> chunks
-(`ChunkBuilder`, chunker.py; the scheduler retracts victims where a decode finds no block) ->
-copies (loads, then write-through).  `update()` applies the step: the executor's tokens meet
-the requests kept in chunk order (`TokenAppender`, appender.py).
+`schedule(now)` runs six named phases: policy moves -> preemptions -> starts -> decode blocks
+(a decode that finds no free block retracts a victim the policy picks) -> chunks
+(`ChunkBuilder`, chunker.py) -> copies (loads, then write-through).  `update()` applies the
+step: the executor's tokens meet the requests kept in chunk order (`TokenAppender`,
+appender.py), and the requests that stopped are finished here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from tokenflow.core.chunker import ChunkBuilder
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
+from tokenflow.core.migration import StreamState, request_of, stream_state
 from tokenflow.core.plan import (
     BlockCopy,
     RequestOutput,
@@ -56,18 +58,11 @@ class Scheduler:
         self._evict_copies: list[BlockCopy] = []
         self._loads_completing: list[Request] = []
         self._step_started_s = 0.0
-        self._output_limits: dict[str, int] = {}  # max_tokens, or less where max_model_len ends it
         # The last plan, kept for `update`: it walks its chunks beside their requests (kept in
         # chunk order by the chunk builder) instead of looking each one up.
         self._planned: StepPlan | None = None
-        self._chunks = ChunkBuilder(self.kv, self.queues, config, policy, self._grow_or_retract)
-        self._appender = TokenAppender(
-            self.queues,
-            kv_config.block_size,
-            config.max_model_len,
-            self._output_limits,
-            self._finish,
-        )
+        self._chunks = ChunkBuilder(self.kv, self.queues)
+        self._appender = TokenAppender(self.queues, kv_config.block_size, config.max_model_len)
 
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -87,9 +82,6 @@ class Scheduler:
                 f"in the device KV pool ({self.kv.config.num_device_blocks} blocks of "
                 f"{self.kv.block_size} tokens)"
             )
-        self._output_limits[request.request_id] = min(
-            request.sampling_params.max_tokens, limit - request.num_prompt_tokens
-        )
         request.arrival_index = self._num_seen
         self._num_seen += 1
         self.requests[request.request_id] = request
@@ -112,8 +104,35 @@ class Scheduler:
         )
         self.kv.drop(request.request_id)
         del self.requests[request.request_id]
-        del self._output_limits[request.request_id]
         self._released.append(request.request_id)
+
+    # -- streams moving between engines (tokenflow/core/migration.py) -------------------------
+    def export_stream(self, request_id: str) -> StreamState:
+        """Take an unfinished request out between steps, freeing its KV in both tiers, and
+        return its portable state.  A resident's KV is dropped: it resumes by recompute
+        wherever it is imported.  ValueError if it is unknown or a step is in flight."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"cannot export {request_id!r}: no such unfinished request")
+        if self._planned is not None:
+            raise ValueError(f"cannot export {request_id!r} while a step is in flight")
+        state = stream_state(request)
+        self.queues.remove(request)
+        self._chunks.forget(request_id)
+        self.kv.drop(request_id)
+        del self.requests[request_id]
+        self._released.append(request_id)  # (the executor forgets its per-request state)
+        return state
+
+    def import_stream(self, state: StreamState) -> Request:
+        """Take in a stream exported by another engine: a started one as a paused stream that
+        resumes by recompute, one that never started as a waiting request (its arrival time
+        kept).  ValueError as `add_request`."""
+        request = request_of(state)
+        self.add_request(request)
+        if state.is_started:
+            self.queues.park(request)
+        return request
 
     @property
     def has_work(self) -> bool:
@@ -124,12 +143,12 @@ class Scheduler:
         return len(self.requests)
 
     def view(self, now_s: float) -> SchedulingView:
-        """The read-only state a policy decides on."""
+        """The state a policy decides on, as it is now (the queues copied: a snapshot)."""
         return SchedulingView(
             now_s=now_s,
-            running=self.running,
-            preempted=self.preempted,
-            waiting=self.waiting,
+            running=tuple(self.running),
+            preempted=tuple(self.preempted),
+            waiting=tuple(self.waiting),
             kv=self.kv,
             estimator=self.estimator,
             config=self.config,
@@ -150,23 +169,20 @@ class Scheduler:
         if step_budget is not None:
             num_decodes = sum(1 for r in self.running if not r.is_prefilling)
             chunk_tokens = step_budget.tokens(self.estimator, num_decodes)
-        view = self.view(now_s)
-        moves: Moves = self.policy.plan_moves(view)
+        moves: Moves = self.policy.plan_moves(self.view(now_s))
         for preemption in moves.preemptions:
             self._preempt(self.requests[preemption.request_id], preemption.mode)
         self._apply_starts(moves.starts)
-        built = self._chunks.build(view, chunk_tokens)
-        chunks, counts = built.chunks, built.counts
+        chunks = self._build_chunks(now_s, chunk_tokens)
         budget = self._copy_budget_blocks(len(chunks))  # per link direction
         loads = self._plan_loads(budget)
-        writes = self._plan_write_through(view, budget - len(self._evict_copies))
+        writes = self._plan_write_through(now_s, budget - len(self._evict_copies))
         plan = StepPlan(
             step_index=self._step_index,
             chunks=tuple(chunks),
             device_to_host=tuple(self._evict_copies) + tuple(writes),
             host_to_device=tuple(loads),
             released_request_ids=tuple(self._released),
-            counts=counts,
         )
         self._planned = plan
         self._step_index += 1
@@ -213,29 +229,48 @@ class Scheduler:
                 state = RequestState.RUNNING
             self.queues.enter_device(request, state)
 
-    # -- out of memory while building chunks (chunker.py calls this) ----------------------------
-    def _grow_or_retract(
-        self, request: Request, chunks: list[ScheduledChunk], view: SchedulingView
-    ) -> bool:
-        """Give a decoding stream its next block, retracting victims (their chunks too) until
-        one is free; False if the stream itself had to go."""
-        rid = request.request_id
-        while request.state is RequestState.RUNNING and not self.kv.allocate(
-            rid, request.num_tokens
-        ):
-            candidates = [
-                r for r in self.running if r.state is RequestState.RUNNING and r is not request
-            ]
-            preemption = (
-                self.policy.choose_oom_victim(candidates, view)
-                if candidates
-                else Preemption(rid, PreemptMode.RECOMPUTE)
-            )
-            self._preempt(self.requests[preemption.request_id], preemption.mode)
-            victim = preemption.request_id
-            chunks[:] = [c for c in chunks if c.request_id != victim]
-            self.new_token_ratio = self._init_ratio
-        return request.state is RequestState.RUNNING
+    # -- chunks ---------------------------------------------------------------------------------
+    def _build_chunks(self, now_s: float, chunk_tokens: int | None) -> list[ScheduledChunk]:
+        """Prefill-first (`chunk_tokens` None): a step of whole prompts while any prompt is
+        left, else the decodes; chunked: the decodes and prompt chunks within `chunk_tokens`."""
+        decoding, prefilling = self._chunks.residents()
+        if chunk_tokens is None and prefilling:
+            return self._chunks.prefill_first(prefilling, self.config.max_prefill_tokens)
+        decoding = self._grow_decodes(decoding, now_s)
+        if chunk_tokens is not None:
+            prefilling = [r for r in prefilling if r.state is RequestState.RUNNING]
+        return self._chunks.build(decoding, prefilling, chunk_tokens)
+
+    def _grow_decodes(self, decoding: list[Request], now_s: float) -> list[Request]:
+        """Give each decoding stream the block its next token needs, retracting the victims
+        the policy picks until one is free; the streams still running after, in order."""
+        kv, block_size, running = self.kv, self.kv.block_size, RequestState.RUNNING
+        tables, no_table = kv.device_tables, ()
+        retracted = False
+        for request in decoding:
+            if request.num_tokens <= len(tables.get(request.request_id, no_table)) * block_size:
+                continue  # (its last block has room: most streams, most steps)
+            while request.state is running and not kv.allocate(
+                request.request_id, request.num_tokens
+            ):
+                self._retract_for(request, now_s)
+                retracted = True
+            retracted |= request.state is not running
+        return [r for r in decoding if r.state is running] if retracted else decoding
+
+    def _retract_for(self, request: Request, now_s: float) -> None:
+        """Free blocks for `request`: preempt the victim the policy picks among the other
+        running streams (on a view taken now), or `request` itself when it runs alone."""
+        candidates = [
+            r for r in self.running if r.state is RequestState.RUNNING and r is not request
+        ]
+        preemption = (
+            self.policy.choose_oom_victim(candidates, self.view(now_s))
+            if candidates
+            else Preemption(request.request_id, PreemptMode.RECOMPUTE)
+        )
+        self._preempt(self.requests[preemption.request_id], preemption.mode)
+        self.new_token_ratio = self._init_ratio
 
     # -- copies ---------------------------------------------------------------------------------
     def _copy_budget_blocks(self, num_chunks: int) -> int:
@@ -261,7 +296,7 @@ class Scheduler:
                 self._loads_completing.append(request)
         return copies
 
-    def _plan_write_through(self, view: SchedulingView, budget: int) -> list[BlockCopy]:
+    def _plan_write_through(self, now_s: float, budget: int) -> list[BlockCopy]:
         """Copies of full blocks to the host, in the policy's order, within `budget` blocks.
 
         Only the write candidates are looked at (`RequestQueues.write_candidates`); the ones
@@ -278,7 +313,7 @@ class Scheduler:
         ]:
             del candidates[rid]
         pending = [r for r in candidates.values() if r.state is RequestState.RUNNING]
-        order = self.policy.write_through_order(view, pending) if pending else []
+        order = self.policy.write_through_order(self.view(now_s), pending) if pending else []
         if not order:
             return []
         return kv.plan_write_through([(r.request_id, r.num_computed_tokens) for r in order], budget)
@@ -312,6 +347,9 @@ class Scheduler:
             outputs += self._appender.append_prefills(
                 prefills, prefilling, sampled[num_decodes:], now_s
             )
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._finish(self.requests[output.request_id], output.finish_reason)
         # (a finished request left with its own remaining count: subtracting after is exact)
         self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
         self._decay_new_token_ratio()

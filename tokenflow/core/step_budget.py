@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 from tokenflow.core.estimator import StepTimeEstimator
 
-MIN_PREFILL_CHUNK_TOKENS = 128  # a budgeted step's prefill chunk, at least
+# A budgeted step's prefill chunk, at least: below this a chunk's fixed cost (one pass over the
+# weights) dominates its step, so smaller chunks would multiply the steps a long prompt takes
+# without shortening any step much.
+MIN_PREFILL_CHUNK_TOKENS = 128
 
 
 @dataclass(frozen=True)

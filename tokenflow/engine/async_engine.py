@@ -81,6 +81,8 @@ def _merge(first: GenerationDelta, second: GenerationDelta) -> GenerationDelta:
         second,
         token_ids=first.token_ids + second.token_ids,
         text=first.text + second.text,
+        logprobs=first.logprobs + second.logprobs,
+        prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs,
     )
 
 

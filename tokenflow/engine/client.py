@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokenflow.core.plan import TokenLogprobs
 from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.streams import StreamsSnapshot
 
@@ -54,6 +55,8 @@ class GenerationDelta:
     num_output_tokens: int
     finish_reason: str | None
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # of token_ids, when the request asks
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # on the first, if asked
 
 
 @dataclass(frozen=True)
@@ -83,13 +86,20 @@ class EngineHealth:
 class Tokenizer(Protocol):
     eos_token_id: int | None
     renders_tools: bool  # the chat template has a tools section
+    eos_token: str | None
+    bos_token: str | None
+    chat_template: str | None
+    max_token_chars: int  # characters of the longest token
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Render OpenAI-style messages with the model's chat template and tokenize them."""
         ...

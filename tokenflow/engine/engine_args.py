@@ -9,19 +9,15 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
-from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.config import POLICY_KNOBS, TokenFlowConfig, tokenflow_defaults, with_knobs
 from tokenflow.core.policies import POLICY_NAMES
 from tokenflow.core.request import is_reader_rate, reader_rate_error
 
-# The policy as `serve` runs it.  On a CPU steps are ~100x slower than on a GPU, so buffers grow
-# by about one second of reading per second and newcomers wait for streams to become pausable:
-# a pause margin (critical slack) of 1 s instead of 2, and an admission reserve of 0.3 of the
-# residents' remaining output instead of SGLang's 0.7 (TokenFlow pauses a stream short of
-# memory instead of retracting it), took the CPU reading burst's P99 TTFT from 13-17 s to
-# 11-12 s.  In the GPU simulator the same values raised overload stalls, so the core's
-# defaults keep 2 s and 0.7 (docs/design.md).
-SERVE_TOKENFLOW = TokenFlowConfig(critical_slack_s=1.0, init_new_token_ratio=0.3)
+if TYPE_CHECKING:
+    import torch
+
 EXECUTORS = ("torch", "llama-cpp")
 # CPU steps of fewer tokens run on one thread (tokenflow/model/threads.py has the numbers).
 SERIAL_BELOW_TOKENS = 8
@@ -57,7 +53,7 @@ class EngineArgs:
     compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
     executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
     llama_cpp_repack: bool = False  # llama-cpp: let ggml repack weights for AMX/AVX kernels
-    tokenflow: TokenFlowConfig = SERVE_TOKENFLOW
+    tokenflow: TokenFlowConfig | None = None  # None: `tokenflow_defaults` of the device
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -109,37 +105,22 @@ class EngineArgs:
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineArgs:
-        """Build from parsed CLI options (ValueError on bad values)."""
-        options = {field: getattr(args, dest) for dest, (field, _) in _POLICY_OPTIONS.items()}
-        tokenflow = replace(SERVE_TOKENFLOW, **options, write_through=not args.no_write_through)
+        """Build from parsed CLI options (ValueError on bad values).  The policy is the
+        device's defaults with the knobs given; left None when none is given."""
         names = {f.name for f in fields(cls)} - {"tokenflow"}
-        return cls(**{n: getattr(args, n) for n in names}, tokenflow=tokenflow)
+        built = cls(**{n: getattr(args, n) for n in names})
+        knobs = {name: getattr(args, name) for name in POLICY_KNOBS}
+        if all(v is None for v in knobs.values()) and not args.no_write_through:
+            return built
+        base = tokenflow_defaults(resolve_device(built.device).type)
+        tokenflow = with_knobs(base, knobs)
+        if args.no_write_through:
+            tokenflow = replace(tokenflow, write_through=False)
+        return replace(built, tokenflow=tokenflow)
 
-
-# `serve`'s policy options: destination -> (TokenFlowConfig field, help); defaults from
-# SERVE_TOKENFLOW, which also supplies every field not listed here.
-_POLICY_OPTIONS = {
-    "schedule_interval": ("schedule_interval_s", None),
-    "mu": ("buffer_conservativeness", None),
-    "critical_slack": (
-        "critical_slack_s",
-        "seconds of buffer that mean stress, and a pause's margin (docs/design.md)",
-    ),
-    "new_token_ratio": (
-        "init_new_token_ratio",
-        "admission reserves this share of each resident's remaining output at first",
-    ),
-    "capacity_headroom": (
-        "capacity_headroom",
-        "admit while reading rates stay <= this share of capacity (docs/usage.md)",
-    ),
-    "queue_headroom": (
-        "queue_headroom",
-        "admit the whole queue while its reading rates stay <= this share of capacity "
-        "(e.g. 1.15: shorter P99 TTFT, longer stalls; docs/usage.md)",
-    ),
-    "max_stall_s": ("max_stall_s", "a stream stalled this long goes on the device first"),
-}
+    def tokenflow_for(self, device_type: str) -> TokenFlowConfig:
+        """The TokenFlow policy these arguments run on a `device_type` engine."""
+        return self.tokenflow or tokenflow_defaults(device_type)
 
 
 def _add_model_arguments(group: argparse._ArgumentGroup) -> None:
@@ -229,9 +210,27 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_policy_arguments(group: argparse._ArgumentGroup) -> None:
-    """The TokenFlow policy's options, defaulting to serve's profile of it."""
-    for dest, (field_name, help_text) in _POLICY_OPTIONS.items():
-        default = getattr(SERVE_TOKENFLOW, field_name)
-        flag = f"--{dest.replace('_', '-')}"
-        group.add_argument(flag, type=float, default=default, help=help_text)
+    """The TokenFlow policy's knobs (defaults: the device's, `tokenflow_defaults`)."""
+    cpu, gpu = tokenflow_defaults("cpu"), tokenflow_defaults("cuda")
+    for name, knob in POLICY_KNOBS.items():
+        on_cpu, on_gpu = getattr(cpu, knob.field), getattr(gpu, knob.field)
+        default = f"{on_cpu:g}" if on_cpu == on_gpu else f"{on_cpu:g} on a CPU, {on_gpu:g} on a GPU"
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=float,
+            default=None,
+            help=f"{knob.help} (default {default})",
+        )
     group.add_argument("--no-write-through", action="store_true")
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" picks CUDA when present; a CUDA device without CUDA is a clear error."""
+    import torch  # (here, not at the top: the CLI parses arguments before torch loads)
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device

@@ -14,18 +14,21 @@ requests with an error.  A failing forward pass or copy raises: the whole plan f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from tokenflow.core.plan import BlockTables, SampledToken, StepPlan, StepResult
+from tokenflow.core.plan import BlockTables, SampledToken, ScheduledChunk, StepPlan, StepResult
 from tokenflow.model.attention import ModelInputs, build_model_inputs
 from tokenflow.model.compiled_decode import CompiledDecoder
 from tokenflow.model.config import ModelConfig
 from tokenflow.model.grammar import Grammars
 from tokenflow.model.kv_cache import TieredKVCache
+from tokenflow.model.logprobs import PromptLogprobs, sampled_logprobs, wants_prompt_logprobs
 from tokenflow.model.paged_decode import MIN_KEYS, can_read_in_place
+from tokenflow.model.penalties import TokenCounts
 from tokenflow.model.sampler import Sampler, SamplingRow, sample_isolated
 from tokenflow.model.threads import StepThreads
 from tokenflow.model.transformer import LlamaModel
@@ -53,6 +56,8 @@ class ModelExecutor:
         self.device = torch.device(device)
         self.sampler = Sampler(config.eos_token_ids, seed=seed)
         self.grammars = grammars  # structured outputs' matchers (None: not supported)
+        self.token_counts = TokenCounts(config.vocab_size, self.device)  # for penalties
+        self.prompt_logprobs = PromptLogprobs()
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
@@ -76,7 +81,8 @@ class ModelExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's copies and forward pass concurrently; sample; return the tokens."""
-        self.sampler.release(plan.released_request_ids)
+        self.token_counts.release(plan.released_request_ids)
+        self.prompt_logprobs.release(plan.released_request_ids)
         if self.grammars is not None:
             self.grammars.release(plan.released_request_ids)
         self.block_tables.apply(plan)
@@ -122,31 +128,69 @@ class ModelExecutor:
             )
             if self.threads is not None:
                 self.threads.for_step(len(inputs.input_ids))
-            logits = self._forward(inputs)  # [num_sampled, vocab]
-            chunks = [plan.chunks[i] for i in inputs.sampled_chunk_indices]
-            rows = [
-                SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in chunks
+            scored = [i for i, c in enumerate(plan.chunks) if wants_prompt_logprobs(c)]
+            extra_rows = [
+                row
+                for i in scored
+                for row in PromptLogprobs.rows_of(plan.chunks[i], inputs.chunk_last_rows[i])
             ]
-            token_ids = self._sample(logits, rows)
+            logits = self._forward(inputs, extra_rows)  # [num_sampled + len(extra_rows), vocab]
+            num_sampled = len(inputs.sampled_chunk_indices)
+            self._record_prompt_logprobs([plan.chunks[i] for i in scored], logits[num_sampled:])
+            self.token_counts.observe(plan.chunks)
+            chunks = [plan.chunks[i] for i in inputs.sampled_chunk_indices]
+            return self._sample(chunks, logits[:num_sampled])
+
+    def _sample(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+    ) -> tuple[SampledToken, ...]:
+        """One token per sampling chunk (logits [len(chunks), vocab], raw), with the logprobs
+        of the requests that ask for them (of the model's raw distribution, before penalties and
+        grammar masks, as vLLM reports them by default)."""
+        rows = [
+            SamplingRow(
+                c.request_id,
+                c.sampling_params,
+                c.num_output_tokens,
+                self.token_counts.get(c.request_id),
+            )
+            for c in chunks
+        ]
+        params = [c.sampling_params for c in chunks]
+        raw, grammars, request_ids = logits, self.grammars, [c.request_id for c in chunks]
+        if grammars is not None:  # a constrained row is masked by its grammar first
+            if any(p.logprobs is not None for p in params):
+                raw = logits.clone()  # (the mask writes in place; logprobs are the raw model's)
+            grammars.mask(logits, request_ids, params)
+        token_ids = sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
+        if grammars is not None:  # once the batch is sampled: the sampler may retry a row
+            grammars.accept(request_ids, token_ids, self.last_failed_rows)
+        logprobs = sampled_logprobs(raw, params, token_ids)
         return tuple(
-            SampledToken(c.request_id, token_id)
-            for c, token_id in zip(chunks, token_ids, strict=True)
+            SampledToken(
+                c.request_id,
+                token_id,
+                token_logprobs,
+                self.prompt_logprobs.take(c.request_id) if wants_prompt_logprobs(c) else None,
+            )
+            for c, token_id, token_logprobs in zip(chunks, token_ids, logprobs, strict=True)
         )
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        """One token per row; a constrained row is masked by its grammar first, and its
-        grammar accepts the token after (once the batch is sampled: the sampler may retry)."""
-        grammars = self.grammars
-        if grammars is None:
-            return sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
-        request_ids = [row.request_id for row in rows]
-        grammars.mask(logits, request_ids, [row.params for row in rows])
-        token_ids = sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
-        grammars.accept(request_ids, token_ids, self.last_failed_rows)
-        return token_ids
+    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """logits [rows of `chunks`' prompt logprobs, in their order, vocab]."""
+        offset = 0
+        for chunk in chunks:
+            num_rows = chunk.num_tokens - 1 if chunk.samples_token else chunk.num_tokens
+            self.prompt_logprobs.record(chunk, logits[offset : offset + num_rows])
+            offset += num_rows
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs, extra_rows: list[int] | None = None) -> torch.Tensor:
+        """The logits of the sampled rows, then of `extra_rows` (prompt logprobs)."""
         attn, layers = inputs.attn, self.kv_cache.device_layers
+        if extra_rows:
+            rows = torch.tensor(extra_rows, dtype=torch.long, device=attn.sample_rows.device)
+            attn = dataclasses.replace(attn, sample_rows=torch.cat([attn.sample_rows, rows]))
+            return self.model(inputs.input_ids, inputs.positions, attn, layers)
         decode = attn.decode
         is_decode_only = decode is not None and not attn.prefills
         if self.decoder is not None and is_decode_only and len(attn.sample_rows) == decode.num_seqs:

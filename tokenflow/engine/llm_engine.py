@@ -22,6 +22,7 @@ import torch
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.engine_core import EngineCore, StepFailed
 from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.migration import StreamState
 from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import (
@@ -37,24 +38,11 @@ from tokenflow.core.step_budget import StepBudget
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import EngineStats, GenerationDelta
 from tokenflow.engine.clock import WallClock
-from tokenflow.engine.engine_args import EngineArgs
+from tokenflow.engine.engine_args import EngineArgs, resolve_device
 from tokenflow.engine.output_processor import OutputProcessor
 from tokenflow.engine.streams import MoveWatch, StreamsSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
-
-# Below this a prefill chunk's fixed cost (one pass over the weights) dominates its step: smaller
-# chunks would multiply the steps a long prompt takes without shortening any step much.
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto" picks CUDA when present; a CUDA device without CUDA is a clear error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
 
 
 def measure_copy_bytes_per_s(device: torch.device, num_bytes: int = 32 << 20) -> float:
@@ -113,7 +101,8 @@ class LLMEngine:
         kv_config = KVConfig(
             built.num_device_blocks, num_host_blocks, args.block_size, built.block_bytes
         )
-        policy = make_policy(args.policy, scheduler_config, args.tokenflow)
+        tokenflow = args.tokenflow_for(self.device.type)
+        policy = make_policy(args.policy, scheduler_config, tokenflow)
         self.scheduler = Scheduler(scheduler_config, kv_config, policy)
         budget = StepBudget(args.step_target_ms / 1000, args.max_prefill_tokens)
         self.core = EngineCore(self.scheduler, self.executor, WallClock(), step_budget=budget)
@@ -132,6 +121,11 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {n} tokens; the context length is {self.max_model_len}"
+            )
+        asks_scores = params.logprobs is not None or params.prompt_logprobs is not None
+        if self.args.executor != "torch" and (params.has_penalties or asks_scores):
+            raise ValueError(
+                f"penalties and logprobs need the torch executor, not {self.args.executor!r}"
             )
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
@@ -176,6 +170,31 @@ class LLMEngine:
             self.core.add_request(request)
         except Exception:
             self.outputs.drop(request_id)
+            raise
+
+    # -- streams moving between engines (tokenflow/core/migration.py) ---------------------------
+    def export_stream(self, request_id: str) -> StreamState:
+        """Take an unfinished request out between steps and return its portable state (times
+        relative to now); this engine forgets it (its KV in both tiers and its text state now,
+        its executor state on the next step).  ValueError if it is unknown."""
+        state = self.scheduler.export_stream(request_id)
+        self.outputs.drop(request_id)
+        return state.shifted(-self.core.clock.now())
+
+    def import_stream(self, exported: StreamState) -> None:
+        """Go on with a stream another engine exported: a started one resumes by recompute, and
+        its deltas carry only the tokens and text after those it produced there (a seeded
+        stream draws what it would have: tokenflow/model/sampler.py).  An exported state's times
+        are seconds relative to its export, put on this engine's clock here (the time the state
+        took to arrive is not counted).  ValueError as `add_request`."""
+        state = exported.shifted(self.core.clock.now())
+        prompt, outputs = list(state.prompt_token_ids), list(state.output_token_ids)
+        self.validate(prompt, state.sampling_params)
+        self.outputs.resume(state.request_id, prompt, state.sampling_params, outputs)
+        try:
+            self.scheduler.import_stream(state)
+        except Exception:
+            self.outputs.drop(state.request_id)
             raise
 
     def abort(self, request_id: str) -> GenerationDelta | None:

@@ -54,6 +54,28 @@ class OutputProcessor:
             len(prompt_token_ids),
         )
 
+    def resume(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int],
+    ) -> None:
+        """Track a stream that another engine started (moved here): its text state is rebuilt
+        from the tokens it produced there, so its next delta holds the text after what that
+        engine sent (a suffix that could grow into a stop string still held back)."""
+        self.add(request_id, prompt_token_ids, params)
+        stream = self._streams[request_id]
+        stream.detokenizer.push(output_token_ids)
+        end = len(stream.detokenizer.text)
+        if stream.stop_matcher is not None:
+            if stream.stop_matcher.feed(stream.detokenizer.text) is not None:
+                self.drop(request_id)
+                raise ValueError(f"{request_id}: its text so far already holds a stop string")
+            end -= stream.stop_matcher.partial_length
+        stream.num_sent_chars = end
+        stream.num_output_tokens = len(output_token_ids)
+
     def drop(self, request_id: str) -> None:
         """Forget a request (aborted or finished)."""
         self._streams.pop(request_id, None)
@@ -126,6 +148,8 @@ class OutputProcessor:
             num_prompt_tokens=stream.num_prompt_tokens,
             num_output_tokens=output.num_output_tokens,
             finish_reason=finish,
+            logprobs=output.new_logprobs,
+            prompt_logprobs=output.prompt_logprobs,
         )
 
     def aborted(self, request_id: str) -> GenerationDelta | None:

@@ -128,9 +128,7 @@ def take_snapshot(
     """The snapshot at `now_s`: O(streams log limit).  Call it between steps only."""
     started = [*scheduler.running, *scheduler.preempted]
     requests = [*started, *scheduler.waiting]
-    urgent = heapq.nsmallest(
-        limit, requests, key=lambda r: (r.slack_s(now_s), r.arrival_s, r.arrival_index)
-    )
+    urgent = heapq.nsmallest(limit, requests, key=lambda r: (r.slack_s(now_s), r.sort_key))
     capacity = measure_capacity(scheduler.view(now_s))  # (the policy's own rule and function)
     kv = scheduler.kv
     num_loading = len(scheduler.queues.loading)

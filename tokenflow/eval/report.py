@@ -10,6 +10,7 @@ Repeated runs (seeds) are summarised as median and min-max by `aggregate`, plott
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -233,39 +234,94 @@ def aggregate(
 # -- targets against a baseline ------------------------------------------------------------------
 @dataclass(frozen=True)
 class TargetCheck:
-    """One target judged on medians: the measured value, whether it passed, the bound."""
+    """One target judged on the median over seeds of a paired comparison (the candidate's run
+    against the baseline's on the same workload seed): a ratio, or a difference."""
 
-    value: float  # a ratio to the baseline's median, or seconds (mean stall)
+    compared: Spread  # the per-seed ratios or differences, median [min-max]
     passed: bool
     target: str  # the bound as text, e.g. "<= 0.3x"
 
+    @property
+    def value(self) -> float:
+        """The median over seeds."""
+        return self.compared.median
+
     def to_dict(self) -> dict[str, object]:
-        """{"value": ..., "pass": ..., "target": ...}"""
-        return {"value": self.value, "pass": self.passed, "target": self.target}
+        """{"value": median, "min": ..., "max": ..., "pass": ..., "target": ...}"""
+        c = self.compared
+        return {"value": c.median, "min": c.minimum, "max": c.maximum, "pass": self.passed,
+                "target": self.target}  # fmt: skip
+
+
+def stall_allowance_s(baseline_stall_s: float) -> float:
+    """How much longer than the baseline's the mean stall may be: max(0.1 s, 10%)."""
+    return max(0.1, 0.1 * baseline_stall_s)
 
 
 def check_targets(
-    candidate: Mapping[str, Spread], baseline: Mapping[str, Spread], p99_ttft_bound: float
+    candidate: Sequence[Mapping[str, float]],
+    baseline: Sequence[Mapping[str, float]],
+    p99_ttft_bound: float,
+    min_effective_ratio: float | None = 1.3,
 ) -> dict[str, TargetCheck]:
-    """The targets a policy is held to against a baseline (TokenFlow against FCFS), on the
-    medians over seeds: P99 TTFT at most `p99_ttft_bound` x the baseline's, effective throughput
-    >= 1.3x, QoE >= 1.0x, mean stall <= max(2 s, 2x the baseline's), raw throughput >= 0.97x."""
+    """The targets a policy is held to against a baseline (TokenFlow against FCFS): runs are
+    summaries paired by position (the same workload seed).  Mean stall at most the baseline's +
+    `stall_allowance_s`; P99 TTFT at most `p99_ttft_bound` x; QoE at least the baseline's; raw
+    throughput >= 0.97x; effective throughput >= `min_effective_ratio` x (None: not a target)."""
+    if len(candidate) != len(baseline) or not candidate:
+        raise ValueError("check_targets needs the same number (> 0) of runs on both sides")
+    pairs = list(zip(candidate, baseline, strict=True))
 
-    def ratio(key: str) -> float:
-        base = baseline[key].median
-        return candidate[key].median / base if base else float("inf")
+    def ratios(key: str) -> Spread:
+        return spread([c[key] / b[key] if b[key] else math.inf for c, b in pairs])
 
-    stall_bound_s = max(2.0, 2.0 * baseline["rebuffer_mean_s"].median)
-    stall_s = candidate["rebuffer_mean_s"].median
-    p99, eff = ratio("ttft_p99_s"), ratio("effective_throughput_tps")
-    qoe, raw = ratio("qoe_mean"), ratio("throughput_tps")
-    return {
-        "p99_ttft": TargetCheck(p99, p99 <= p99_ttft_bound, f"<= {p99_ttft_bound}x"),
-        "effective_tps": TargetCheck(eff, eff >= 1.3, ">= 1.3x"),
-        "qoe": TargetCheck(qoe, qoe >= 1.0, ">= 1.0x"),
-        "mean_stall_s": TargetCheck(stall_s, stall_s <= stall_bound_s, f"<= {stall_bound_s:.2f} s"),
-        "raw_tps": TargetCheck(raw, raw >= 0.97, ">= 0.97x"),
+    def differences(key: str) -> Spread:
+        return spread([c[key] - b[key] for c, b in pairs])
+
+    allow_s = stall_allowance_s(spread([b["rebuffer_mean_s"] for b in baseline]).median)
+    stall, qoe = differences("rebuffer_mean_s"), differences("qoe_mean")
+    p99, raw = ratios("ttft_p99_s"), ratios("throughput_tps")
+    checks = {
+        "mean_stall_s": TargetCheck(stall, stall.median <= allow_s, f"<= +{allow_s:.2f} s"),
+        "p99_ttft": TargetCheck(p99, p99.median <= p99_ttft_bound, f"<= {p99_ttft_bound}x"),
+        "qoe": TargetCheck(qoe, qoe.median >= 0.0, ">= +0"),
+        "raw_tps": TargetCheck(raw, raw.median >= 0.97, ">= 0.97x"),
     }
+    if min_effective_ratio is not None:
+        eff = ratios("effective_throughput_tps")
+        passed = eff.median >= min_effective_ratio
+        checks["effective_tps"] = TargetCheck(eff, passed, f">= {min_effective_ratio}x")
+    return checks
+
+
+def format_targets_table(rows: Mapping[str, Mapping[str, TargetCheck]]) -> str:
+    """Rows = workloads, columns = the targets: median [min-max] over seeds, bound, verdict."""
+    names = [n for n in TARGET_COLUMNS if any(n in checks for checks in rows.values())]
+    header = ["workload", *(TARGET_COLUMNS[n][0] for n in names)]
+    table = [header]
+    for workload, checks in rows.items():
+        cells = [
+            _target_cell(checks[n], TARGET_COLUMNS[n][1]) if n in checks else "" for n in names
+        ]
+        table.append([workload, *cells])
+    return _aligned(table)
+
+
+# target name -> (column title, format of its per-seed values)
+TARGET_COLUMNS = {
+    "mean_stall_s": ("stall - fcfs (s)", "+.3f"),
+    "p99_ttft": ("P99 TTFT / fcfs", ".2f"),
+    "qoe": ("QoE - fcfs", "+.3f"),
+    "effective_tps": ("eff tok/s / fcfs", ".2f"),
+    "raw_tps": ("tok/s / fcfs", ".2f"),
+}
+
+
+def _target_cell(check: TargetCheck, fmt: str) -> str:
+    """ "median [min, max] ok" (or FAIL) over seeds."""
+    c = check.compared
+    verdict = "ok" if check.passed else "FAIL"
+    return f"{c.median:{fmt}} [{c.minimum:{fmt}}, {c.maximum:{fmt}}] {verdict}"
 
 
 # (summary key, column title, decimals) of the table over repeated runs

@@ -67,6 +67,7 @@ class ModelInputs:
     positions: torch.Tensor  # [T] long
     attn: AttentionMetadata
     sampled_chunk_indices: tuple[int, ...]  # plan index of the chunk behind each sampled row
+    chunk_last_rows: tuple[int, ...] = ()  # per plan chunk: the row of its last token
 
 
 def build_model_inputs(
@@ -112,7 +113,10 @@ def build_model_inputs(
         ),
         sample_rows=_tensor([last_row[i] for i in sampled], device),
     )
-    return ModelInputs(_tensor(token_ids, device), _tensor(positions, device), attn, sampled)
+    last_rows = tuple(last_row[i] for i in range(len(chunks)))
+    return ModelInputs(
+        _tensor(token_ids, device), _tensor(positions, device), attn, sampled, last_rows
+    )
 
 
 def _check_block_table(chunk: ScheduledChunk, table: Sequence[int], block_size: int) -> None:

@@ -72,9 +72,10 @@ class Tokenizer:
         never shorter than its text): n tokens hold at most n times this many characters."""
         return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the tokenizer's own special tokens (e.g. a BOS) if any."""
-        return self.backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the tokenizer's own special tokens (e.g. a BOS) if any
+        (unless `add_special_tokens` is false)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; special tokens are left out unless asked for."""
@@ -90,15 +91,17 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The chat template applied to `messages` (and `tools`, for a template with a tools
-        section), ending with the assistant's turn opener."""
+        section), ending with the assistant's turn opener (unless `add_generation_prompt` is
+        false)."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
         extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
         return self._template.render(
             messages=[dict(m) for m in messages],
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **extra,
@@ -108,9 +111,10 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Render OpenAI-style messages with the chat template and tokenize them (no extra BOS)."""
-        text = self.render_chat(messages, tools)
+        text = self.render_chat(messages, tools, add_generation_prompt)
         return self.backend.encode(text, add_special_tokens=False).ids
 
     @classmethod

@@ -1,4 +1,5 @@
-"""The HTTP routes: thin wrappers around `OpenAIServing`, plus /v1/models, /health and /metrics.
+"""The HTTP routes: thin wrappers around `OpenAIServing`, plus /v1/models, /health, /metrics and
+vLLM's tokenizer routes (/tokenize, /detokenize, /tokenizer_info).
 
 `build_app()` makes a fresh app per engine (no global app object); everything the routes need
 lives on `app.state`.  Every error, including FastAPI's own validation errors (never a 422) and
@@ -41,11 +42,17 @@ from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     RateTps,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    TokenizerInfo,
 )
 from tokenflow.serving.serving import (
     STREAM_CLASS_HEADER,
@@ -57,7 +64,7 @@ from tokenflow.serving.serving import (
     WaitForDisconnect,
 )
 from tokenflow.serving.streams import StreamsWatch, streams_router
-from tokenflow.serving.validation import ApiError
+from tokenflow.serving.validation import ApiError, check_token_ids
 
 # nginx-style "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_STATUS = 499
@@ -100,6 +107,7 @@ def build_app(
     _add_error_handlers(app)
     app.include_router(_openai_router())
     app.include_router(streams_router(), prefix="/v1", dependencies=_v1_guards())
+    app.include_router(_tokenizer_router())
     app.include_router(_ops_router())
     app.include_router(dashboard_router())
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
@@ -174,14 +182,69 @@ def _openai_router() -> APIRouter:
     @router.get("/models")
     async def list_models(request: Request) -> Response:
         """The one model this server runs."""
+        return _json(ModelList(data=[_model_card(request)]).model_dump_json())
+
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str, request: Request) -> Response:
+        """The model card of `model_id`; 404 (OpenAI's shape) for any other id."""
+        serving: OpenAIServing = request.app.state.serving
+        serving.check_model(model_id)
+        return _json(_model_card(request).model_dump_json())
+
+    return router
+
+
+def _model_card(request: Request) -> ModelCard:
+    engine: EngineClient = request.app.state.engine
+    return ModelCard(
+        id=engine.model_name,
+        created=request.app.state.started_s,
+        max_model_len=engine.max_model_len,
+        kernels=engine.kernels,
+    )
+
+
+def _tokenizer_router() -> APIRouter:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer)."""
+    router = APIRouter(dependencies=_v1_guards())
+
+    @router.post("/tokenize")
+    async def tokenize(
+        body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request
+    ) -> Response:
+        """A prompt's token ids, or the messages' through the chat template."""
+        serving: OpenAIServing = request.app.state.serving
+        serving.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            ids = await serving.apply_chat_template(body.messages, body.add_generation_prompt)
+        else:
+            ids = await serving.tokenize(body.prompt, body.add_special_tokens)
         engine: EngineClient = request.app.state.engine
-        card = ModelCard(
-            id=engine.model_name,
-            created=request.app.state.started_s,
-            max_model_len=engine.max_model_len,
-            kernels=engine.kernels,
+        answer = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        return _json(answer.model_dump_json())
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        """The text of token ids."""
+        serving: OpenAIServing = request.app.state.serving
+        serving.check_model(body.model)
+        engine: EngineClient = request.app.state.engine
+        ids = check_token_ids(body.tokens, engine.vocab_size, "tokens")
+        return _json(DetokenizeResponse(prompt=engine.tokenizer.decode(ids)).model_dump_json())
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        """The special tokens and the chat template."""
+        engine: EngineClient = request.app.state.engine
+        tokenizer = engine.tokenizer
+        info = TokenizerInfo(
+            eos_token=tokenizer.eos_token,
+            bos_token=tokenizer.bos_token,
+            chat_template=tokenizer.chat_template,
+            model_max_length=engine.max_model_len,
+            vocab_size=engine.vocab_size,
         )
-        return _json(ModelList(data=[card]).model_dump_json())
+        return _json(info.model_dump_json())
 
     return router
 

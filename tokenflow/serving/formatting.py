@@ -2,24 +2,29 @@
 
 A stream is one Server-Sent Event per chunk, whose data is the chunk's compact JSON, and a last
 event whose data is `DONE` (`[DONE]`); the SSE framing and keep-alives are sse-starlette's (see
-`app.py`).  Finish reasons always come from the engine's delta.
+`app.py`).  Each chunk carries one choice, named by its `index`.  Finish reasons always come
+from the engine's delta.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from pydantic import BaseModel
 
-from tokenflow.serving.prepared import PreparedRequest
+from tokenflow.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from tokenflow.serving.prepared import Piece, PreparedRequest
 from tokenflow.serving.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
     UsageInfo,
@@ -32,16 +37,12 @@ DONE = "[DONE]"  # the data of a stream's last event
 class ResponseFormat(Protocol):
     """How one endpoint renders its chunks and its full response."""
 
-    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
-        """Chunks sent before the first delta's (the chat role chunk)."""
+    def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
+        """Chunks sent before choice `index`'s first delta's (the chat role chunk)."""
         ...
 
     def delta_chunk(
-        self,
-        request: PreparedRequest,
-        text: str,
-        finish_reason: str | None,
-        usage: UsageInfo | None,
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
     ) -> BaseModel:
         """The chunk of one engine delta (usage only with continuous_usage_stats)."""
         ...
@@ -51,31 +52,42 @@ class ResponseFormat(Protocol):
         ...
 
     def response(
-        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> CompletionResponse | ChatCompletionResponse:
-        """The non-streaming body."""
+        """The non-streaming body: one piece per choice, in index order."""
         ...
 
 
 class CompletionFormat:
     """/v1/completions: `text_completion` objects whose choices carry `text`."""
 
-    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+    def __init__(self, texts: TokenTexts) -> None:
+        self._texts = texts
+
+    def _logprobs(self, piece: Piece) -> CompletionLogprobs | None:
+        if piece.tokens is None:
+            return None
+        return completion_logprobs(piece.tokens, self._texts, piece.text_offset)
+
+    def _choice(self, index: int, piece: Piece) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=piece.text,
+            logprobs=self._logprobs(piece),
+            finish_reason=piece.finish_reason,
+        )
+
+    def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
         return []
 
     def delta_chunk(
-        self,
-        request: PreparedRequest,
-        text: str,
-        finish_reason: str | None,
-        usage: UsageInfo | None,
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
     ) -> CompletionChunk:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
         return CompletionChunk(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
-            choices=[choice],
+            choices=[self._choice(index, piece)],
             usage=usage,
         )
 
@@ -89,19 +101,25 @@ class CompletionFormat:
         )
 
     def response(
-        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> CompletionResponse:
         return CompletionResponse(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],
+            choices=[self._choice(i, piece) for i, piece in enumerate(pieces)],
             usage=usage,
         )
 
 
 class ChatFormat:
-    """/v1/chat/completions: `chat.completion.chunk` deltas; the first one carries the role."""
+    """/v1/chat/completions: `chat.completion.chunk` deltas; a choice's first carries the role."""
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self._texts = texts
+
+    def _logprobs(self, piece: Piece) -> ChatLogprobs | None:
+        return None if piece.tokens is None else chat_logprobs(piece.tokens, self._texts)
 
     def _chunk(
         self, request: PreparedRequest, choices: list[ChatChunkChoice], usage: UsageInfo | None
@@ -114,77 +132,106 @@ class ChatFormat:
             usage=usage,
         )
 
-    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
+    def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
         delta = DeltaMessage(role="assistant", content="")
-        return [self._chunk(request, [ChatChunkChoice(delta=delta, finish_reason=None)], None)]
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=None)
+        return [self._chunk(request, [choice], None)]
 
     def delta_chunk(
-        self,
-        request: PreparedRequest,
-        text: str,
-        finish_reason: str | None,
-        usage: UsageInfo | None,
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
     ) -> ChatCompletionChunk:
         # The closing chunk of OpenAI has an empty delta; text and finish may share a chunk.
-        has_content = bool(text) or finish_reason is None
-        delta = DeltaMessage(content=text) if has_content else DeltaMessage()
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        has_content = bool(piece.text) or piece.finish_reason is None
+        delta = DeltaMessage(content=piece.text) if has_content else DeltaMessage()
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=self._logprobs(piece),
+            finish_reason=piece.finish_reason,
+        )
         return self._chunk(request, [choice], usage)
 
     def usage_chunk(self, request: PreparedRequest, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk(request, [], usage)
 
     def response(
-        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
             choices=[
-                ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=piece.text),
+                    logprobs=self._logprobs(piece),
+                    finish_reason=piece.finish_reason,
+                )
+                for i, piece in enumerate(pieces)
             ],
             usage=usage,
         )
 
 
 class ToolCallFormat(ChatFormat):
-    """/v1/chat/completions answered by one forced tool call (`tool_calls.py` reads its text):
-    its deltas carry `tool_calls`, its message `tool_calls` and no content."""
+    """/v1/chat/completions answered by one forced tool call per choice (`tool_calls.py` reads
+    its text): its deltas carry `tool_calls`, its message `tool_calls` and no content."""
 
-    def __init__(self, call_id: str) -> None:
-        self._call = ToolCallText(call_id)
+    def __init__(self, texts: TokenTexts, new_call_id: Callable[[], str]) -> None:
+        super().__init__(texts)
+        self._new_call_id = new_call_id
+        self._calls: dict[int, ToolCallText] = {}  # by choice index
 
-    def opening_chunks(self, request: PreparedRequest) -> list[BaseModel]:
-        delta = DeltaMessage(role="assistant")
-        return [self._chunk(request, [ChatChunkChoice(delta=delta, finish_reason=None)], None)]
+    def _call(self, index: int) -> ToolCallText:
+        if index not in self._calls:
+            self._calls[index] = ToolCallText(self._new_call_id())
+        return self._calls[index]
+
+    def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
+        choice = ChatChunkChoice(
+            index=index, delta=DeltaMessage(role="assistant"), finish_reason=None
+        )
+        return [self._chunk(request, [choice], None)]
 
     def delta_chunk(
-        self,
-        request: PreparedRequest,
-        text: str,
-        finish_reason: str | None,
-        usage: UsageInfo | None,
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
     ) -> ChatCompletionChunk:
-        delta = DeltaMessage(tool_calls=self._call.feed(text, finish_reason) or None)
-        choice = ChatChunkChoice(delta=delta, finish_reason=self._call.finish_reason(finish_reason))
+        call = self._call(index)
+        delta = DeltaMessage(tool_calls=call.feed(piece.text, piece.finish_reason) or None)
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=self._logprobs(piece),
+            finish_reason=call.finish_reason(piece.finish_reason),
+        )
         return self._chunk(request, [choice], usage)
 
     def response(
-        self, request: PreparedRequest, text: str, finish_reason: str | None, usage: UsageInfo
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> ChatCompletionResponse:
-        self._call.feed(text, finish_reason)
-        call = self._call.call()
-        message = (
-            AssistantMessage(content=text)
-            if call is None
-            else AssistantMessage(content=None, tool_calls=[call])
-        )
-        choice = ChatChoice(message=message, finish_reason=self._call.finish_reason(finish_reason))
+        choices = []
+        for index, piece in enumerate(pieces):
+            text = self._call(index)
+            text.feed(piece.text, piece.finish_reason)
+            call = text.call()
+            message = (
+                AssistantMessage(content=piece.text)
+                if call is None
+                else AssistantMessage(content=None, tool_calls=[call])
+            )
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=self._logprobs(piece),
+                    finish_reason=text.finish_reason(piece.finish_reason),
+                )
+            )
         return ChatCompletionResponse(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
-            choices=[choice],
+            choices=choices,
             usage=usage,
         )

@@ -20,13 +20,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenflow.core.request import MAX_READER_RATE_TPS, MIN_READER_RATE_TPS
+from tokenflow.core.request import MAX_LOGPROBS, MAX_READER_RATE_TPS, MIN_READER_RATE_TPS
 
 MAX_TEMPERATURE = 2.0  # OpenAI's upper bound
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what a torch generator accepts
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPTS = 128  # prompts in one /v1/completions request
+MAX_CHOICES = 128  # prompts times n: the engine requests one request may start
 
 # A reader's rate in tokens/s: the body's `stream_rate` and the X-Stream-Rate header alike.
 RateTps = Annotated[
@@ -35,6 +37,8 @@ RateTps = Annotated[
 TokenId = Annotated[int, Field(ge=0)]  # below the vocabulary size: checked in validation.py
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]  # OpenAI's range
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 def _is_none(value: object) -> bool:
@@ -129,17 +133,25 @@ class _SamplingRequest(_Strict):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    # Known extras.
+    # Accepted and ignored: they change nothing this server answers (docs/usage.md lists them).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Known extras (vLLM's sampling extras).
     stream_rate: RateTps | None = None
     stream_class: Literal["reader", "eager", "batch"] | None = None  # see serving/classes.py
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)  # at most max_tokens: SamplingParams checks it
     top_k: int = Field(default=0, ge=-1)  # 0 or -1 = disabled
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # Structured outputs: OpenAI's `response_format`, or vLLM's `guided_json` (a schema).
     response_format: ResponseFormatSpec | None = None
@@ -147,11 +159,19 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[TokenId]
+    # One text, several texts, one token-id list or several: one choice per prompt (times n).
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    # max_tokens 0 only with echo: score the prompt alone (validation.py checks the pairing).
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: NumLogprobs | None = None
 
 
 class TextContentPart(_Strict):
@@ -178,14 +198,13 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None  # only with logprobs: validation.py
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; an answer holds at most one call
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
+    # Accepted and ignored: no model served here reasons.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -195,10 +214,19 @@ class UsageInfo(_Response):
     total_tokens: int
 
 
+class CompletionLogprobs(_Response):
+    """The legacy shape: per token its text, logprob, alternatives and offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None for a prompt's first token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -222,6 +250,24 @@ class CompletionChunk(_Response):
     usage: UsageInfo | None = Field(default=None, exclude_if=_is_none)
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -231,7 +277,7 @@ class AssistantMessage(_Response):
 class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -270,7 +316,7 @@ class DeltaMessage(_Response):
 class ChatChunkChoice(_Response):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -295,6 +341,47 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- vLLM's tokenizer routes --------------------------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class TokenizerInfo(_Response):
+    """What lm-eval's remote tokenizer reads: the special tokens and the chat template."""
+
+    tokenizer_class: str = "TokenFlowTokenizer"
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None = None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 # -- errors -------------------------------------------------------------------------------------

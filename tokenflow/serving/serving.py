@@ -2,21 +2,23 @@
 
 Flow of one request::
 
-    prepare()      body (+ X-Stream-Rate header) -> PreparedRequest, or ApiError (400/404)
-    _start()       engine.generate(); refusals (EngineOverloaded -> 429, EngineRequestError ->
-                   400, EngineDead -> 503) are raised before any byte is sent
-    _events()      a stream: the data of each SSE event (chunk JSON ... `[DONE]`); the route
-                   frames them, sends its 200 headers at once and keep-alives meanwhile
+    prepare()      body (+ X-Stream-Rate header) -> PreparedRequest, or ApiError (400/404):
+                   one choice per prompt times `n`, each its own engine request
+    _start()       engine.generate() for each choice; refusals (EngineOverloaded -> 429,
+                   EngineRequestError -> 400, EngineDead -> 503) are raised before any byte is
+                   sent, and the choices already submitted are aborted
+    _events()      a stream: the data of each SSE event (chunk JSON ... `[DONE]`), the choices'
+                   chunks interleaved as they come; the route frames them, sends its 200
+                   headers at once and keep-alives meanwhile
     _collect()     one JSON body
 
 Whenever the client goes away before the engine finished (a disconnect while waiting, or the
-event generator being cancelled/closed), the request is aborted in the engine.
+event generator being cancelled/closed), every unfinished choice is aborted in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -35,6 +37,7 @@ from tokenflow.engine.client import (
     EngineRequestError,
     GenerationDelta,
 )
+from tokenflow.serving.choices import EventStream, Submitted, merged_deltas
 from tokenflow.serving.classes import ClassRules, Stated
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S
 from tokenflow.serving.formatting import (
@@ -44,15 +47,19 @@ from tokenflow.serving.formatting import (
     ResponseFormat,
     ToolCallFormat,
 )
+from tokenflow.serving.logprobs import TokenTexts
 from tokenflow.serving.metrics import ServingMetrics
-from tokenflow.serving.prepared import PreparedRequest, Progress, usage_of
+from tokenflow.serving.pieces import delta_piece, record_scores, whole_piece
+from tokenflow.serving.prepared import PreparedChoice, PreparedRequest, Progress, usage_of
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     ErrorInfo,
     ErrorResponse,
+    ToolDefinition,
 )
 from tokenflow.serving.structured import (
     check_tool_messages,
@@ -62,12 +69,17 @@ from tokenflow.serving.structured import (
 )
 from tokenflow.serving.validation import (
     ApiError,
+    Scores,
     build_sampling_params,
+    chat_scores,
     check_chat_support,
     check_completion_support,
+    check_num_choices,
     check_prompt_chars,
     check_token_ids,
+    completion_scores,
     resolve_max_tokens,
+    with_seed_offset,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +91,12 @@ STREAM_CLASS_HEADER = "X-Stream-Class"
 # How long a new request waits for the engine's answer before its 200 headers go out; refusals
 # are raised synchronously by `generate()`, so they always come back as real status codes.
 _ADMISSION_GRACE_S = 0.05
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    token_ids: tuple[int, ...]
+    text: str  # what `echo` repeats ("" when it is not asked)
 
 
 class ClientDisconnected(Exception):
@@ -109,6 +127,7 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         self.class_rules = class_rules or ClassRules()
+        self.token_texts = TokenTexts(engine.tokenizer)
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
@@ -124,9 +143,12 @@ class OpenAIServing:
         check_completion_support(body)
         model = self._check_model(body.model)
         structured = structured_output_of(body)
-        prompt = await self._tokenize_prompt(body.prompt)
-        prepared = self.prepare(body, model, prompt, "cmpl-", stated, body.max_tokens, structured)
-        return await self._serve(prepared, CompletionFormat(), wait_for_disconnect)
+        prompts = await self._tokenize_prompts(body.prompt, body.echo)
+        wants = completion_scores(body)
+        prepared = self.prepare(
+            body, model, prompts, "cmpl-", stated, body.max_tokens, wants, structured
+        )
+        return await self._serve(prepared, CompletionFormat(self.token_texts), wait_for_disconnect)
 
     async def create_chat_completion(
         self,
@@ -140,12 +162,20 @@ class OpenAIServing:
         check_tool_messages(body, self.engine.tokenizer.renders_tools)
         tool_call = forced_tool_call(body)
         structured = tool_call or structured_output_of(body)
-        prompt = await self._apply_chat_template(body)
+        tools = body.tools if body.tools and self.engine.tokenizer.renders_tools else None
+        prompt = await self.apply_chat_template(body.messages, True, tools)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
-        prepared = self.prepare(body, model, prompt, "chatcmpl-", stated, max_tokens, structured)
-        fmt = ChatFormat() if tool_call is None else ToolCallFormat("call_" + self._new_id())
+        wants = chat_scores(body)
+        prompts = [_Prompt(prompt, "")]
+        prepared = self.prepare(
+            body, model, prompts, "chatcmpl-", stated, max_tokens, wants, structured
+        )
+        if tool_call is None:
+            fmt: ResponseFormat = ChatFormat(self.token_texts)
+        else:
+            fmt = ToolCallFormat(self.token_texts, lambda: "call_" + self._new_id())
         return await self._serve(prepared, fmt, wait_for_disconnect)
 
     # -- validation -----------------------------------------------------------------------------
@@ -153,40 +183,68 @@ class OpenAIServing:
         self,
         body: CompletionRequest | ChatCompletionRequest,
         model: str,
-        prompt_token_ids: tuple[int, ...],
+        prompts: list[_Prompt],
         id_prefix: str,
         stated: Stated,
         max_tokens: int | None,
+        wants: Scores,
         structured_output: StructuredOutput | None = None,
     ) -> PreparedRequest:
-        """Check lengths; build the SamplingParams; find the class (`classes.py`).  Raises
-        ApiError.  The rates (body and header) were checked by their pydantic types."""
+        """Check lengths; build each choice's SamplingParams; find the class (`classes.py`).
+        Raises ApiError.  The rates (body and header) were checked by their pydantic types."""
         consumption, rate_tps = self.class_rules.resolve(
             body.stream, body.stream_class, body.stream_rate, stated, self.engine.default_rate_tps
-        )
-        max_tokens = resolve_max_tokens(
-            len(prompt_token_ids), max_tokens, self.engine.max_model_len
         )
         if body.stream_options is not None and not body.stream:
             raise ApiError(
                 400, "stream_options is only allowed with stream=true", param="stream_options"
             )
+        check_num_choices(len(prompts), body.n)
+        request_id = id_prefix + self._new_id()
+        choices = []
+        for prompt_index, prompt in enumerate(prompts):
+            num_tokens = resolve_max_tokens(
+                len(prompt.token_ids),
+                wants.engine_max_tokens(max_tokens),
+                self.engine.max_model_len,
+            )
+            params = build_sampling_params(
+                body, num_tokens, self.engine.vocab_size, wants, structured_output
+            )
+            for j in range(body.n):
+                index = prompt_index * body.n + j
+                choices.append(
+                    PreparedChoice(
+                        index=index,
+                        engine_request_id=request_id
+                        if len(prompts) * body.n == 1
+                        else f"{request_id}-{index}",
+                        prompt_token_ids=prompt.token_ids,
+                        prompt_text=prompt.text,
+                        sampling_params=params if j == 0 else with_seed_offset(params, j),
+                        is_first_of_prompt=j == 0,
+                    )
+                )
         options = body.stream_options
         return PreparedRequest(
-            request_id=id_prefix + self._new_id(),
+            request_id=request_id,
             model=model,
             created_s=int(self._wall_clock()),
             received_s=self._clock(),
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=build_sampling_params(
-                body, max_tokens, self.engine.vocab_size, structured_output
-            ),
+            choices=tuple(choices),
             rate_tps=rate_tps,
             consumption=consumption,
             stream=body.stream,
             include_usage=options is not None and options.include_usage,
             continuous_usage=options is not None and options.continuous_usage_stats,
+            echo=wants.echo,
+            has_logprobs=wants.logprobs is not None,
+            scores_prompt_only=wants.scores_prompt_only,
         )
+
+    def check_model(self, model: str | None) -> str:
+        """The served model's name, or a 404 (OpenAI's shape) naming an unknown `model`."""
+        return self._check_model(model)
 
     def _check_model(self, model: str | None) -> str:
         if model is None or model == self.engine.model_name:
@@ -200,24 +258,47 @@ class OpenAIServing:
 
     # Tokenizing runs in a worker thread: a long prompt on the event loop held every other
     # request, /health included, for seconds.  A text no context could hold is refused first.
-    async def _apply_chat_template(self, body: ChatCompletionRequest) -> tuple[int, ...]:
-        tokenizer = self.engine.tokenizer
-        messages = [template_message(m) for m in body.messages]
-        self._check_chars(sum(len(m["content"]) for m in messages))
-        tools = None
-        if body.tools and tokenizer.renders_tools:
-            tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    async def apply_chat_template(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[ToolDefinition] | None = None,
+    ) -> tuple[int, ...]:
+        """The messages (and tools, for a template with a tools section) rendered by the
+        model's chat template, as token ids (400 if it fails)."""
+        rendered = [template_message(m) for m in messages]
+        self._check_chars(sum(len(m["content"]) for m in rendered))
+        dumped = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
         try:
-            ids = await anyio.to_thread.run_sync(tokenizer.apply_chat_template, messages, tools)
+            ids = await anyio.to_thread.run_sync(
+                self.engine.tokenizer.apply_chat_template, rendered, dumped, add_generation_prompt
+            )
         except Exception as exc:  # a template rejecting these messages (e.g. role order)
             raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         return tuple(ids)
 
-    async def _tokenize_prompt(self, prompt: str | list[int]) -> tuple[int, ...]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """`text`'s token ids, off the event loop (400 if no prompt the context holds is it)."""
+        self._check_chars(len(text))
+        encode = self.engine.tokenizer.encode
+        return tuple(await anyio.to_thread.run_sync(encode, text, add_special_tokens))
+
+    async def _tokenize_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]], echo: bool
+    ) -> list[_Prompt]:
+        """Each prompt's token ids, and its text where `echo` repeats it."""
         if isinstance(prompt, str):
-            self._check_chars(len(prompt))
-            return tuple(await anyio.to_thread.run_sync(self.engine.tokenizer.encode, prompt))
-        return check_token_ids(prompt, self.engine.vocab_size, "prompt")
+            return [_Prompt(await self.tokenize(prompt), prompt)]
+        if prompt and isinstance(prompt[0], str):
+            texts = [p for p in prompt if isinstance(p, str)]
+            return [_Prompt(await self.tokenize(text), text) for text in texts]
+        id_lists = [prompt] if prompt and isinstance(prompt[0], int) else prompt
+        prompts = []
+        for ids in id_lists:
+            checked = check_token_ids(ids, self.engine.vocab_size, "prompt")  # type: ignore[arg-type]
+            text = self.engine.tokenizer.decode(checked) if echo else ""
+            prompts.append(_Prompt(checked, text))
+        return prompts
 
     def _check_chars(self, num_chars: int) -> None:
         tokenizer = self.engine.tokenizer
@@ -227,47 +308,57 @@ class OpenAIServing:
     async def _serve(
         self, prepared: PreparedRequest, fmt: ResponseFormat, wait_for_disconnect: WaitForDisconnect
     ) -> ServeResult:
-        progress = Progress()
-        submitted = await self._start(prepared, progress)
+        progresses = [Progress() for _ in prepared.choices]
+        submitted = await self._start(prepared, progresses)
         if prepared.stream:
-            events = self._events(prepared, fmt, submitted, progress)
-            return EventStream(events, lambda: self._release(submitted, progress))
+            events = self._events(prepared, fmt, submitted, progresses)
+            return EventStream(events, lambda: self._release_all(submitted, progresses))
         try:
-            collect = self._collect(prepared, submitted, progress)
+            collect = self._collect(prepared, submitted, progresses)
             await self._race_disconnect(collect, wait_for_disconnect)
         finally:
-            await self._release(submitted, progress)
-        text = "".join(progress.text_parts)
-        return fmt.response(prepared, text, progress.finish_reason, usage_of(prepared, progress))
+            await self._release_all(submitted, progresses)
+        choices = zip(prepared.choices, progresses, strict=True)
+        pieces = [whole_piece(prepared, choice, progress) for choice, progress in choices]
+        return fmt.response(prepared, pieces, usage_of(prepared, progresses))
 
-    async def _start(self, prepared: PreparedRequest, progress: Progress) -> _Submitted:
-        """Submit, and wait `_ADMISSION_GRACE_S` for the first delta: a refusal or an early
-        failure is raised here, before any byte is sent."""
-        deltas = aiter(
-            self.engine.generate(
-                prepared.request_id,
-                prepared.prompt_token_ids,
-                prepared.sampling_params,
-                prepared.rate_tps,
-                prepared.consumption,
-            )
-        )
-        submitted = _Submitted(prepared.request_id, deltas, asyncio.ensure_future(anext(deltas)))
+    async def _start(
+        self, prepared: PreparedRequest, progresses: list[Progress]
+    ) -> list[Submitted]:
+        """Submit every choice, and wait `_ADMISSION_GRACE_S` for their first deltas: a refusal
+        or an early failure of any is raised here, before any byte is sent (and the others are
+        aborted)."""
+        submitted: list[Submitted] = []
         try:
-            await asyncio.wait((submitted.first,), timeout=_ADMISSION_GRACE_S)
-            if submitted.first.done():
-                submitted.first.result()  # raises a refusal or an early failure
+            for choice in prepared.choices:
+                deltas = aiter(
+                    self.engine.generate(
+                        choice.engine_request_id,
+                        choice.prompt_token_ids,
+                        choice.sampling_params,
+                        prepared.rate_tps,
+                        prepared.consumption,
+                    )
+                )
+                submitted.append(Submitted(choice.engine_request_id, deltas, ensure_first(deltas)))
+            await asyncio.wait([s.first for s in submitted], timeout=_ADMISSION_GRACE_S)
+            for sub, progress in zip(submitted, progresses, strict=True):
+                if sub.first.done():
+                    progress.has_failed = True  # until it turns out fine: a refusal is no abort
+                    sub.first.result()  # raises a refusal or an early failure
+                    progress.has_failed = False
         except (EngineOverloaded, EngineRequestError, EngineDead) as exc:
+            await self._release_all(submitted, progresses)
             raise _refusal(exc) from exc
         except StopAsyncIteration:
+            await self._release_all(submitted, progresses)
             message = "the engine ended the request without output"
             raise ApiError(500, message, type="server_error") from None
         except Exception as exc:  # failed before its first delta: a 500 naming why
-            progress.has_failed = True
-            await self._release(submitted, progress)
+            await self._release_all(submitted, progresses)
             raise ApiError(500, _engine_error_message(exc), type="server_error") from exc
-        except BaseException:  # cancelled: free the request
-            await self._release(submitted, progress)
+        except BaseException:  # cancelled: free the requests
+            await self._release_all(submitted, progresses)
             raise
         return submitted
 
@@ -289,32 +380,28 @@ class OpenAIServing:
             raise ClientDisconnected()
         return work.result()
 
-    async def _release(self, submitted: _Submitted, progress: Progress) -> None:
-        """Abort the request unless the engine finished it, and close its delta iterator.
+    async def _release_all(self, submitted: list[Submitted], progresses: list[Progress]) -> None:
+        """Abort every choice the engine has not finished, and close its delta iterator.
 
         Idempotent, and runs to completion even while our own task is being cancelled.
         """
-        if submitted.is_released:
-            return
-        submitted.is_released = True
         with anyio.CancelScope(shield=True):
-            first = submitted.first
-            if not first.done():
-                first.cancel()
-                await asyncio.wait((first,))  # let it unwind; does not raise
-            if not first.cancelled():
-                first.exception()  # retrieved: no "exception never retrieved" warning
-            if progress.finish_reason is None:
-                if not progress.has_failed:
-                    self.metrics.count_finished("abort")
-                await self.engine.abort(submitted.request_id)
-            aclose = getattr(submitted.deltas, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            for sub, progress in zip(submitted, progresses, strict=False):  # (all submitted)
+                if sub.is_released:
+                    continue
+                sub.is_released = True
+                await sub.close()
+                if progress.finish_reason is None:
+                    if not progress.has_failed:
+                        self.metrics.count_finished("abort")
+                    await self.engine.abort(sub.request_id)
 
     def _record(
-        self, prepared: PreparedRequest, progress: Progress, delta: GenerationDelta
+        self,
+        prepared: PreparedRequest,
+        choice: PreparedChoice,
+        progress: Progress,
+        delta: GenerationDelta,
     ) -> None:
         now, metrics = self._clock(), self.metrics
         num_new, stream_class = len(delta.token_ids), prepared.consumption.value
@@ -327,6 +414,7 @@ class OpenAIServing:
             progress.last_delta_s = now
         progress.num_output_tokens += num_new
         progress.text_parts.append(delta.text)
+        record_scores(prepared, choice, progress, delta)
         if delta.finish_reason is not None:
             progress.finish_reason = delta.finish_reason
             metrics.count_finished(delta.finish_reason)
@@ -351,96 +439,59 @@ class OpenAIServing:
         return ErrorInfo(message=message, type="server_error")
 
     async def _collect(
-        self, prepared: PreparedRequest, submitted: _Submitted, progress: Progress
+        self, prepared: PreparedRequest, submitted: list[Submitted], progresses: list[Progress]
     ) -> None:
-        """Record deltas until the finish; an engine failure becomes a 500, an engine that
-        stopped (a drain past its timeout) a 503 with Retry-After."""
-        try:
-            while progress.finish_reason is None:
-                self._record(prepared, progress, await submitted.next_delta())
-        except (StopAsyncIteration, Exception) as exc:
-            progress.has_failed = True
-            info = self._on_failure(exc)
-            if isinstance(exc, EngineDead):
-                retry = {"Retry-After": str(DRAIN_RETRY_AFTER_S)}
-                raise ApiError(
-                    503, info.message, type=info.type, code=info.code, headers=retry
-                ) from None
-            raise ApiError(500, info.message, type=info.type) from None
+        """Record every choice's deltas until their finish; an engine failure becomes a 500, an
+        engine that stopped (a drain past its timeout) a 503 with Retry-After."""
+        async for position, item in merged_deltas(submitted):
+            progress = progresses[position]
+            if isinstance(item, BaseException):
+                progress.has_failed = True
+                info = self._on_failure(item)
+                if isinstance(item, EngineDead):
+                    retry = {"Retry-After": str(DRAIN_RETRY_AFTER_S)}
+                    raise ApiError(
+                        503, info.message, type=info.type, code=info.code, headers=retry
+                    ) from None
+                raise ApiError(500, info.message, type=info.type) from None
+            self._record(prepared, prepared.choices[position], progress, item)
 
     async def _events(
         self,
         prepared: PreparedRequest,
         fmt: ResponseFormat,
-        submitted: _Submitted,
-        progress: Progress,
+        submitted: list[Submitted],
+        progresses: list[Progress],
     ) -> AsyncGenerator[str]:
-        """The data of each SSE event: the opening chunks with the first delta's (as vLLM
-        sends them, so that a client's time to first chunk is its TTFT), one chunk per delta,
-        the usage chunk, then `[DONE]`; an engine failure becomes one `{"error": ...}` event
-        before `[DONE]`.  Releases the engine request however the iteration ends."""
-        opening = fmt.opening_chunks(prepared)
+        """The data of each SSE event: a choice's opening chunks with its first delta's (as
+        vLLM sends them, so that a client's time to first chunk is its TTFT), one chunk per
+        delta, the usage chunk, then `[DONE]`; an engine failure becomes one `{"error": ...}`
+        event before `[DONE]`.  Releases the engine requests however the iteration ends."""
+        failed = False
         try:
-            while progress.finish_reason is None:
-                try:
-                    delta = await submitted.next_delta()
-                except (StopAsyncIteration, Exception) as exc:
-                    progress.has_failed = True
-                    yield ErrorResponse(error=self._on_failure(exc)).model_dump_json()
+            async for position, item in merged_deltas(submitted):
+                progress, choice = progresses[position], prepared.choices[position]
+                if isinstance(item, BaseException):
+                    progress.has_failed = failed = True
+                    yield ErrorResponse(error=self._on_failure(item)).model_dump_json()
                     break
-                for chunk in opening:
-                    yield chunk.model_dump_json()
-                opening = []
-                self._record(prepared, progress, delta)
-                usage = usage_of(prepared, progress) if prepared.continuous_usage else None
-                chunk = fmt.delta_chunk(prepared, delta.text, delta.finish_reason, usage)
-                yield chunk.model_dump_json()
-            if prepared.include_usage and not progress.has_failed:
-                yield fmt.usage_chunk(prepared, usage_of(prepared, progress)).model_dump_json()
+                if progress.num_deltas == 0:
+                    for chunk in fmt.opening_chunks(prepared, choice.index):
+                        yield chunk.model_dump_json()
+                self._record(prepared, choice, progress, item)
+                usage = usage_of(prepared, progresses) if prepared.continuous_usage else None
+                piece = delta_piece(prepared, choice, progress, item)
+                yield fmt.delta_chunk(prepared, choice.index, piece, usage).model_dump_json()
+            if prepared.include_usage and not failed:
+                yield fmt.usage_chunk(prepared, usage_of(prepared, progresses)).model_dump_json()
         finally:
-            await self._release(submitted, progress)
+            await self._release_all(submitted, progresses)
         yield DONE
 
 
-@dataclass
-class _Submitted:
-    """One request in the engine: its deltas, the first of them awaited since submission (so
-    that a refusal comes back before any byte is sent)."""
-
-    request_id: str
-    deltas: AsyncIterator[GenerationDelta]
-    first: asyncio.Future[GenerationDelta]
-    is_first_taken: bool = False
-    is_released: bool = False  # aborted if needed, delta iterator closed
-
-    async def next_delta(self) -> GenerationDelta:
-        """The next delta; StopAsyncIteration if the engine ended without a finish reason."""
-        if not self.is_first_taken:
-            self.is_first_taken = True
-            return await self.first
-        return await anext(self.deltas)
-
-
-class EventStream:
-    """The data of each SSE event of one streaming answer (the route frames them).
-
-    Iterate it for the data.  `aclose()` must be called when the response ends however it ends
-    (also when the client left before the first event was pulled): it releases the engine
-    request, aborting it if it has not finished.
-    """
-
-    def __init__(self, events: AsyncGenerator[str], release: Callable[[], Awaitable[None]]) -> None:
-        self._events = events
-        self._release = release
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        return self._events
-
-    async def aclose(self) -> None:
-        """Stop the events and release the engine request (idempotent)."""
-        with anyio.CancelScope(shield=True):
-            await self._events.aclose()
-            await self._release()
+def ensure_first(deltas: AsyncIterator[GenerationDelta]) -> asyncio.Future[GenerationDelta]:
+    """The first delta, awaited from now on."""
+    return asyncio.ensure_future(anext(deltas))
 
 
 # A non-streaming body, or the SSE events of a streaming one.

@@ -3,17 +3,21 @@
 The bounds that do not depend on the model are pydantic constraints in `protocol.py`; what is
 checked here needs the served model: the context length (`resolve_max_tokens`) and the
 vocabulary (prompt token ids, `stop_token_ids`).  Fields we accept only at their neutral value
-are refused as "not supported".
+are refused as "not supported" (400, naming the field): each of them would change the answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from starlette.types import Send
 
 from tokenflow.core.request import SamplingParams, StructuredOutput
 from tokenflow.serving.protocol import (
+    MAX_CHOICES,
+    SEED_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
@@ -109,6 +113,50 @@ def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: i
     return max_tokens
 
 
+@dataclass(frozen=True)
+class Scores:
+    """What an answer shows besides text: logprobs of its outputs (this many alternatives), of
+    its prompt, the prompt itself (`echo`), or the prompt alone (`max_tokens: 0` with echo)."""
+
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    scores_prompt_only: bool = False
+
+    def engine_max_tokens(self, max_tokens: int | None) -> int | None:
+        """What the engine is asked for: one token, dropped, when only the prompt is scored."""
+        return 1 if self.scores_prompt_only else max_tokens
+
+
+def completion_scores(body: CompletionRequest) -> Scores:
+    """/v1/completions: `logprobs` alternatives for each token, the prompt's too with echo."""
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens: 0 is only allowed with echo=true", param="max_tokens")
+    return Scores(
+        logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if body.echo else None,
+        echo=body.echo,
+        scores_prompt_only=body.max_tokens == 0,
+    )
+
+
+def chat_scores(body: ChatCompletionRequest) -> Scores:
+    """/v1/chat/completions: `top_logprobs` needs `logprobs`."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs is only allowed with logprobs=true", param="top_logprobs")
+    return Scores(logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+
+
+def check_num_choices(num_prompts: int, n: int) -> None:
+    """At most MAX_CHOICES engine requests for one request."""
+    if num_prompts * n > MAX_CHOICES:
+        raise ApiError(
+            400,
+            f"{num_prompts} prompts times n={n} is more than {MAX_CHOICES} choices",
+            param="n",
+        )
+
+
 def _stop_strings(body: CompletionRequest | ChatCompletionRequest) -> tuple[str, ...]:
     if body.stop is None:
         return ()
@@ -119,6 +167,7 @@ def build_sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     vocab_size: int,
+    scores: Scores,
     structured_output: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams; its own checks (e.g. min_tokens <= max_tokens) give 400s."""
@@ -136,9 +185,24 @@ def build_sampling_params(
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
             structured_output=structured_output,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_p=body.min_p,
+            logprobs=scores.logprobs,
+            prompt_logprobs=scores.prompt_logprobs,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
+
+
+def with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:
+    """Choice `offset`'s params: a seeded request's choices draw from seeds seed + offset (as
+    vLLM's), so its n choices differ and each is reproducible."""
+    if params.seed is None:
+        return params
+    seed = params.seed + offset
+    return dataclasses.replace(params, seed=seed if seed <= SEED_MAX else params.seed - offset)
 
 
 def _unsupported(param: str, value: object) -> ApiError:
@@ -148,11 +212,6 @@ def _unsupported(param: str, value: object) -> ApiError:
 
 
 def _check_common_support(body: CompletionRequest | ChatCompletionRequest) -> None:
-    if body.n != 1:
-        raise _unsupported("n", body.n)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise _unsupported(name, getattr(body, name))
     if body.logit_bias:
         raise _unsupported("logit_bias", body.logit_bias)
 
@@ -160,20 +219,12 @@ def _check_common_support(body: CompletionRequest | ChatCompletionRequest) -> No
 def check_completion_support(body: CompletionRequest) -> None:
     """Refuse (400) fields we accept only at their neutral value."""
     _check_common_support(body)
-    if body.echo:
-        raise _unsupported("echo", body.echo)
     if body.suffix is not None:
         raise _unsupported("suffix", body.suffix)
-    if body.best_of not in (None, 1):
+    if body.best_of not in (None, 1, body.n):
         raise _unsupported("best_of", body.best_of)
-    if body.logprobs is not None:
-        raise _unsupported("logprobs", body.logprobs)
 
 
 def check_chat_support(body: ChatCompletionRequest) -> None:
     """Refuse (400) fields we accept only at their neutral value."""
     _check_common_support(body)
-    if body.logprobs:
-        raise _unsupported("logprobs", body.logprobs)
-    if body.top_logprobs is not None:
-        raise _unsupported("top_logprobs", body.top_logprobs)

@@ -2,23 +2,34 @@
 
 Every replica is the same core as a single simulated engine (`runner.build_engine`: its own
 scheduler, policy, KV tiers, cost model and clock), possibly on a different GPU.  One event loop
-keeps them on one time line: the earliest of (the next arrival, the next round of reports, the
-replica whose clock is furthest behind) happens first, so a request is routed at its arrival
-and joins its replica mid-step if that replica is busy.  Every `report_period_s` each replica's
+keeps them on one time line: the earliest of (the next round of reports, a replica joining or
+leaving, a draining replica's deadline, a moved stream landing, the next arrival, the replica
+whose clock is furthest behind) happens first, so a request is routed at its arrival and joins
+its replica mid-step if that replica is busy.  Every `report_period_s` each replica's
 `LoadReport` (tokenflow/core/routing.py) is handed to the router, which decides on reports up
 to a period old plus what it routed since.
+
+Replicas may join and leave (`FleetConfig.changes`).  A leaving replica takes no new request
+and drains: its streams run on for up to `drain_timeout_s` and are then cut.  With migration
+(`FleetConfig.migrate`, tokenflow/core/rebalance.py) the rule runs after every round of reports
+and when a replica leaves: the requests it picks are exported from their replica, and land on
+their target `MOVE_LATENCY_S` later as waiting or paused streams, which the target resumes by
+recompute (its cost model charges the recompute like any other prefill).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tokenflow.core.clock import SimClock
 from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.migration import MOVE_LATENCY_S, StreamState
+from tokenflow.core.rebalance import MigrateMode, Movable, ReplicaLoad, StreamKind, plan_moves
 from tokenflow.core.request import Request
-from tokenflow.core.routing import RouteRequest, load_report, make_router
+from tokenflow.core.routing import LoadReport, Router, RouteRequest, load_report, make_router
 from tokenflow.eval.metrics import MetricsConfig, Summary, summarize
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadRequest, WorkloadSpec
 from tokenflow.sim.runner import (
@@ -31,29 +42,57 @@ from tokenflow.sim.runner import (
 )
 from tokenflow.sim.setups import PAPER_RATES
 
+DRAIN_TIMEOUT_S = 30.0  # as `serve --drain-timeout-s`: a leaving replica's streams are then cut
+
+
+@dataclass(frozen=True)
+class ReplicaJoined:
+    """A replica of `config` joins at `at_s` (it takes requests from then on)."""
+
+    at_s: float
+    config: SimConfig
+
+
+@dataclass(frozen=True)
+class ReplicaLeft:
+    """Replica `replica_id` (`replica-I`, numbered in order of joining) is told to stop."""
+
+    at_s: float
+    replica_id: str
+
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The replicas (one deployment each), the policy they all run, and the report period."""
+    """The replicas (one deployment each), the policy they all run, the report period, the
+    replicas joining and leaving over the run, and what may move between them."""
 
     replicas: tuple[SimConfig, ...]
     policy: str = "tokenflow"
     report_period_s: float = 1.0  # reports reach the router this often (so up to this old)
+    changes: tuple[ReplicaJoined | ReplicaLeft, ...] = ()
+    migrate: MigrateMode = MigrateMode.OFF
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.replicas:
             raise ValueError("a fleet needs at least one replica")
         if self.report_period_s <= 0:
             raise ValueError("report_period_s must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
+        if any(c.at_s < 0 for c in self.changes):
+            raise ValueError("a replica joins or leaves at a time >= 0")
 
 
 @dataclass(frozen=True)
 class FleetResult:
     router: str
     summary: Summary  # over every request of the fleet, as a single engine's
-    num_requests_by_replica: tuple[int, ...]
+    num_requests_by_replica: tuple[int, ...]  # routed to each replica (every one that joined)
     ttft_p99_by_replica_s: tuple[float, ...]
     wall_s: float
+    num_moved: int = 0  # moves made (a request may move more than once)
+    num_cut: int = 0  # streams a leaving replica cut at its drain deadline
 
 
 @dataclass
@@ -61,8 +100,21 @@ class _Replica:
     replica_id: str
     core: EngineCore
     clock: SimClock
+    config: SimConfig
     num_routed: int = 0
     idle_steps: int = 0
+    drain_deadline_s: float | None = None  # set while it drains (it takes no new request)
+    routed_ids: list[str] = field(default_factory=list)  # in the order they were routed
+
+
+@dataclass(order=True)
+class _Landing:
+    """A moved stream on its way to `target_id`."""
+
+    at_s: float
+    order: int  # (the order of the moves: ties by it, never by the state)
+    target_id: str = field(compare=False)
+    state: StreamState = field(compare=False)
 
 
 def run_fleet(
@@ -73,74 +125,221 @@ def run_fleet(
 ) -> FleetResult:
     """Serve `workload` on the fleet behind the named router and measure it as one service."""
     started = time.perf_counter()
-    replicas = [_replica(i, c, config.policy) for i, c in enumerate(config.replicas)]
-    router = make_router(router_name, [r.replica_id for r in replicas])
-    by_id = {r.replica_id: r for r in replicas}
-    pending = deque(sorted(workload, key=lambda w: (w.arrival_s, w.request_id)))
-    requests: dict[str, list[Request]] = {r.replica_id: [] for r in replicas}
-    next_report_s = 0.0
-    while pending or any(r.core.has_work for r in replicas):
-        busy = [r for r in replicas if r.core.has_work]
-        step_s = min((r.clock.now() for r in busy), default=float("inf"))
-        arrival_s = pending[0].arrival_s if pending else float("inf")
-        if next_report_s <= min(step_s, arrival_s):
-            for replica in replicas:  # (a busy replica reports as of its last step)
-                now = max(replica.clock.now(), next_report_s)
-                router.report(replica.replica_id, load_report(replica.core.scheduler.view(now)))
-            next_report_s += config.report_period_s
-        elif arrival_s <= step_s:
-            request = make_request(pending.popleft())
-            replica = by_id[router.choose(RouteRequest.of(request))]
-            if not replica.core.has_work:
-                replica.clock.advance_to(max(replica.clock.now(), request.arrival_s))
-            replica.core.add_request(request)
-            replica.num_routed += 1
-            requests[replica.replica_id].append(request)
-        else:
-            _step(min(busy, key=lambda r: r.clock.now()), pending, config)
-    traces = {rid: [trace_of(r) for r in reqs] for rid, reqs in requests.items()}
+    fleet = _Fleet(config, workload, router_name)
+    fleet.run()
     metrics = metrics_config or MetricsConfig()
-    every = [t for rid in by_id for t in traces[rid]]
+    records = fleet.records
+    traces = {r.replica_id: [trace_of(records[i]) for i in r.routed_ids] for r in fleet.replicas}
+    every = [t for r in fleet.replicas for t in traces[r.replica_id]]
     return FleetResult(
         router=router_name,
         summary=summarize(every, metrics),
-        num_requests_by_replica=tuple(r.num_routed for r in replicas),
+        num_requests_by_replica=tuple(r.num_routed for r in fleet.replicas),
         ttft_p99_by_replica_s=tuple(
             summarize(traces[r.replica_id], metrics).ttft_p99_s if traces[r.replica_id] else 0.0
-            for r in replicas
+            for r in fleet.replicas
         ),
         wall_s=time.perf_counter() - started,
+        num_moved=fleet.num_moved,
+        num_cut=fleet.num_cut,
     )
 
 
-def _replica(index: int, config: SimConfig, policy: str) -> _Replica:
-    core, _ = build_engine(config, policy)
-    return _Replica(f"replica-{index}", core, executor_clock(core))
+class _Fleet:
+    """One run's replicas, router and pending events (see the module docstring)."""
+
+    def __init__(self, config: FleetConfig, workload: list[WorkloadRequest], router: str):
+        self.config = config
+        self.replicas: list[_Replica] = []  # every replica that ever joined, in joining order
+        for replica_config in config.replicas:
+            self._new_replica(replica_config)
+        self.router: Router = make_router(router, [r.replica_id for r in self.replicas])
+        self.pending = deque(sorted(workload, key=lambda w: (w.arrival_s, w.request_id)))
+        changes = sorted(
+            enumerate(config.changes),
+            key=lambda c: (c[1].at_s, isinstance(c[1], ReplicaLeft), c[0]),
+        )
+        self.changes = deque(c for _, c in changes)  # (joins before leaves at one time)
+        self.landings: list[_Landing] = []  # a heap
+        self.records: dict[str, Request] = {}  # each request's latest object (moves replace it)
+        self.landed_s: dict[str, float] = {}  # when each moved request reached its replica
+        self.next_report_s = 0.0
+        self.num_moved = 0
+        self.num_cut = 0
+
+    @property
+    def _live(self) -> list[_Replica]:
+        """The replicas that still hold or take requests."""
+        return [r for r in self.replicas if r.drain_deadline_s is None or r.core.has_work]
+
+    @property
+    def _serving(self) -> list[_Replica]:
+        """The replicas that take requests (not draining)."""
+        return [r for r in self.replicas if r.drain_deadline_s is None]
+
+    def run(self) -> None:
+        """Serve until every request has finished (or been cut)."""
+        while self.pending or self.landings or any(r.core.has_work for r in self.replicas):
+            busy = [r for r in self._live if r.core.has_work]
+            step_s = min((r.clock.now() for r in busy), default=float("inf"))
+            arrival_s = self.pending[0].arrival_s if self.pending else float("inf")
+            change_s = self.changes[0].at_s if self.changes else float("inf")
+            landing_s = self.landings[0].at_s if self.landings else float("inf")
+            deadlines = [r.drain_deadline_s for r in busy if r.drain_deadline_s is not None]
+            deadline_s = min(deadlines, default=float("inf"))
+            first_event_s = min(change_s, deadline_s, landing_s)
+            if self.next_report_s <= min(step_s, arrival_s, first_event_s):
+                self._report_round()
+            elif change_s <= min(step_s, arrival_s, deadline_s, landing_s):
+                self._change(self.changes.popleft())
+            elif deadline_s <= min(step_s, arrival_s, landing_s):
+                self._cut(next(r for r in busy if r.drain_deadline_s == deadline_s))
+            elif landing_s <= min(step_s, arrival_s):
+                self._land(heapq.heappop(self.landings))
+            elif arrival_s <= step_s:
+                self._arrive(make_request(self.pending.popleft()))
+            else:
+                self._step(min(busy, key=lambda r: r.clock.now()))
+
+    # -- events -----------------------------------------------------------------------------
+    def _report_round(self) -> None:
+        for replica in self._serving:  # (a busy replica reports as of its last step)
+            now = max(replica.clock.now(), self.next_report_s)
+            report = load_report(replica.core.scheduler.view(now))
+            self.router.report(replica.replica_id, report)
+        self._rebalance(self.next_report_s)
+        self.next_report_s += self.config.report_period_s
+
+    def _change(self, change: ReplicaJoined | ReplicaLeft) -> None:
+        if isinstance(change, ReplicaJoined):
+            replica = self._new_replica(change.config)
+            replica.clock.advance_to(change.at_s)
+            self.router.add(replica.replica_id)
+            self.router.report(replica.replica_id, self._report(replica, change.at_s))
+            return
+        replica = next((r for r in self._serving if r.replica_id == change.replica_id), None)
+        if replica is None:
+            raise ValueError(f"{change.replica_id} leaves at {change.at_s:g} s but is not serving")
+        replica.drain_deadline_s = change.at_s + self.config.drain_timeout_s
+        self.router.remove(replica.replica_id)
+        self._rebalance(change.at_s)
+
+    def _cut(self, replica: _Replica) -> None:
+        """A draining replica's deadline: whatever it still holds is cut."""
+        for request_id in sorted(replica.core.scheduler.requests):
+            replica.core.abort(request_id)
+            self.num_cut += 1
+
+    def _arrive(self, request: Request) -> None:
+        replica = self._by_id(self.router.choose(RouteRequest.of(request)))
+        self._join(replica, request.arrival_s)
+        replica.core.add_request(request)
+        replica.num_routed += 1
+        replica.routed_ids.append(request.request_id)
+        self.records[request.request_id] = request
+
+    def _land(self, landing: _Landing) -> None:
+        replica = self._by_id(landing.target_id)
+        if replica.drain_deadline_s is not None:  # (the target left meanwhile: route again)
+            route = RouteRequest.of(self.records[landing.state.request_id])
+            replica = self._by_id(self.router.choose(route))
+        self._join(replica, landing.at_s)
+        self.landed_s[landing.state.request_id] = landing.at_s
+        self.records[landing.state.request_id] = replica.core.scheduler.import_stream(landing.state)
+
+    def _step(self, replica: _Replica) -> None:
+        """One step of the replica furthest behind; an empty plan idles it a tick (or to the
+        next arrival), as a single simulated engine does."""
+        now = replica.clock.now()
+        plan, outputs = replica.core.step()
+        replica.idle_steps = 0 if outputs else replica.idle_steps + 1
+        if replica.idle_steps > replica.config.stall_limit_steps:
+            raise SimulationStalled(f"{replica.replica_id}: no token for long at t={now:.2f}s")
+        if plan.is_empty:
+            next_arrival = self.pending[0].arrival_s if self.pending else float("inf")
+            tick_s = replica.config.idle_tick_s
+            replica.clock.advance_to(max(now, min(next_arrival, now + tick_s)))
+
+    # -- moves ------------------------------------------------------------------------------
+    def _rebalance(self, now_s: float) -> None:
+        """Run the rule on the latest reports and the draining replicas' streams, and send
+        its moves."""
+        if self.config.migrate is MigrateMode.OFF:
+            return
+        loads = [self._load(r, now_s) for r in self._live]
+        period_s = self.config.report_period_s
+        for move in plan_moves(loads, self.config.migrate, period_s):
+            source = self._by_id(move.source_id)
+            exported_s = max(source.clock.now(), now_s)
+            state = source.core.scheduler.export_stream(move.request_id)
+            self.router.record(move.target_id, RouteRequest.of(self.records[move.request_id]))
+            landing = _Landing(exported_s + MOVE_LATENCY_S, self.num_moved, move.target_id, state)
+            heapq.heappush(self.landings, landing)
+            self.num_moved += 1
+
+    def _load(self, replica: _Replica, now_s: float) -> ReplicaLoad:
+        scheduler = replica.core.scheduler
+        now = max(replica.clock.now(), now_s)
+        report = self.router.reports.get(replica.replica_id) or self._report(replica, now)
+        kinds = [(scheduler.waiting, StreamKind.QUEUED), (scheduler.preempted, StreamKind.PAUSED)]
+        drain_left_s = None
+        if replica.drain_deadline_s is not None:
+            kinds.append((scheduler.running, StreamKind.RUNNING))
+            drain_left_s = max(replica.drain_deadline_s - now_s, 0.0)
+        movable = tuple(
+            _movable(r, kind, now, self.landed_s.get(r.request_id, r.arrival_s))
+            for queue, kind in kinds
+            for r in queue
+        )
+        routed = tuple(self.router.routed_since.get(replica.replica_id, ()))
+        return ReplicaLoad(replica.replica_id, report, movable, routed, drain_left_s)
+
+    # -- replicas ---------------------------------------------------------------------------
+    def _new_replica(self, config: SimConfig) -> _Replica:
+        core, _ = build_engine(config, self.config.policy)
+        replica = _Replica(f"replica-{len(self.replicas)}", core, executor_clock(core), config)
+        self.replicas.append(replica)
+        return replica
+
+    def _report(self, replica: _Replica, now_s: float) -> LoadReport:
+        return load_report(replica.core.scheduler.view(now_s))
+
+    def _by_id(self, replica_id: str) -> _Replica:
+        return next(r for r in self.replicas if r.replica_id == replica_id)
+
+    @staticmethod
+    def _join(replica: _Replica, at_s: float) -> None:
+        """An idle replica's clock moves up to a request that reaches it at `at_s`."""
+        if not replica.core.has_work:
+            replica.clock.advance_to(max(replica.clock.now(), at_s))
 
 
-def _step(replica: _Replica, pending: deque[WorkloadRequest], config: FleetConfig) -> None:
-    """One step of the replica furthest behind; an empty plan idles it a tick (or to the next
-    arrival), as a single simulated engine does."""
-    now = replica.clock.now()
-    plan, outputs = replica.core.step()
-    replica.idle_steps = 0 if outputs else replica.idle_steps + 1
-    limits = config.replicas[0]
-    if replica.idle_steps > limits.stall_limit_steps:
-        raise SimulationStalled(f"{replica.replica_id}: no token for long at t={now:.2f}s")
-    if plan.is_empty:
-        next_arrival = pending[0].arrival_s if pending else float("inf")
-        replica.clock.advance_to(max(now, min(next_arrival, now + limits.idle_tick_s)))
+def _movable(request: Request, kind: StreamKind, now_s: float, reached_s: float) -> Movable:
+    """What the rule knows of `request`, which reached its replica at `reached_s`."""
+    return Movable(
+        route=RouteRequest.of(request),
+        kind=kind,
+        num_context_tokens=request.num_tokens,
+        num_left_tokens=request.sampling_params.max_tokens - request.num_output_tokens,
+        slack_s=request.slack_s(now_s) if kind is not StreamKind.QUEUED else 0.0,
+        arrival_s=request.arrival_s,
+        queued_s=now_s - reached_s,
+    )
 
 
 # -- presets ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FleetSetup:
-    """A fleet preset: the GPUs of its replicas and the workload."""
+    """A fleet preset: the GPUs of its replicas, the workload, and the replicas that join
+    (copies of the first GPU) or are restarted (replica I leaves at `restarts_at_s[I]`, and a
+    fresh replica of its GPU joins at that moment) during the run."""
 
     name: str
     gpus: tuple[str, ...]
     workload: WorkloadSpec
     description: str
+    joins_at_s: tuple[float, ...] = ()
+    restarts_at_s: tuple[float, ...] = ()
 
 
 _MEMORY = {"h200": (0.3, 512.0), "rtx4090": (0.9, 64.0)}  # as the paper setups (setups.py)
@@ -148,7 +347,9 @@ _MEMORY = {"h200": (0.3, 512.0), "rtx4090": (0.9, 64.0)}  # as the paper setups 
 
 def fleet_setups(seed: int = 0) -> dict[str, FleetSetup]:
     """fleet-h200-burst, fleet-h200-poisson-40, fleet-h200-poisson-80, fleet-mixed-burst: the
-    H200 workload of the paper (inputs 512, outputs 2048, readers at 15/20 tok/s) at 8x."""
+    H200 workload of the paper (inputs 512, outputs 2048, readers at 15/20 tok/s) at 8x;
+    fleet-h200-scaleout (a burst onto 4 H200s, 4 more joining at 60 s) and fleet-h200-rolling
+    (8 H200s under Poisson load, restarted one at a time): replicas joining and leaving."""
 
     def spec(kind: str, n: int, rate: float) -> WorkloadSpec:
         lengths = {m: LengthDist(mean=m, std=m / 4, minimum=16, maximum=2 * m) for m in (512, 2048)}
@@ -170,20 +371,48 @@ def fleet_setups(seed: int = 0) -> dict[str, FleetSetup]:
         FleetSetup(
             "fleet-mixed-burst", mixed, spec("burst", 1840, 1.0), "4 x H200 + 4 x RTX 4090, 1,840"
         ),
+        FleetSetup(
+            "fleet-h200-scaleout",
+            ("h200",) * 4,
+            spec("burst", _SCALEOUT_BURST, 1.0),
+            f"4 x H200, burst of {_SCALEOUT_BURST:,}, 4 more H200 joining at 60 s",
+            joins_at_s=(60.0,) * 4,
+        ),
+        FleetSetup(
+            "fleet-h200-rolling",
+            h200s,
+            spec("poisson", _ROLLING_REQUESTS, _ROLLING_RATE),
+            f"8 x H200, {_ROLLING_RATE:g} req/s, restarted one at a time from 10 s, "
+            f"{_ROLLING_GAP_S:g} s apart",
+            restarts_at_s=tuple(10.0 + _ROLLING_GAP_S * i for i in range(8)),
+        ),
     )
     return {p.name: p for p in presets}
 
 
+_SCALEOUT_BURST = 2400  # 600 per first replica: twice what one holds at once
+_ROLLING_RATE = 40.0  # as fleet-h200-poisson-40: the fleet has room, a restart tests moving
+_ROLLING_REQUESTS = 2400
+_ROLLING_GAP_S = 6.0
+
+
 def fleet_replicas(setup: FleetSetup, base: SimConfig) -> tuple[SimConfig, ...]:
     """One deployment per GPU of the preset: `base` with that GPU's memory split."""
-    configs = []
-    for gpu in setup.gpus:
-        fraction, host_gib = _MEMORY[gpu]
-        configs.append(_with_gpu(base, gpu, fraction, host_gib))
-    return tuple(configs)
+    return tuple(_on_gpu(base, gpu) for gpu in setup.gpus)
 
 
-def _with_gpu(base: SimConfig, gpu: str, fraction: float, host_gib: float) -> SimConfig:
+def fleet_changes(setup: FleetSetup, base: SimConfig) -> tuple[ReplicaJoined | ReplicaLeft, ...]:
+    """The preset's replicas joining and leaving, each new one `base` on its GPU."""
+    joins = [ReplicaJoined(at_s, _on_gpu(base, setup.gpus[0])) for at_s in setup.joins_at_s]
+    restarts: list[ReplicaJoined | ReplicaLeft] = []
+    for index, at_s in enumerate(setup.restarts_at_s):
+        restarts.append(ReplicaLeft(at_s, f"replica-{index}"))
+        restarts.append(ReplicaJoined(at_s, _on_gpu(base, setup.gpus[index])))
+    return (*joins, *restarts)
+
+
+def _on_gpu(base: SimConfig, gpu: str) -> SimConfig:
+    fraction, host_gib = _MEMORY[gpu]
     return replace(base, gpu=gpu, memory_fraction=fraction, host_memory_gib=host_gib)
 
 

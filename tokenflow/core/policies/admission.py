@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import SchedulingView
-from tokenflow.core.policies.pricing import Member, prefill_price_s, unsynced_blocks
+from tokenflow.core.policies.pricing import (
+    Member,
+    outlasts,
+    prefill_hold_s,
+    prefill_price_s,
+    unsynced_blocks,
+)
 from tokenflow.core.request import Request
 
 DemandOf = Callable[[Request], float]  # tokens/s a request asks of the engine
@@ -33,13 +39,22 @@ def working_set_limit(config: TokenFlowConfig, view: SchedulingView, beta_blocks
     return math.ceil(w_static - config.working_set_smoothing * (w_static - num_running))
 
 
-def refilled_prefill_budget_s(interval_s: float, left_s: float, queue_drained: bool) -> float:
-    """Prefill time newcomers may take, a token bucket: each decision adds one interval to what
-    the last left, up to two (prompts over half an interval still start in pairs); a drained
-    queue refills it to one, so a lone arrival starts at once, not at the last queue's pace."""
+def refilled_prefill_budget_s(
+    interval_s: float, left_s: float, *, queue_drained: bool, spare_share: float = 1.0
+) -> float:
+    """Prefill time newcomers may take, a token bucket: each decision adds `spare_share` of one
+    interval to what the last left, up to two intervals (prompts over half an interval still
+    start in pairs); a drained queue refills it to one, so a lone arrival starts at once, not
+    at the last queue's pace.  The share is what the members' readers leave of the engine
+    (`spare_engine_share`): a prefill's steps are taken from their decodes."""
     if queue_drained:
         return max(left_s, interval_s)
-    return interval_s + min(max(left_s, 0.0), interval_s)
+    return spare_share * interval_s + min(max(left_s, 0.0), interval_s)
+
+
+def spare_engine_share(demand_tps: float, gamma_tps: float) -> float:
+    """The share of the engine's time the members' readers leave: 1 - demand / Gamma (>= 0)."""
+    return max(0.0, 1.0 - demand_tps / gamma_tps) if gamma_tps > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -53,30 +68,58 @@ class Admission:
 
 class _PauseQueue:
     """Pauses that free device memory for admission, least utility first (they lose least);
-    each needs host room for its unsynced tail or frees nothing.  Sorted when first asked."""
+    each needs host room for its unsynced tail or frees nothing, and a buffer that outlasts the
+    newcomers' prefill beyond a safe pause: a newcomer's blocks are pinned while it prefills, so
+    a stream paused for it cannot come back sooner.  Sorted when first asked."""
 
     def __init__(self, members: Sequence[Member], view: SchedulingView) -> None:
         self._members = members
-        self._pending: list[Request] | None = None  # still to take, the next one last
+        self._pending: list[Member] | None = None  # still to take, the next one last
         self._host_room = view.kv.num_free_host_blocks
         self._view = view
 
-    def free_blocks(self, shortfall_blocks: int) -> int:
-        """Take pauses until they free `shortfall_blocks` device blocks or none is left;
-        returns the blocks freed (its device blocks, plus the reserve it no longer needs)."""
+    def free_blocks(self, shortfall_blocks: int, hold_s: float) -> int:
+        """Take pauses until they free `shortfall_blocks` device blocks or none is left, each
+        that `outlasts` `hold_s`, the newcomers' prefill (it only grows as they join, so a
+        pause passed over is never taken later); returns the blocks freed
+        (its device blocks, plus the reserve it no longer needs)."""
         if self._pending is None:
             pausable = [m for m in self._members if m.is_pausable]
             pausable.sort(key=lambda m: (m.utility, m.request.sort_key), reverse=True)
-            self._pending = [m.request for m in pausable]
+            self._pending = pausable
         kv, freed = self._view.kv, 0
         while freed < shortfall_blocks and self._pending:
-            paused = self._pending.pop()
+            taken = self._pending.pop()
+            if not outlasts(taken, hold_s):
+                continue
+            paused = taken.request
             tail_blocks = unsynced_blocks(kv, paused)
             if tail_blocks <= self._host_room:
                 self._host_room -= tail_blocks
                 freed += kv.num_device_blocks_of(paused.request_id)
                 freed += self._view.reserve_blocks(paused)
         return freed
+
+
+class _Returns:
+    """The paused members by when their readers run dry, soonest first: those that run dry
+    within a newcomers' prefill (plus `margin_s`) must find their room when it ends, so
+    admission keeps it for them (their blocks pinned, a newcomer would strand them)."""
+
+    def __init__(self, members: Sequence[Member], view: SchedulingView, margin_s: float) -> None:
+        paused = [m.request for m in members if not m.is_resident]
+        now_s = view.now_s
+        self._pending = sorted(paused, key=lambda r: (r.slack_s(now_s), r.sort_key), reverse=True)
+        self._view, self._margin_s = view, margin_s
+
+    def blocks_due(self, hold_s: float) -> int:
+        """Device blocks of the paused members not yet counted whose readers run dry within
+        `hold_s` + the margin (it only grows, so each is counted once)."""
+        view, blocks = self._view, 0
+        deadline_s = view.now_s + hold_s + self._margin_s
+        while self._pending and self._pending[-1].dry_s < deadline_s:
+            blocks += view.start_blocks(self._pending.pop())
+        return blocks
 
 
 def admit(
@@ -86,12 +129,16 @@ def admit(
     spare_rate_tps: float,
     demand_of: DemandOf,
     prefill_budget_s: float,
+    margin_s: float = 0.0,
 ) -> Admission:
     """Waiting requests that join (see the module docstring).  An empty working set always
-    takes the head, whatever its rate; the first newcomer always fits the prefill budget."""
+    takes the head, whatever its rate; the first newcomer always fits the prefill budget.
+    Room is kept for the paused members that run dry before the newcomers' prefill ends
+    (`margin_s`: how long before running dry a resume is needed)."""
     size = len(members)
     free = view.kv.num_free_device_blocks - view.num_reserved_blocks
     pauses = _PauseQueue(members, view)
+    returns = _Returns(members, view, margin_s)
     admitted: list[Request] = []
     rate = tokens = 0
     for request in view.waiting:
@@ -101,9 +148,11 @@ def admit(
         batch_tokens = tokens + request.num_tokens
         if admitted and prefill_price_s(view, batch_tokens) > prefill_budget_s:
             break
+        hold_s = prefill_hold_s(view, batch_tokens)
         need = view.start_blocks(request)
+        free -= returns.blocks_due(hold_s)
         if need > free:
-            free += pauses.free_blocks(need - free)
+            free += pauses.free_blocks(need - free, hold_s)
             if need > free:
                 break
         free -= need + view.reserve_blocks(request)
@@ -121,14 +170,17 @@ def waiting_within_budget(
     has_other_work: bool,
 ) -> list[Request]:
     """Between decisions: the head of the waiting queue that fits the rate and prefill budgets
-    the last decision left (their prefills start together).  An idle engine (no other work)
-    always takes the head."""
+    the last decision left (their prefills start together; the first fits any budget left, as
+    the first newcomer of a decision fits any budget).  An idle engine (no other work) always
+    takes the head."""
     waiting: list[Request] = []
     tokens = 0
     for request in view.waiting:
         idle = not (waiting or has_other_work)
-        prefill_s = prefill_price_s(view, tokens + request.num_tokens)
+        prefill_s = prefill_price_s(view, tokens + request.num_tokens) if waiting else 0.0
         if not idle and (demand_of(request) > spare_rate_tps or prefill_s > prefill_budget_s):
+            break
+        if not idle and not waiting and prefill_budget_s <= 0.0:
             break
         spare_rate_tps -= demand_of(request)
         tokens += request.num_tokens

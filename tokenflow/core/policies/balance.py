@@ -1,6 +1,7 @@
 """Buffer balancing (paper section 4.2, step 2): which members are on the device next.
 
-Members are taken greedily in priority order while device memory and max_num_seqs allow:
+Members are taken greedily in priority order while device memory and `max_seqs` (the paced
+batch, `capacity.paced_batch`) allow, pinned members whatever the batch:
 
 - pinned members first (resident and not safely pausable: they stay whatever else holds),
   except that decoding eager and batch streams yield, latest first, to a paused reader about to
@@ -13,7 +14,9 @@ Members are taken greedily in priority order while device memory and max_num_seq
 - or, when the working set is over capacity (`by_arrival`, section 4.3: degrade to first come,
   first served), streams about to stall before the others, each group by arrival.
 
-Resumes of paused members share `resume_budget_s` of link (or recompute) time per decision, so
+A newcomer ranked after a paused reader about to run dry that found no room is not picked (it
+would take that room).  Resumes of paused members share `resume_budget_s` of link (or
+recompute) time per decision, so
 rotation never asks more of the link than it moves in an interval; a resume that does not fit
 waits for the next decision (the first one always fits).
 """
@@ -30,14 +33,14 @@ def utility_order(m: Member) -> tuple:
     r = m.request
     is_newcomer = not r.output_token_ids
     tie = r.arrival_s if is_newcomer else -r.rate_tps
-    key = (not m.is_pinned, not m.is_overdue, -m.utility, is_newcomer, tie)
-    return (*key, r.arrival_s, r.arrival_index)
+    key = (not m.is_pinned, not m.is_overdue, not m.is_urgent, -m.utility, is_newcomer, tie)
+    return (*key, r.sort_key)
 
 
 def arrival_order(m: Member) -> tuple:
     """The balancer's rank of `m` when degraded to first come, first served."""
     r = m.request
-    return (not m.is_pinned, not m.is_overdue, not m.is_urgent, r.arrival_s, r.arrival_index)
+    return (not m.is_pinned, not m.is_overdue, not m.is_urgent, r.sort_key)
 
 
 def select(
@@ -51,15 +54,21 @@ def select(
     order = sorted(members, key=arrival_order if by_arrival else utility_order)
     picked: list[Member] = []
     used_blocks, resume_s = 0, 0.0
+    newcomers_blocked = False
     for m in order:
-        if len(picked) >= max_seqs:
-            break
+        if len(picked) >= max_seqs and not m.is_pinned:
+            continue  # (a pinned member stays: leaving it out would pause it)
         if m.resume_s > 0.0 and resume_s > 0.0 and resume_s + m.resume_s > resume_budget_s:
+            continue
+        if newcomers_blocked and not m.request.output_token_ids:
             continue
         shortfall = used_blocks + m.footprint_blocks - capacity_blocks
         if not m.is_pinned and shortfall > 0:
             yielding = _yielding_for(m, picked, shortfall)
             if not yielding:
+                # A newcomer never takes the room a paused reader about to run dry waits for:
+                # its prefill would pin that room for longer than the reader's buffer lasts.
+                newcomers_blocked |= m.is_urgent and not m.is_resident
                 continue
             picked = [p for p in picked if p not in yielding]
             used_blocks -= sum(p.footprint_blocks for p in yielding)

@@ -94,7 +94,7 @@ class SchedulingView:
         """Blocks kept free for a request's future tokens (SGLang's new-token ratio); the
         scheduler keeps the residents' reserve as `num_reserved_blocks` (their remaining
         max_tokens summed in tokens, then rounded up to blocks, as SGLang does)."""
-        remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+        remaining = request.num_remaining_output_tokens
         return self.kv.blocks_for(int(remaining * self.new_token_ratio))
 
 
@@ -137,27 +137,28 @@ class Policy:
 
 def fcfs_starts(
     view: SchedulingView,
-    include_waiting: bool = True,
     max_prefill_tokens: int | None = None,
     candidates: Sequence[Request] | None = None,
+    max_num_seqs: int | None = None,
 ) -> list[Start]:
     """Starts while they fit beside the reserve of every resident request.
 
-    Candidates default to the preempted and (if `include_waiting`) waiting requests in arrival
-    order.  Strict order: stops at the first candidate that does not fit (no overtaking).  The
-    prefill tokens started together are capped by `max_prefill_tokens` (default: the config's).
+    Candidates default to the preempted and waiting requests in arrival order.  Strict order:
+    stops at the first candidate that does not fit (no overtaking).  The prefill tokens started
+    together are capped by `max_prefill_tokens`, the residents by `max_num_seqs` (defaults:
+    the config's).
     """
     if max_prefill_tokens is None:
         max_prefill_tokens = view.config.max_prefill_tokens
+    if max_num_seqs is None:
+        max_num_seqs = view.config.max_num_seqs
     if candidates is None:
-        candidates = list(view.preempted)
-        if include_waiting:
-            # Both queues are in arrival order: with none paused (most steps of a baseline)
-            # the merge is the waiting queue itself.
-            if candidates:
-                candidates = sorted([*candidates, *view.waiting], key=lambda r: r.sort_key)
-            else:
-                candidates = view.waiting
+        # Both queues are in arrival order: with none paused (most steps of a baseline) the
+        # merge is the waiting queue itself.
+        if view.preempted:
+            candidates = sorted([*view.preempted, *view.waiting], key=lambda r: r.sort_key)
+        else:
+            candidates = view.waiting
     if not candidates or view.start_blocks(candidates[0]) > view.kv.num_free_device_blocks:
         return []  # cheap exit before summing the reserve: the head does not fit anyway
     free = view.kv.num_free_device_blocks - view.num_reserved_blocks
@@ -168,7 +169,7 @@ def fcfs_starts(
         start = view.start_for(request)
         need = view.start_blocks(request)
         tokens = 0 if start.by_load else request.num_tokens
-        if num_resident >= view.config.max_num_seqs:
+        if num_resident >= max_num_seqs:
             break
         if need + view.reserve_blocks(request) > free:
             break

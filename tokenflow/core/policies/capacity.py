@@ -62,6 +62,26 @@ def measure_capacity(view: SchedulingView, beta: float | None = None) -> Capacit
     return Capacity(gamma, batch, beta)
 
 
+def paced_batch(view: SchedulingView, requests: Iterable[Request], demand_tps: float) -> int:
+    """The most streams one decode step may hold: the largest batch whose predicted step keeps
+    one token per step within the fastest started reader among `requests` (a reader faster than
+    the engine's per-stream rate stalls however the device is shared, and each stream added
+    slows every step), or, if larger, the smallest batch that generates `demand_tps` (a pace
+    that leaves the readers' total rate unserved stalls them all).  At least 1; max_num_seqs
+    when no started reader has a finite rate."""
+    limit = view.config.max_num_seqs
+    rates = [r.rate_tps for r in requests if r.is_reader and r.output_token_ids]
+    if not rates:
+        return limit
+    step_s, estimator = 1.0 / max(rates), view.estimator
+    batch = 1
+    while batch < limit and (
+        estimator.decode_time_s(batch + 1) <= step_s or estimator.capacity_tps(batch) < demand_tps
+    ):
+        batch += 1
+    return batch
+
+
 class CapacityFloor:
     """The lower median of Gamma over the last `window_s` of decisions: what admission trusts.
     One high estimate would admit a whole burst whose readers then stall; so a rise is trusted

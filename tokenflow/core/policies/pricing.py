@@ -39,7 +39,7 @@ def lifetime_blocks(request: Request, block_size: int) -> int:
 def interval_footprint_blocks(request: Request, growth_tokens: int, block_size: int) -> int:
     """Device blocks that hold a stream through the next interval: its tokens plus what it
     generates meanwhile (at most its remaining budget, at least one token)."""
-    remaining = request.sampling_params.max_tokens - len(request.output_token_ids)
+    remaining = request.num_remaining_output_tokens
     ahead = growth_tokens if growth_tokens < remaining else remaining
     return -(-(request.num_tokens + (ahead if ahead > 1 else 1)) // block_size)
 
@@ -81,6 +81,22 @@ def prefill_price_s(view: SchedulingView, num_tokens: int) -> float:
     return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
 
 
+def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
+    """Wall time until `num_new_tokens` more prompt tokens are prefilled behind the residents'
+    prompt tokens still to compute: steps of the recent prefill chunk (at most
+    max_prefill_tokens), each with the residents' decodes.  (An engine that budgets its steps
+    chunks every prompt; pricing the tokens as one prefill would miss those steps.)"""
+    if num_new_tokens <= 0:
+        return 0.0
+    est, running = view.estimator, view.running
+    ahead = sum(r.num_tokens - r.num_computed_tokens for r in running if r.is_prefilling)
+    chunk = max(1, int(min(est.prefill_step_tokens or math.inf, view.config.max_prefill_tokens)))
+    tokens = ahead + num_new_tokens
+    num_steps = -(-tokens // chunk)
+    decode_s = est.decode_time_s(len(running) or 1)
+    return num_steps * decode_s + est.prefill_batch_time_s(tokens, chunk)
+
+
 def seconds_per_block(view: SchedulingView) -> float:
     """Link time of one block, one direction."""
     return view.kv.config.block_bytes / view.config.link_bytes_per_s
@@ -96,14 +112,21 @@ class Prices:
     least_pause_threshold_s: float  # `pause_threshold_s` of a stream with no blocks
 
     @classmethod
-    def of(cls, config: TokenFlowConfig, view: SchedulingView) -> Prices:
+    def at(cls, config: TokenFlowConfig, view: SchedulingView) -> Prices:
+        """The prices in `view`'s state."""
         per_block_s = seconds_per_block(view)
         resume_s = {
             r.request_id: resume_price_s(r, view.kv, per_block_s, view.estimator)
             for r in view.preempted
         }
         queue_s = sum(resume_s.values())
-        least_s = pause_threshold_s(config, 0, 0, per_block_s, queue_s)
+        least_s = pause_threshold_s(
+            config,
+            num_blocks=0,
+            num_unsynced_blocks=0,
+            seconds_per_block=per_block_s,
+            resume_queue_s=queue_s,
+        )
         return cls(per_block_s, resume_s, queue_s, least_s)
 
 
@@ -115,10 +138,16 @@ class Member:
     utility: float
     footprint_blocks: int  # device blocks to hold it through the next interval
     is_resident: bool  # on the device now (running or loading)
-    is_pausable: bool  # decoding, and its buffer covers a safe pause (with host room)
+    # Seconds of reading buffered beyond a safe pause (`pause_margin_s`); -inf: not pausable
+    pause_margin_s: float
     is_urgent: bool  # started, and its reader runs dry within the critical slack
     is_overdue: bool  # started, and its reader has stalled for max_stall_s or longer
     resume_s: float  # time to bring a paused member back (0 unless paused)
+
+    @property
+    def is_pausable(self) -> bool:
+        """Decoding, and its buffer covers a safe pause (with host room)."""
+        return self.pause_margin_s >= 0.0
 
     @property
     def is_pinned(self) -> bool:
@@ -131,23 +160,35 @@ def unsynced_blocks(kv: KVState, r: Request) -> int:
     return kv.blocks_for(r.num_computed_tokens) - kv.synced_tokens(r.request_id) // kv.block_size
 
 
-def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices) -> bool:
-    """A running, decoding stream whose buffer covers `pause_threshold_s`, and whose unsynced
-    tail finds host room (else the pause would drop its KV and cost a recompute)."""
-    return _is_pausable(config, view, r, r.buffered_s(view.now_s), prices)
-
-
-def _is_pausable(
-    config: TokenFlowConfig, view: SchedulingView, r: Request, buffered_s: float, prices: Prices
-) -> bool:
+def pause_margin_s(
+    config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices
+) -> float:
+    """Seconds of reading a running, decoding stream has buffered beyond `pause_threshold_s`;
+    -inf when it does not decode, its buffer is short of the threshold, or its unsynced tail
+    finds no host room (the pause would drop its KV and cost a recompute)."""
+    buffered_s = r.buffered_s(view.now_s)
     if not r.is_decoding or buffered_s < prices.least_pause_threshold_s:
-        return False  # (the threshold only grows with the stream's blocks)
+        return -math.inf  # (the threshold only grows with the stream's blocks)
     kv = view.kv
     blocks, unsynced = kv.blocks_for(r.num_computed_tokens), unsynced_blocks(kv, r)
     threshold_s = pause_threshold_s(
         config, blocks, unsynced, prices.seconds_per_block, prices.resume_queue_s
     )
-    return unsynced <= kv.num_free_host_blocks and buffered_s >= threshold_s
+    if unsynced > kv.num_free_host_blocks or buffered_s < threshold_s:
+        return -math.inf
+    return buffered_s - threshold_s
+
+
+def is_pausable(config: TokenFlowConfig, view: SchedulingView, r: Request, prices: Prices) -> bool:
+    """Whether `r` may be paused safely: a `pause_margin_s` of at least zero."""
+    return pause_margin_s(config, view, r, prices) >= 0.0
+
+
+def outlasts(m: Member, hold_s: float) -> bool:
+    """Whether `m` may be paused for newcomers whose prefill ends in `hold_s`
+    (`prefill_hold_s`): its buffer covers a safe pause plus that wait (their blocks are pinned
+    while they prefill, so a stream paused for them cannot come back sooner)."""
+    return m.pause_margin_s >= hold_s
 
 
 def member(
@@ -163,7 +204,7 @@ def member(
         utility=utility(config, buffered_s, resident),
         footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size),
         is_resident=resident,
-        is_pausable=_is_pausable(config, view, r, buffered_s, prices),
+        pause_margin_s=pause_margin_s(config, view, r, prices),
         is_urgent=started and slack_s < config.critical_slack_s,
         is_overdue=started and slack_s <= -config.max_stall_s,
         resume_s=prices.resume_s[r.request_id] if state is _PREEMPTED else 0.0,

@@ -19,20 +19,26 @@ of Gamma, and yield the device only to a paused reader about to run dry (`balanc
 
 Between decisions the decided starts are carried out as memory frees; free memory then goes to
 the paused streams nearest to running dry, then to waiting requests within the rate and prefill
-budgets the last decision left (memory-aware FCFS; a drained queue refills the prefill budget).
+budgets the last decision left (memory-aware FCFS; a drained queue refills the prefill budget),
+never past the last decision's paced batch (`capacity.paced_batch`).  When every paused and
+waiting request fits the device and all readers' rates fit Gamma, they all start at once, as
+under FCFS: there is no decision to make.
+
 Write-through copies go largest buffer first (section 5: the likeliest paused is synced first).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from operator import attrgetter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.policies.admission import (
+    DemandOf,
     admit,
     refilled_prefill_budget_s,
+    spare_engine_share,
     waiting_within_budget,
     working_set_limit,
 )
@@ -49,14 +55,57 @@ from tokenflow.core.policies.capacity import (
     Capacity,
     CapacityFloor,
     measure_capacity,
+    paced_batch,
     reader_demand_tps,
 )
-from tokenflow.core.policies.pricing import Member, Prices, is_pausable, member, prefill_price_s
+from tokenflow.core.policies.pricing import (
+    Member,
+    Prices,
+    is_pausable,
+    member,
+    outlasts,
+    prefill_hold_s,
+    prefill_price_s,
+)
 from tokenflow.core.policies.resume import queued_io_blocks, resume_start
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _OFF_DEVICE = (RequestState.WAITING, RequestState.PREEMPTED)
-_DRY_THEN_ARRIVAL = attrgetter("dry_s", "arrival_s", "arrival_index")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the last decision left for the steps until the next one."""
+
+    next_decision_s: float = 0.0  # no new decision before this time
+    preemptions: tuple[Preemption, ...] = ()  # its pauses (carried out when it was made)
+    # Its starts not carried out yet, with their requests (a start whose request has started
+    # or finished since is dropped).
+    starts: tuple[Start, ...] = ()
+    start_requests: Mapping[str, Request] = field(default_factory=dict)
+    spare_rate_tps: float = 0.0  # reading rate waiting requests may still add
+    rate_cap_tps: float = math.inf  # the most one reader's rate counts for
+    max_batch: int = 1 << 30  # the most streams on the device (`capacity.paced_batch`)
+    prefill_budget_s: float = 0.0  # prefill time newcomers may still take this interval
+
+    @property
+    def moves(self) -> Moves:
+        """The moves it makes when it is made."""
+        return Moves(preemptions=self.preemptions, starts=self.starts)
+
+    def demand_tps(self, request: Request) -> float:
+        """What `request`'s reader asks of the engine, capped as the decision measured."""
+        return reader_demand_tps(request, self.rate_cap_tps)
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """Admission's answer: who joins, and the budgets left for arrivals before the next
+    decision."""
+
+    requests: list[Request]
+    spare_rate_tps: float
+    prefill_budget_s: float
 
 
 class TokenFlowPolicy(Policy):
@@ -66,13 +115,8 @@ class TokenFlowPolicy(Policy):
 
     def __init__(self, config: TokenFlowConfig) -> None:
         self.config = config
-        self._next_decision_s = 0.0
-        self._targets: list[Start] = []  # the last decision's starts not carried out yet
-        self._target_requests: dict[str, Request] = {}  # (their requests, by id)
-        self._spare_rate_tps = 0.0  # reading rate waiting requests may still add
-        self._rate_cap_tps = math.inf  # the most one reader's rate counts for
-        self._prefill_budget_s = 0.0  # prefill time newcomers may still take this interval
-        self._capacity_floor = CapacityFloor(config.capacity_window_s)
+        self.last_decision = Decision()
+        self._capacity_floor = CapacityFloor(config.capacity_window_s)  # recent Gammas
         self.num_decisions = 0
         self.num_degraded_decisions = 0
 
@@ -83,14 +127,37 @@ class TokenFlowPolicy(Policy):
         return max(ratio, config.min_new_token_ratio)
 
     def plan_moves(self, view: SchedulingView) -> Moves:
-        """A full decision at interval boundaries under stress; otherwise carry out the last one."""
+        """Room for everyone: FCFS; else a full decision at interval boundaries under stress,
+        and between them carry out the last one."""
+        last = self.last_decision
+        if (view.waiting or view.preempted) and (everyone := self._room_for_everyone(view)):
+            if view.now_s >= last.next_decision_s:  # (in place of the decision due)
+                next_s = view.now_s + self.config.schedule_interval_s
+                self.last_decision = replace(last, next_decision_s=next_s)
+            return Moves(starts=tuple(everyone))
         if not view.waiting:
-            interval_s, left_s = self.config.schedule_interval_s, self._prefill_budget_s
-            self._prefill_budget_s = refilled_prefill_budget_s(interval_s, left_s, True)
-        if view.now_s >= self._next_decision_s and self.is_stressed(view):
-            self._next_decision_s = view.now_s + self.config.schedule_interval_s
-            return self.decide(view)
-        return Moves(starts=tuple(self._starts_between_decisions(view)))
+            refilled_s = refilled_prefill_budget_s(
+                self.config.schedule_interval_s, last.prefill_budget_s, queue_drained=True
+            )
+            last = replace(last, prefill_budget_s=refilled_s)
+        if view.now_s >= last.next_decision_s and self.is_stressed(view):
+            self.last_decision = self.decide(view, last)
+            return self.last_decision.moves
+        self.last_decision, starts = self._between_decisions(view, last)
+        return Moves(starts=tuple(starts))
+
+    def _room_for_everyone(self, view: SchedulingView) -> list[Start]:
+        """Every paused and waiting request's start when all fit the device beside the
+        residents' reserve and all readers' rates fit `capacity_headroom` x Gamma: then FCFS
+        serves them all at once, and no pause or pacing would buy any reader anything; else
+        none."""
+        everyone = fcfs_starts(view)
+        if len(everyone) < len(view.waiting) + len(view.preempted):
+            return []
+        capacity = measure_capacity(view)
+        requests = (*view.running, *view.preempted, *view.waiting)
+        fits = capacity.demand_tps(requests) <= self.config.capacity_headroom * capacity.gamma_tps
+        return everyone if fits else []
 
     def is_stressed(self, view: SchedulingView) -> bool:
         """Some request waits, or some started stream's reader is close to running dry."""
@@ -100,36 +167,46 @@ class TokenFlowPolicy(Policy):
         started = [*view.preempted, *(r for r in view.running if r.output_token_ids)]
         return any(r.slack_s(now) < critical_s for r in started)
 
-    def decide(self, view: SchedulingView) -> Moves:
-        """One scheduling decision: capacity, admission, balancing, resume modes."""
+    def decide(self, view: SchedulingView, last: Decision | None = None) -> Decision:
+        """One scheduling decision: capacity, admission, balancing, resume modes (`last`: the
+        decision before it, whose prefill budget carries over; default the policy's last)."""
+        last = self.last_decision if last is None else last
         self.num_decisions += 1
         cfg = self.config
         growth = self.growth_tokens(view)
-        prices = Prices.of(self.config, view)
+        prices = Prices.at(self.config, view)
         started_requests = (*view.running, *view.preempted)
         started = [member(cfg, view, r, growth, prices) for r in started_requests]
         capacity = measure_capacity(view)
-        self._rate_cap_tps = capacity.rate_cap_tps
         demand_tps = capacity.demand_tps(started_requests)
         degraded = demand_tps > capacity.gamma_tps
         self.num_degraded_decisions += int(degraded)
-        admitted = self._admission(view, started, capacity, demand_tps, degraded)
-        newcomers = [member(cfg, view, r, growth, prices) for r in admitted]
+        admitted = self._admission(view, last, capacity, demand_tps, degraded, started)
+        newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
+        hold_s = prefill_hold_s(view, sum(r.num_tokens for r in admitted.requests))
+        kept = [m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf) for m in started]
+        max_batch = paced_batch(view, started_requests, demand_tps)
         selected = select(
-            [*started, *newcomers],
+            [*kept, *newcomers],
             view.kv.config.num_device_blocks,
-            view.config.max_num_seqs,
+            max_batch,
             by_arrival=degraded,
             resume_budget_s=cfg.schedule_interval_s,
         )
         chosen = {m.request.request_id for m in selected}
         left_out = [r for r in view.running if r.request_id not in chosen]
-        preemptions = tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in left_out)
         queued = queued_io_blocks(view)
         resumed = [m.request for m in selected if not m.is_resident]
-        self._targets = [resume_start(view, r, queued) for r in resumed]
-        self._target_requests = {r.request_id: r for r in resumed}
-        return Moves(preemptions=preemptions, starts=tuple(self._targets))
+        return Decision(
+            next_decision_s=view.now_s + cfg.schedule_interval_s,
+            preemptions=tuple(Preemption(r.request_id, PreemptMode.OFFLOAD) for r in left_out),
+            starts=tuple(resume_start(view, r, queued) for r in resumed),
+            start_requests={r.request_id: r for r in resumed},
+            spare_rate_tps=admitted.spare_rate_tps,
+            rate_cap_tps=capacity.rate_cap_tps,
+            max_batch=max_batch,
+            prefill_budget_s=admitted.prefill_budget_s,
+        )
 
     def growth_tokens(self, view: SchedulingView) -> int:
         """Tokens a running stream gains in one interval at the current step time."""
@@ -137,74 +214,103 @@ class TokenFlowPolicy(Policy):
             self.config.schedule_interval_s / view.estimator.decode_time_s(len(view.running) or 1)
         )
 
-    def _demand_tps(self, request: Request) -> float:
-        return reader_demand_tps(request, self._rate_cap_tps)
-
     # -- admission and the overload rule ---------------------------------------------------------
     def _admission(
         self,
         view: SchedulingView,
-        started: list[Member],
+        last: Decision,
         capacity: Capacity,
         demand_tps: float,
         degraded: bool,
-    ) -> list[Request]:
-        """The waiting requests admitted; sets the budgets left for starts between decisions."""
+        started: list[Member],
+    ) -> _Admitted:
+        """The waiting requests admitted, and the budgets left for starts between decisions."""
         trusted_tps = self._capacity_floor.observe(view.now_s, capacity.gamma_tps)
-        self._spare_rate_tps = 0.0
-        queue_fits = self._queue_fits(view, trusted_tps, demand_tps)
+        cap_tps = capacity.rate_cap_tps
+
+        def demand_of(request: Request) -> float:
+            return reader_demand_tps(request, cap_tps)
+
+        queue_fits = self._queue_fits(view, trusted_tps, demand_tps, demand_of)
         if degraded and not queue_fits:
-            return []
+            return _Admitted([], spare_rate_tps=0.0, prefill_budget_s=last.prefill_budget_s)
         cfg = self.config
         headroom = cfg.queue_headroom if queue_fits else cfg.capacity_headroom
         spare_tps = headroom * trusted_tps - demand_tps
-        self._spare_rate_tps = max(spare_tps, 0.0)  # (for arrivals before the next decision)
-        if not view.waiting:
-            return []  # (and the last decision's prefill budget stands)
-        limit = working_set_limit(cfg, view, capacity.beta_blocks)
-        budget_s = refilled_prefill_budget_s(cfg.schedule_interval_s, self._prefill_budget_s, False)
-        admission = admit(view, started, limit, spare_tps, self._demand_tps, budget_s)
-        self._prefill_budget_s = admission.prefill_budget_s
-        self._spare_rate_tps = max(spare_tps - admission.rate_tps, 0.0)
-        return admission.requests
+        if not view.waiting:  # (the last decision's prefill budget stands)
+            return _Admitted([], max(spare_tps, 0.0), last.prefill_budget_s)
+        budget_s = refilled_prefill_budget_s(
+            cfg.schedule_interval_s,
+            last.prefill_budget_s,
+            queue_drained=False,
+            spare_share=spare_engine_share(demand_tps, trusted_tps),
+        )
+        admission = admit(
+            view,
+            members=started,
+            limit=working_set_limit(cfg, view, capacity.beta_blocks),
+            spare_rate_tps=spare_tps,
+            demand_of=demand_of,
+            prefill_budget_s=budget_s,
+            margin_s=cfg.critical_slack_s,
+        )
+        return _Admitted(
+            admission.requests,
+            spare_rate_tps=max(spare_tps - admission.rate_tps, 0.0),
+            prefill_budget_s=admission.prefill_budget_s,
+        )
 
-    def _queue_fits(self, view: SchedulingView, gamma_tps: float, demand_tps: float) -> bool:
+    def _queue_fits(
+        self, view: SchedulingView, gamma_tps: float, demand_tps: float, demand_of: DemandOf
+    ) -> bool:
         """Whether members and queue ask at most `queue_headroom` x Gamma, where that is more
         than `capacity_headroom` allows: then the whole queue may join, even past Gamma."""
         room_tps = self.config.queue_headroom * gamma_tps - demand_tps
         wider = room_tps > self.config.capacity_headroom * gamma_tps - demand_tps
-        return wider and sum(map(self._demand_tps, view.waiting)) <= room_tps
+        return wider and sum(map(demand_of, view.waiting)) <= room_tps
 
     # -- between decisions -----------------------------------------------------------------------
-    def _starts_between_decisions(self, view: SchedulingView) -> list[Start]:
-        """The last decision's starts not yet carried out; else work-conserving starts."""
-        requests = self._target_requests  # (started or finished since the decision: dropped)
-        self._targets = [s for s in self._targets if requests[s.request_id].state in _OFF_DEVICE]
-        if self._targets:
-            return list(self._targets)
+    def _between_decisions(
+        self, view: SchedulingView, last: Decision
+    ) -> tuple[Decision, list[Start]]:
+        """The last decision's starts not yet carried out; else work-conserving starts within
+        its budgets.  Returns the decision as these starts leave it, and the starts."""
+        requests = last.start_requests
+        pending = tuple(s for s in last.starts if requests[s.request_id].state in _OFF_DEVICE)
+        if pending:
+            return replace(last, starts=pending), list(pending)
+        last = replace(last, starts=(), start_requests={})
         if view.kv.num_free_device_blocks == 0:
-            return []
+            return last, []
         # (a paused stream gains no tokens: by when its reader runs dry is by slack)
-        preempted = sorted(view.preempted, key=_DRY_THEN_ARRIVAL)
+        preempted = sorted(view.preempted, key=lambda r: (r.dry_s, r.sort_key))
         has_other_work = bool(view.running or preempted)
         waiting = waiting_within_budget(
-            view, self._spare_rate_tps, self._prefill_budget_s, self._demand_tps, has_other_work
+            view, last.spare_rate_tps, last.prefill_budget_s, last.demand_tps, has_other_work
         )
-        starts = fcfs_starts(view, candidates=preempted + waiting)
+        starts = fcfs_starts(view, candidates=preempted + waiting, max_num_seqs=last.max_batch)
         new = waiting[: max(len(starts) - len(preempted), 0)]
         if new:
-            self._spare_rate_tps -= sum(map(self._demand_tps, new))
-            self._prefill_budget_s -= prefill_price_s(view, sum(r.num_tokens for r in new))
-        return starts
+            last = replace(
+                last,
+                spare_rate_tps=last.spare_rate_tps - sum(map(last.demand_tps, new)),
+                prefill_budget_s=last.prefill_budget_s
+                - prefill_price_s(view, sum(r.num_tokens for r in new)),
+            )
+        return last, starts
 
     # -- mechanism hooks -------------------------------------------------------------------------
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
-        """Offload the pausable stream with the most reading buffered; else SGLang's rule."""
-        prices = Prices.of(self.config, view)
+        """Offload the pausable stream with the most reading buffered; else the decoding one
+        with the most (its KV goes to the host, or is dropped when the host has no room: a
+        recompute of a long prompt costs seconds of every stream's steps, a reload a few
+        blocks of link); else SGLang's rule."""
+        prices = Prices.at(self.config, view)
         pausable = [r for r in candidates if is_pausable(self.config, view, r, prices)]
-        if not pausable:
+        decoding = pausable or [r for r in candidates if r.is_decoding]
+        if not decoding:
             return super().choose_oom_victim(candidates, view)
-        victim = max(pausable, key=lambda r: (r.slack_s(view.now_s), r.sort_key))
+        victim = max(decoding, key=lambda r: (r.slack_s(view.now_s), r.sort_key))
         return Preemption(victim.request_id, PreemptMode.OFFLOAD)
 
     def write_through_order(
@@ -216,4 +322,4 @@ class TokenFlowPolicy(Policy):
             return []
         now = view.now_s
         running = [r for r in pending if r.state is RequestState.RUNNING]
-        return sorted(running, key=lambda r: (-r.slack_s(now), r.arrival_s, r.arrival_index))
+        return sorted(running, key=lambda r: (-r.slack_s(now), r.sort_key))

@@ -51,7 +51,6 @@ class LlamaCppExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan's chunks in one llama_decode call; sample; return the tokens."""
-        self.sampler.release(plan.released_request_ids)
         self.last_failed_rows = {}
         for request_id in plan.released_request_ids:
             self._forget(request_id)

@@ -193,9 +193,7 @@ class PolicyBridge:
             self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         preempted = sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs)
-        remaining = sum(
-            r.sampling_params.max_tokens - r.num_output_tokens for r in mirrored_running
-        )
+        remaining = sum(r.num_remaining_output_tokens for r in mirrored_running)
         return SchedulingView(
             now_s=now_s,
             running=sorted(mirrored_running, key=_fcfs),

@@ -1,33 +1,14 @@
-"""Reliability probe: does one bad request ever hurt another on a live TokenFlow server?
+"""What the reliability suite sends and how it tells an answer from a lost request.
 
-Starts `tokenflow serve` itself (embedded SmolLM2 unless --serve-args say otherwise) or probes
---url, then runs four categories and prints one row each:
-
-- hostile:    malformed and out-of-range bodies, oversized bodies; each must get a clear 4xx;
-- poison:     valid-but-extreme requests, each beside an innocent greedy stream that must
-              produce exactly its solo text;
-- disconnect: streams dropped mid-way (and before their first token), then an innocent stream;
-- storm:      10x the batch capacity at once; each must complete or get a clear 429.
-
-A request is *lost* when it gets neither a complete answer nor a clear error of its own
-(a transport failure, a timeout, a 5xx, a stream without `data: [DONE]`).  After every
-category the probe checks /health and that no request is left running in the engine.
-
-    python benchmarks/reliability_probe.py [--url URL] [--serve-args "--policy fcfs ..."]
+A request is *lost* when it gets neither a complete answer nor a clear error of its own (a
+transport failure, a timeout, a 5xx, a stream without `data: [DONE]`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import json
-import shlex
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -42,6 +23,7 @@ INNOCENT = {
 }
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Hello"}]
+SETTLE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -69,6 +51,8 @@ class Outcome:
 
 @dataclass
 class Row:
+    """One category's tally: the row of the report table."""
+
     category: str
     num_sent: int = 0
     num_clear_4xx: int = 0
@@ -90,14 +74,26 @@ class Row:
             self.notes.append(f"lost: status {outcome.status}, {outcome.error or 'no error'}")
 
 
+def client(url: str, max_connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=32)
+    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+
+
 async def send(
-    http: httpx.AsyncClient, body: dict | bytes, path: str = CHAT, max_frames: int | None = None
+    http: httpx.AsyncClient,
+    body: dict | bytes,
+    path: str = CHAT,
+    max_frames: int | None = None,
+    answered: asyncio.Event | None = None,
 ) -> Outcome:
-    """POST and read the whole answer (or only `max_frames` frames, then hang up)."""
+    """POST and read the whole answer (or only `max_frames` frames, then hang up); `answered`
+    is set once the response's status line has arrived."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
     try:
         async with http.stream("POST", path, content=content, headers=headers) as response:
+            if answered is not None:
+                answered.set()
             if response.headers.get("content-type", "").startswith("text/event-stream"):
                 return await _read_sse(response, max_frames)
             data = json.loads(await response.aread() or b"null")
@@ -143,8 +139,9 @@ def hostile_bodies(max_body_bytes: int) -> list[dict | bytes]:
         {"stream_rate": 1e308}, {"stream_rate": 0}, {"stream_rate": float("nan")},
         {"stop": ["x"] * 100}, {"stop": "y" * 10_000}, {"stop": [""]},
         {"stop_token_ids": [10**9]}, {"stop_token_ids": [-1]}, {"max_tokens": -1},
-        {"max_tokens": 10**12}, {"min_tokens": 10**6}, {"n": 5}, {"logit_bias": {"1": 100}},
-        {"presence_penalty": 1.5}, {"messages": []}, {"messages": "hi"},
+        {"max_tokens": 10**12}, {"min_tokens": 10**6}, {"n": 0}, {"n": 10**6},
+        {"logit_bias": {"1": 100}}, {"presence_penalty": 3.0}, {"frequency_penalty": -2.5},
+        {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"messages": []}, {"messages": "hi"},
         {"messages": [{"role": "robot", "content": "x"}]}, {"unknown_field": 1},
         {"stream_options": {"include_usage": True}}, {"model": "no-such-model"},
         {"max_tokens": "8"}, {"temperature": "hot"}, {"stream": "yes"},
@@ -169,75 +166,8 @@ def poison_bodies() -> list[dict]:
     return [{**base, **extra} for extra in extremes]
 
 
-async def probe(url: str, storm_size: int, max_body_bytes: int) -> list[Row]:
-    """Run every category against `url`."""
-    limits = httpx.Limits(max_connections=storm_size + 16, max_keepalive_connections=32)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        solo = await send(http, INNOCENT)
-        if not solo.is_complete:
-            raise SystemExit(f"the innocent stream does not complete alone: {solo}")
-        rows = []
-        for name, category in (
-            ("hostile", _hostile(http, max_body_bytes)),
-            ("poison", _poison(http, solo.text)),
-            ("disconnect", _disconnect(http, solo.text)),
-            ("storm", _storm(http, solo.text, storm_size)),
-        ):
-            started = time.monotonic()
-            row = await category
-            row.category = name
-            row.seconds = time.monotonic() - started
-            row.is_healthy_after = await _is_healthy(http)
-            rows.append(row)
-        return rows
-
-
-async def _hostile(http: httpx.AsyncClient, max_body_bytes: int) -> Row:
-    row = Row("hostile")
-    for body in hostile_bodies(max_body_bytes):
-        row.add(await send(http, body))
-    return row
-
-
-async def _poison(http: httpx.AsyncClient, solo_text: str) -> Row:
-    row = Row("poison")
-    for body in poison_bodies():
-        innocent, poison = await asyncio.gather(send(http, INNOCENT), send(http, body))
-        row.add(poison)
-        row.innocent_intact.append(innocent.is_complete and innocent.text == solo_text)
-    return row
-
-
-async def _disconnect(http: httpx.AsyncClient, solo_text: str) -> Row:
-    row = Row("disconnect")
-    body = {**INNOCENT, "max_tokens": 200, "stream_rate": 2}
-    drops = [send(http, body, max_frames=n) for n in (0, 1, 2, 3, 5, 8) * 4]
-    outcomes = await asyncio.gather(send(http, INNOCENT), *drops)
-    for outcome in outcomes[1:]:
-        row.add(outcome)
-    row.innocent_intact.append(outcomes[0].is_complete and outcomes[0].text == solo_text)
-    row.innocent_intact.append(await _settles(http))
-    after = await send(http, INNOCENT)
-    row.innocent_intact.append(after.is_complete and after.text == solo_text)
-    return row
-
-
-async def _storm(http: httpx.AsyncClient, solo_text: str, storm_size: int) -> Row:
-    row = Row("storm")
-    body = {**INNOCENT, "max_tokens": 8, "stream_rate": 4}
-    innocent = asyncio.ensure_future(send(http, INNOCENT))
-    await asyncio.sleep(0.2)
-    outcomes = await asyncio.gather(*(send(http, body) for _ in range(storm_size)))
-    for outcome in outcomes:
-        row.add(outcome)
-    first = await innocent
-    row.innocent_intact.append(first.is_complete and first.text == solo_text)
-    row.innocent_intact.append(await _settles(http))
-    return row
-
-
-async def _settles(http: httpx.AsyncClient, timeout_s: float = 60) -> bool:
-    """True once the engine holds no request (aborted ones freed)."""
+async def settles(http: httpx.AsyncClient, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """True once the engine holds no request (aborted ones freed), polling its /metrics."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = (await http.get("/metrics")).text
@@ -252,7 +182,7 @@ async def _settles(http: httpx.AsyncClient, timeout_s: float = 60) -> bool:
     return False
 
 
-async def _is_healthy(http: httpx.AsyncClient) -> bool:
+async def is_healthy(http: httpx.AsyncClient) -> bool:
     try:
         return (await http.get("/health", timeout=10)).status_code == 200
     except httpx.HTTPError:
@@ -260,7 +190,7 @@ async def _is_healthy(http: httpx.AsyncClient) -> bool:
 
 
 def report(rows: list[Row]) -> str:
-    """A markdown table, one row per category."""
+    """A markdown table, one row per category, and the notes on lost requests."""
     lines = [
         "| category | sent | clear 4xx | complete | own error | lost | innocent intact | healthy "
         "after | s |",
@@ -275,55 +205,3 @@ def report(rows: list[Row]) -> str:
         )
     notes = [f"- {r.category}: {n}" for r in rows for n in r.notes]
     return "\n".join(lines + notes)
-
-
-@contextlib.contextmanager
-def local_server(serve_args: str, startup_timeout_s: float = 300) -> Iterator[str]:
-    """Start `tokenflow serve` on a free loopback port; stop it (SIGINT) on exit."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "tokenflow.cli.main", "serve", "--port", str(port)]
-    command += [*shlex.split(serve_args), "--log-level", "warning"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(
-                    f"the server exited: {process.stderr.read() if process.stderr else ''}"
-                )
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not start in time")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.send_signal(2)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=None, help="probe this server instead of starting one")
-    parser.add_argument("--serve-args", default="", help="options for the server started here")
-    parser.add_argument("--storm", type=int, default=320, help="storm size (10x max_num_seqs 32)")
-    parser.add_argument("--max-body-bytes", type=int, default=2 << 20, help="the server's limit")
-    args = parser.parse_args()
-    with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(local_server(args.serve_args))
-        rows = asyncio.run(probe(url, args.storm, args.max_body_bytes))
-    print(report(rows))
-    ok = all(r.num_lost == 0 and r.is_healthy_after and all(r.innocent_intact) for r in rows)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

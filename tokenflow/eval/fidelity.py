@@ -1,12 +1,15 @@
-"""benchmarks/fidelity.py's analysis: errors against the real runs' medians, the policy order,
-the predicted-vs-measured plot and docs/fidelity.md."""
+"""How well the profiled simulator predicts the real server: the fidelity workloads, and the
+analysis of real runs against predictions (errors against the real runs' medians, the policy
+order, the predicted-vs-measured plot). `benchmarks/fidelity.py` runs them; the page it writes
+is `fidelity_doc.py`'s."""
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec
 
 METRICS = (
     ("ttft_mean_s", "TTFT mean s"),
@@ -31,6 +34,42 @@ TARGETS = {
 STALL_ABS_TARGET_S = 0.5
 # Lower is better for these; higher for the rest of ORDER_METRICS.
 ORDER_METRICS = ("ttft_p99_s", "ttft_mean_s", "effective_throughput_tps", "qoe_mean")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One fidelity workload: its trace's spec and the device KV tier it is served with."""
+
+    name: str
+    description: str
+    spec: WorkloadSpec
+    device_kv_tokens: int
+
+
+def _spec(kind: str, n: int, prompt: str, output: str, rates: str, rate: float = 1.0):
+    return WorkloadSpec(
+        kind=kind,
+        num_requests=n,
+        request_rate=rate,
+        prompt=LengthDist.parse(prompt, minimum=8),
+        output=LengthDist.parse(output, minimum=8),
+        rates=RateMix.parse(rates),
+        seed=0,
+    )
+
+
+WORKLOADS = (
+    Workload("burst-fits", "burst of 8 within capacity, prompt 96 / output 128, readers 2-4 tok/s",
+             _spec("burst", 8, "96", "128", "2:0.5,4:0.5"), 8192),
+    Workload("burst-overload", "burst of 16, prompt 128 / output 160, readers 2-4 tok/s, device KV "
+             "1664 tokens", _spec("burst", 16, "128", "160", "2:0.5,4:0.5"), 1664),
+    Workload("poisson", "Poisson 1 req/s x 24, prompt 96:32 / output 128:32, readers 2-4 tok/s",
+             _spec("poisson", 24, "96:32", "128:32", "2:0.5,4:0.5", 1.0), 2048),
+    Workload("mixed-rates", "burst of 16, prompt 64:16 / output 160:32, readers 2, 4, 8, 16 tok/s",
+             _spec("burst", 16, "64:16", "160:32", "2,4,8,16"), 2048),
+    Workload("long-prompts", "Poisson 0.5 req/s x 10, prompt 1024:256 / output 64:16, readers "
+             "4 tok/s", _spec("poisson", 10, "1024:256", "64:16", "4", 0.5), 4096),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -126,51 +165,3 @@ def summary_text(result: FidelityResult) -> str:
         verdict = "preserved" if not misses else "MISSED " + ", ".join(misses)
         lines.append(f"  order on {workload}: {verdict}")
     return "\n".join(lines)
-
-
-def write_plot(path: str, result: FidelityResult) -> None:
-    """Predicted against measured (the median, the runs' range as a bar), one panel a metric."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [m for m in METRICS if m[0] in result.median_error]
-    cols, num_rows = 3, -(-len(shown) // 3)
-    fig, axes = plt.subplots(num_rows, cols, figsize=(12, 3.6 * num_rows))
-    for ax, (metric, label) in zip(axes.flat, shown, strict=False):
-        for policy, color in (("fcfs", "tab:blue"), ("tokenflow", "tab:orange")):
-            rows = [r for r in result.rows if r.metric == metric and r.policy == policy]
-            x = [r.median for r in rows]
-            lo = [r.median - min(r.measured) for r in rows]
-            hi = [max(r.measured) - r.median for r in rows]
-            ax.errorbar(x, [r.predicted for r in rows], xerr=[lo, hi], fmt="o", color=color,
-                        label=policy, capsize=2)  # fmt: skip
-        values = [v for r in result.rows if r.metric == metric for v in (*r.measured, r.predicted)]
-        top = max(values + [1e-9]) * 1.1
-        ax.plot([0, top], [0, top], color="gray", lw=0.8)
-        ax.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="gray", alpha=0.15)
-        ax.set_title(f"{label} (median error {result.median_error[metric]:.0%})", fontsize=9)
-        ax.set_xlabel("measured", fontsize=8)
-        ax.set_ylabel("predicted", fontsize=8)
-    for ax in list(axes.flat)[len(shown) :]:
-        ax.set_visible(False)
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_doc(path: str, result: FidelityResult, workloads: Sequence, args: argparse.Namespace,
-              plot: str | None) -> None:  # fmt: skip
-    """docs/fidelity.md: how to reproduce, the figures, the table, the machine."""
-    import os
-
-    from benchmarks.fidelity_doc import render
-
-    existing = None
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as file:
-            existing = file.read()
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(render(result, workloads, args, plot, existing))

@@ -1,7 +1,8 @@
-"""The measuring half of `gpu_check.py`, on one CUDA device: engine throughput, host <-> device
-copies, and the simulator's H200 preset against both.  Writes one JSON file.
+"""The measuring stage of `python -m benchmarks.gpu_check`, on one CUDA device: engine
+throughput, host <-> device copies, and the simulator's H200 preset against both.  Writes one
+JSON file.
 
-    python3 benchmarks/gpu_measure.py --out measure.json [--model-dir DIR --tokenizer-dir TOK]
+    python3 -m benchmarks.gpu_check.measure --out measure.json [--model-dir DIR --tokenizer-dir TOK]
 
 - **Throughput** of the engine's executor (`ModelExecutor`, bfloat16, paged KV) through
   `tokenflow.calibrate.sweep.run_sweep`: decode tokens/s at 1, 32 and 128 streams (each at a
@@ -18,7 +19,7 @@ copies, and the simulator's H200 preset against both.  Writes one JSON file.
   the constants the measurements imply (step overhead, achieved FLOP/s and HBM share, PCIe
   bandwidth, copy latency) say which of the preset's constants are off, and by how much.
 - With `--model-dir`, also writes a SmolLM2-135M-shaped checkpoint (random bfloat16 weights,
-  the tokenizer files of `--tokenizer-dir`) there, for the served stages of `gpu_check.py`.
+  the tokenizer files of `--tokenizer-dir`) there, for the served stages of the check.
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else Sizes()
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print(
-            "gpu_measure: error: no CUDA device (--smoke runs tiny points on a CPU)",
+            "gpu_check.measure: error: no CUDA device (--smoke runs tiny points on a CPU)",
             file=sys.stderr,
         )
         return 2

@@ -1,0 +1,228 @@
+"""The rules that keep every reader no worse off under TokenFlow than under FCFS, each judged by
+the moves it makes (or the figure it prices) on a small hand-built state."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from tests.core.helpers import make_core, make_request
+from tests.core.tokenflow_states import OPTIMISTIC, empty_view, full_view, member, three_streams
+from tokenflow.core.config import TokenFlowConfig
+from tokenflow.core.estimator import StepTimeEstimator
+from tokenflow.core.policies import tokenflow as tokenflow_policy
+from tokenflow.core.policies.admission import (
+    admit,
+    refilled_prefill_budget_s,
+    spare_engine_share,
+    waiting_within_budget,
+)
+from tokenflow.core.policies.balance import select
+from tokenflow.core.policies.capacity import paced_batch
+from tokenflow.core.policies.pricing import Member, prefill_hold_s, prefill_price_s
+from tokenflow.core.policies.tokenflow import Decision, TokenFlowPolicy
+from tokenflow.core.request import Consumption, PreemptMode, RequestState
+
+
+def _rate(request):
+    return request.rate_tps
+
+
+def _admit(view, members, waiting, margin_s=0.0):
+    admission = admit(replace(view, waiting=waiting), members, 100, 1e9, _rate, 10.0, margin_s)
+    return [r.request_id for r in admission.requests]
+
+
+# -- pricing: how long newcomers pin their blocks ----------------------------------------------
+
+
+def test_the_prefill_hold_counts_steps_of_the_recent_chunk_and_the_prompts_ahead():
+    estimator = StepTimeEstimator(0.05, 1e-4)
+    for _ in range(4):
+        estimator.observe(4, 100, 0.2)  # recent prefill steps: 100 prompt tokens each
+    view = replace(empty_view(400), estimator=estimator)
+    hold_s = prefill_hold_s(view, 1000)
+    # ten chunked steps, each with the decodes: longer than one step's prefill price
+    assert hold_s >= 10 * estimator.decode_time_s(1) + estimator.prefill_time_s(1000) - 1e-9
+    assert hold_s > prefill_price_s(view, 1000)
+    core, clock, _ = make_core("tokenflow", num_device_blocks=200, scheduler_config=OPTIMISTIC)
+    core.add_request(make_request("ahead", num_prompt=300, max_tokens=4))
+    core.scheduler.schedule(clock.t)  # (admitted, its prompt not computed yet)
+    busy = replace(core.scheduler.view(clock.t), estimator=estimator)
+    assert prefill_hold_s(busy, 1000) > prefill_hold_s(replace(busy, running=()), 1000)
+
+
+# -- admission ------------------------------------------------------------------------------------
+
+
+def test_a_stream_is_paused_for_a_newcomer_only_if_its_buffer_outlasts_the_prefill():
+    newcomer = make_request("new", num_prompt=40, max_tokens=1)  # 10 blocks
+    view, members = full_view(20, 100, {"big": (12, 0)})
+    hold_s = prefill_hold_s(view, newcomer.num_tokens)
+    short = [replace(m, pause_margin_s=hold_s / 2) for m in members]
+    assert _admit(view, short, [newcomer]) == []
+    ample = [replace(m, pause_margin_s=hold_s * 2) for m in members]
+    assert _admit(view, ample, [newcomer]) == ["new"]
+
+
+def _paused(name: str, rate: float) -> Member:
+    """A paused reader whose 45 tokens need 12 device blocks back; it runs dry in 1 / rate s."""
+    request = make_request(name, num_prompt=44, rate=rate)
+    request.append_token(7, 0.0)
+    request.state = RequestState.PREEMPTED
+    return Member(request, 0.0, 12, False, -math.inf, False, False, 0.1)
+
+
+def test_admission_keeps_the_room_of_paused_readers_that_run_dry_within_the_prefill():
+    view = empty_view(20)
+    newcomer = make_request("new", num_prompt=36, max_tokens=1)  # 10 blocks
+    soon = _paused("soon", rate=1.0)  # dry at 1 s, within the prefill + a 2 s margin
+    assert _admit(view, [soon], [newcomer], margin_s=2.0) == []
+    later = _paused("later", rate=0.1)  # dry at 10 s: comes back after the newcomer's prefill
+    assert _admit(view, [later], [newcomer], margin_s=2.0) == ["new"]
+
+
+def test_the_prefill_budget_refills_by_the_share_of_the_engine_the_readers_leave():
+    share = spare_engine_share(demand_tps=80.0, gamma_tps=100.0)
+    assert share == pytest.approx(0.2)
+    assert refilled_prefill_budget_s(0.5, 0.0, queue_drained=False, spare_share=share) == (
+        pytest.approx(0.1)
+    )
+    assert spare_engine_share(120.0, 100.0) == 0.0  # over capacity: no new prefill time
+    assert refilled_prefill_budget_s(0.5, -0.3, queue_drained=True, spare_share=0.0) == 0.5
+
+
+def test_between_decisions_the_head_fits_any_prefill_budget_left():
+    view = empty_view(4000)
+    long_prompt = make_request("long", num_prompt=4000, max_tokens=1)  # ~0.8 s of prefill
+    assert prefill_price_s(view, long_prompt.num_tokens) > 0.1
+    view = replace(view, waiting=(long_prompt,))
+
+    def heads(budget_s: float, busy: bool = True) -> list[str]:
+        started = waiting_within_budget(view, 1e9, budget_s, _rate, has_other_work=busy)
+        return [r.request_id for r in started]
+
+    assert heads(0.1) == ["long"]  # as memory frees, as under FCFS
+    assert heads(0.0) == []  # the interval's prefill spent: wait for the next decision
+    assert heads(0.0, busy=False) == ["long"]  # an idle engine always takes the head
+
+
+# -- balancing ------------------------------------------------------------------------------------
+
+
+def _select(members, blocks, max_seqs=256):
+    return [m.request.request_id for m in select(members, blocks, max_seqs, False, math.inf)]
+
+
+def test_a_paused_reader_about_to_run_dry_goes_before_a_newcomer():
+    newcomer = member("new", 1.0, 4, resident=False, started=False)
+    dry = member("dry", 0.6, 4, resident=False, is_urgent=True)
+    assert _select([newcomer, dry], 4) == ["dry"]
+
+
+def test_a_newcomer_never_takes_the_room_a_paused_reader_about_to_run_dry_waits_for():
+    pinned = member("pinned", 0.0, 6, pinned=True)
+    newcomer = member("new", 1.0, 4, resident=False, started=False)
+    dry = member("dry", 0.6, 6, resident=False, is_urgent=True)  # no room beside `pinned`
+    assert _select([pinned, dry, newcomer], 10) == ["pinned"]
+    calm = member("calm", 2.0, 6, resident=False)  # ranks first, no room, not about to run dry
+    assert _select([pinned, calm, newcomer], 10) == ["pinned", "new"]
+
+
+def test_the_batch_limit_never_leaves_a_pinned_member_out():
+    a, b = member("a", 0.0, 1, pinned=True), member("b", 0.0, 1, pinned=True, arrival=1.0)
+    free = member("free", 5.0, 1)
+    assert _select([a, b, free], 100, max_seqs=1) == ["a", "b"]
+
+
+# -- capacity: the batch that keeps up with the fastest reader -----------------------------------
+
+
+def test_the_paced_batch_keeps_up_with_the_fastest_started_reader_unless_short_of_demand():
+    estimator = StepTimeEstimator(0.05, 1e-4, per_seq_s=0.01)  # a step: 0.04 + 0.01 x batch
+    view = replace(empty_view(400), estimator=estimator)
+
+    def reader(name: str, rate: float, started: bool = True, **kw: object):
+        request = make_request(name, rate=rate, **kw)
+        if started:
+            request.append_token(7, 0.0)
+        return request
+
+    fast, slow = reader("fast", 10.0), reader("slow", 2.0)
+    unstarted = reader("new", 100.0, started=False)
+    eager = reader("eager", math.inf, consumption=Consumption.EAGER)
+    assert paced_batch(view, [slow, fast, unstarted, eager], 0.0) == 6  # 0.04 + 0.06 <= 1 / 10
+    assert paced_batch(view, [slow], 0.0) == 46  # 0.04 + 0.46 <= 1 / 2
+    assert paced_batch(view, [unstarted, eager], 0.0) == view.config.max_num_seqs
+    # readers asking 80 tok/s in all: 6 streams make 60; 16 make 16 / (0.04 + 0.16) = 80
+    assert paced_batch(view, [slow, fast], 80.0) == 16
+
+
+def test_between_decisions_starts_stop_at_the_decided_batch():
+    core, clock, _ = make_core("tokenflow", scheduler_config=OPTIMISTIC)
+    core.add_request(make_request("R1", max_tokens=50))
+    core.step()
+    core.add_request(make_request("R2", max_tokens=50, arrival=clock.t))
+    core.add_request(make_request("R3", num_prompt=240, max_tokens=4, arrival=clock.t))  # no room
+    policy = core.scheduler.policy
+    assert isinstance(policy, TokenFlowPolicy)
+    view = core.scheduler.view(clock.t)
+    later = Decision(next_decision_s=1e9, spare_rate_tps=1e9, prefill_budget_s=10.0)
+    policy.last_decision = replace(later, max_batch=1)
+    assert policy.plan_moves(view).starts == ()
+    policy.last_decision = replace(later, max_batch=2)
+    assert [s.request_id for s in policy.plan_moves(view).starts] == ["R2"]
+
+
+# -- the decision and the out-of-memory victim ----------------------------------------------------
+
+
+def test_room_for_everyone_starts_everyone_at_once_as_fcfs():
+    def starts(rate: float) -> int:
+        core, clock, _ = make_core("tokenflow", scheduler_config=OPTIMISTIC)
+        for i in range(8):  # (one block each, and a small reserve: all fit)
+            core.add_request(make_request(f"n{i}", num_prompt=4, max_tokens=200, rate=rate))
+        policy = core.scheduler.policy
+        assert isinstance(policy, TokenFlowPolicy)
+        policy.last_decision = Decision(next_decision_s=1e9, prefill_budget_s=-1.0)  # pace spent
+        return len(policy.plan_moves(core.scheduler.view(clock.t)).starts)
+
+    assert starts(rate=0.1) == 8
+    # readers asking more than Gamma (at 2 streams of 104 tokens' footprint): the pace decides
+    assert starts(rate=1e3) == 1
+
+
+def test_room_for_everyone_takes_the_place_of_a_due_decision_only():
+    def next_decision_after(due_in_s: float) -> float:
+        core, clock, _ = make_core("tokenflow", scheduler_config=OPTIMISTIC)
+        core.add_request(make_request("a", num_prompt=4, max_tokens=200, rate=0.1))
+        policy = core.scheduler.policy
+        assert isinstance(policy, TokenFlowPolicy)
+        policy.last_decision = Decision(next_decision_s=clock.t + due_in_s)
+        assert policy.plan_moves(core.scheduler.view(clock.t)).starts  # room for a
+        return policy.last_decision.next_decision_s - clock.t
+
+    assert next_decision_after(0.3) == pytest.approx(0.3)  # not postponed by arrivals that fit
+    assert next_decision_after(-0.1) == pytest.approx(TokenFlowConfig().schedule_interval_s)
+
+
+def test_a_decision_pauses_no_resident_whose_buffer_is_shorter_than_the_newcomers_prefill(
+    monkeypatch,
+):
+    core, clock, (r1, r2, r3) = three_streams()
+    view = core.scheduler.view(clock.t)
+    assert [p.request_id for p in TokenFlowPolicy(TokenFlowConfig()).decide(view).preemptions] == [
+        "R1"
+    ]  # R1's buffer covers R3's short prefill
+    # (admission still counts on R1's pause; the decision then keeps R1 and leaves R3 waiting)
+    monkeypatch.setattr(tokenflow_policy, "prefill_hold_s", lambda view, tokens: 1e6)
+    decision = TokenFlowPolicy(TokenFlowConfig()).decide(view)
+    assert decision.preemptions == () and decision.starts == ()
+
+
+def test_out_of_memory_with_none_pausable_offloads_the_stream_with_most_reading_buffered():
+    core, clock, (r1, r2, r3) = three_streams()
+    view = core.scheduler.view(clock.t)
+    cautious = TokenFlowPolicy(TokenFlowConfig(buffer_conservativeness=1000.0))  # none pausable
+    victim = cautious.choose_oom_victim([r2, r1], view)
+    assert (victim.request_id, victim.mode) == ("R1", PreemptMode.OFFLOAD)
