@@ -7,7 +7,7 @@ import pytest
 
 from tests.core.helpers import make_core, make_request, run_to_completion
 from tokenflow.core.migration import request_of, stream_state
-from tokenflow.core.request import RequestState
+from tokenflow.core.request import RequestState, StructuredOutput
 
 
 def _step_until(core, clock, request, num_tokens: int) -> None:
@@ -129,6 +129,15 @@ def test_export_refuses_an_unknown_request_or_a_step_in_flight():
     core.scheduler.schedule(clock.t)
     with pytest.raises(ValueError, match="in flight"):
         core.scheduler.export_stream("a")
+
+
+def test_export_refuses_a_stream_held_to_a_grammar_and_keeps_it():
+    core, _, _ = make_core("fcfs")
+    schema = StructuredOutput('{"type": "object"}')
+    core.add_request(make_request("a", structured_output=schema))
+    with pytest.raises(ValueError, match="grammar"):
+        core.scheduler.export_stream("a")
+    assert "a" in core.scheduler.requests  # still served where it is
 
 
 def test_import_refuses_a_duplicate_or_a_stream_too_long_for_it():
