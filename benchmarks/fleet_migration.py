@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tokenflow.core.rebalance import MigrateMode
 from tokenflow.eval.metrics import Summary
-from tokenflow.eval.report import aggregate, format_spread_table
+from tokenflow.eval.report import aggregate, format_spread_table, write_marked_block
 from tokenflow.eval.workload import generate
 from tokenflow.sim.fleet import FleetConfig, fleet_changes, fleet_replicas, fleet_setups, run_fleet
 from tokenflow.sim.runner import SimConfig
@@ -118,13 +118,6 @@ def rolling_verdict(runs: dict[str, list[dict]]) -> str:
     )
 
 
-def write_markdown(path: Path, sections: list[str]) -> None:
-    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(head + BEGIN + "\n" + "\n".join(sections) + END + tail)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -167,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sections += [rolling_verdict(rolling), ""]
     print("\n".join(sections), flush=True)
-    write_markdown(Path(args.markdown), sections)
+    write_marked_block(Path(args.markdown), BEGIN, END, sections)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tokenflow.core.routing import ROUTER_NAMES
 from tokenflow.eval.metrics import Summary
-from tokenflow.eval.report import aggregate, format_spread_table
+from tokenflow.eval.report import aggregate, format_spread_table, write_marked_block
 from tokenflow.eval.workload import generate
 from tokenflow.sim.fleet import FleetConfig, fleet_changes, fleet_replicas, fleet_setups, run_fleet
 from tokenflow.sim.runner import SimConfig
@@ -125,13 +125,6 @@ def setup_section(setup: str, runs: dict[str, list[dict]], period_s: float) -> l
     return [*lines, f"One seed: `{command}`.", ""]
 
 
-def write_markdown(path: Path, sections: list[str]) -> None:
-    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(head + BEGIN + "\n" + "\n".join(sections) + END + tail)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -169,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         sections += setup_section(setup, runs, args.report_period_s)
         print("\n".join(setup_section(setup, runs, args.report_period_s)), flush=True)
-    write_markdown(Path(args.markdown), sections)
+    write_marked_block(Path(args.markdown), BEGIN, END, sections)
     return 0
 
 

@@ -164,3 +164,15 @@ def test_the_stall_allowance_is_never_below_a_tenth_of_a_second() -> None:
     stall = check_targets(tokenflow, calm_fcfs, 1.0)["mean_stall_s"]
     assert stall.passed and stall.target == "<= +0.10 s"  # 0.09 s <= max(0.1, 0.01)
     assert "effective_tps" not in check_targets(tokenflow, calm_fcfs, 1.0, None)
+
+
+def test_a_marked_block_is_rewritten_and_the_rest_of_the_page_kept(tmp_path):
+    from tokenflow.eval.report import write_marked_block
+
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- b -->\nold table\n<!-- e -->\nafter\n")
+    write_marked_block(page, "<!-- b -->", "<!-- e -->", ["new table", ""])
+    assert page.read_text() == "intro\n<!-- b -->\nnew table\n<!-- e -->\nafter\n"
+    fresh = tmp_path / "fresh.md"
+    write_marked_block(fresh, "<!-- b -->", "<!-- e -->", ["only", ""])
+    assert fresh.read_text() == "<!-- b -->\nonly\n<!-- e -->\n"

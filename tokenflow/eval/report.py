@@ -15,6 +15,7 @@ import os
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -383,3 +384,12 @@ def plot_spread(
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     figure.savefig(path, dpi=100)
+
+
+def write_marked_block(path: Path, begin: str, end: str, lines: list[str]) -> None:
+    """Rewrite the block between the markers `begin` and `end` of the page at `path` with
+    `lines` (the page is made with just the block if it does not exist); the rest is kept."""
+    text = path.read_text() if path.exists() else f"{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    path.write_text(head + begin + "\n" + "\n".join(lines) + end + tail)
