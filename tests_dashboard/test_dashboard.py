@@ -1,6 +1,6 @@
 """/dashboard in Debian's headless Chromium against a live server (the tiny model) while a burst
 of readers does not fit the device tier: the page makes its data calls, and draws a bar per
-stream it was told of.  Pixels are not checked (benchmarks/dashboard_screenshot.py takes a
+stream it was told of.  Pixels are not checked (tests_dashboard/screenshot.py takes a
 picture); `make test-dashboard` installs Chromium where it is missing."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ virtual time (the only wait its `--screenshot` honours): it stands still while a
 flight and skips the idle second between polls, so the page's chart covers `--page-s` seconds
 that took the server about as many polls' latency:
 
-    .venv/bin/python benchmarks/dashboard_screenshot.py [--out docs/results/dashboard.png]
+    .venv/bin/python -m tests_dashboard.screenshot [--out docs/results/dashboard.png]
         [--policy tokenflow] [--serve-args "--device-kv-tokens 1664"] [--page-s 60]
 """
 
