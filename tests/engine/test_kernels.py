@@ -122,6 +122,26 @@ def test_a_hopeless_kernel_is_not_timed_at_larger_sizes():
     assert {rows for part, _, rows in timer.calls if part == "head"} == {1, 8, 32}
 
 
+def test_the_fastest_dense_kernel_is_timed_on_when_a_4_bit_kernel_outruns_every_dense_one():
+    # A loaded machine's moment: at one row every dense kernel takes over 4x the 4-bit ones and
+    # over 0.1 s.  The 4-bit kernels stand on their dense twins, so pruning every dense kernel
+    # left nothing to time at the next size (the probe failed on `min()` of nothing).
+    timer = FakeTimer(
+        layers={
+            FLOAT32: by_rows(150, 30, 70, 100, 300),
+            BFLOAT16: by_rows(400, 1200, 4700, 9600, 37000),
+            INT4_FROM_FP32: by_rows(7, 20, 90, 130, 640),
+            INT4: by_rows(7.5, 19, 100, 140, 540),
+        },
+        head=AVX2_LIKE.table["head"],
+    )
+    timings = probe_kernels(timer, LAYER_KERNELS, HEAD_KERNELS)
+    fp32_rows = [t.rows for t in timings if (t.part, t.kernel) == ("layers", FLOAT32)]
+    assert fp32_rows == list(PROBE_ROWS)  # the fastest dense kernel, timed at every size
+    plan, _ = choose_plan(timings, candidate_plans(BOTH, True), SHAPES, 1 << 40)
+    assert plan.dtype == FLOAT32
+
+
 def test_plans_that_do_not_fit_the_memory_are_not_chosen():
     fp32_plan = KernelPlan(FLOAT32, 8, 1)
     bf16_plan = KernelPlan(BFLOAT16, 8)

@@ -253,7 +253,8 @@ def probe_kernels(
     measure: Measure, layer_kernels: Sequence[str], head_kernels: Sequence[str]
 ) -> list[KernelTiming]:
     """Time every kernel at every PROBE_ROWS size, smallest first, pruning the hopeless
-    (PRUNE_FACTOR, PRUNE_ABOVE_S); the LM head at decode sizes only."""
+    (PRUNE_FACTOR, PRUNE_ABOVE_S) but never the fastest dense kernel, so some plan is timed at
+    every size; the LM head at decode sizes only."""
     timings = []
     for part, kernels in (("layers", layer_kernels), ("head", head_kernels)):
         alive = list(kernels)
@@ -264,7 +265,9 @@ def probe_kernels(
             timings += at_size
             fastest = min(t.seconds for t in at_size)
             limit = max(PRUNE_FACTOR * fastest, PRUNE_ABOVE_S)
-            alive = [t.kernel for t in at_size if t.seconds <= limit]
+            dense = [t for t in at_size if t.kernel not in _DENSE_OF]
+            kept = min(dense, key=lambda t: t.seconds).kernel
+            alive = [t.kernel for t in at_size if t.seconds <= limit or t.kernel == kept]
             # A 4-bit kernel serves only the model of its dtype, whose larger inputs run that
             # dtype's dense kernel: once that one is hopeless, so is the model.
             alive = [k for k in alive if part == "head" or _DENSE_OF.get(k, k) in alive]
