@@ -1,9 +1,12 @@
-"""TokenFlow against FCFS on the profiled CPU engine: the suite of `tokenflow.sim.suite`, several
-workload seeds, in the simulator (`tokenflow simulate --profile`).
+"""TokenFlow against FCFS on the CPU suite of `tokenflow.sim.suite`: several workload seeds in
+the simulator on a profile of the real engine (`tokenflow simulate --profile`), or, with
+`--real`, rounds A B B A on the real engine itself (a fresh `tokenflow serve` per run).
 
     python -m benchmarks.profiled_workloads --profile PROFILE.json [--seeds 3]
         [--workloads burst-40,long-prompts-20] [--slowdown 1.5] [--json out.json]
         [--markdown docs/results.md]
+    python -m benchmarks.profiled_workloads --real [--rounds 2]
+        [--workloads long-prompts-20,class-mix-40,readme-burst] [--json out.json]
 
 Prints per workload the readers' mean stall, P99 TTFT and QoE of both policies (medians over
 the seeds), then the targets (`tokenflow.eval.report.check_targets`, runs paired by seed):
@@ -13,11 +16,17 @@ throughput over FCFS's, each median [min, max] over the seeds with its verdict. 
 with `--slowdown`, which scales every step and copy of the profile: another machine's speed).
 A profile comes from `tokenflow profile --out PROFILE.json` (minutes; take it once); the one
 docs/results.md reports is docs/results/cpu-profile.json (the 2-core development VM).
+
+`--real` plays each workload's seed-0 requests on the embedded model, both policies per round
+in the order A B B A (`tokenflow.eval.rounds`), with the workload's device KV tier, and pairs
+the runs by round for the same targets.  Besides the suite it knows `readme-burst`, the
+README's overload burst.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -27,7 +36,13 @@ from pathlib import Path
 from benchmarks.paper_setups import ENGINE
 from benchmarks.paper_setups import PROFILED as MARKERS
 from tokenflow.calibrate.profile_file import load_profile
+from tokenflow.eval.client import ClientConfig, run_workload
+from tokenflow.eval.compare import local_server
+from tokenflow.eval.fidelity import Workload
+from tokenflow.eval.metrics import summarize, summarize_by_class
 from tokenflow.eval.report import aggregate, check_targets, format_targets_table
+from tokenflow.eval.rounds import run_rounds
+from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.suite import SUITE, run_suite_workload, suite_workload
 
 POLICIES = ("fcfs", "tokenflow")
@@ -68,6 +83,62 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     return results
 
 
+# The README's overload burst (`tokenflow bench --compare fcfs,tokenflow ...` there).
+README_BURST = Workload(
+    "readme-burst",
+    "burst of 16, prompt 128 / output 192, readers 2-4 tok/s, device KV 1664 tokens",
+    WorkloadSpec(
+        kind="burst",
+        num_requests=16,
+        prompt=LengthDist.parse("128:0", minimum=8),
+        output=LengthDist.parse("192:0", minimum=8),
+        rates=RateMix.parse("2:0.5,4:0.5"),
+    ),
+    1664,
+)
+
+
+def real_workload(name: str) -> Workload:
+    return README_BURST if name == README_BURST.name else suite_workload(name)
+
+
+def run_real_once(workload: Workload, policy: str) -> dict:
+    """One run of `workload` (seed 0) on a fresh real server: the readers' summary, with the
+    whole run's raw throughput and preemptions (as `run_suite_workload` scores a simulated one)."""
+    requests = generate(replace(workload.spec, seed=0))
+    serve_args = ["--device-kv-tokens", str(workload.device_kv_tokens)]
+    with local_server(policy, serve_args) as url:
+        config = ClientConfig(url=url, show_progress=False, timeout_s=1800.0)
+        run = asyncio.run(run_workload(requests, config, name=policy))
+    if run.num_failed:
+        raise SystemExit(f"{workload.name} {policy}: {run.num_failed} requests failed")
+    whole = summarize(run.traces).to_dict()
+    readers = summarize_by_class(run.traces)["reader"].to_dict()
+    return {**readers, "throughput_tps": whole["throughput_tps"],
+            "num_preemptions": whole["num_preemptions"]}  # fmt: skip
+
+
+def run_real(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
+    """workload -> policy -> its runs by round (A B B A)."""
+    results: dict[str, dict[str, list[dict]]] = {}
+    for name in args.workloads:
+        workload = real_workload(name)
+
+        def measure(round_index: int, policy: str, workload: Workload = workload) -> dict:
+            started = time.perf_counter()
+            s = run_real_once(workload, policy)
+            took_s = time.perf_counter() - started
+            print(f"{workload.name} round {round_index} {policy}: stall "
+                  f"{s['rebuffer_mean_s']:.3f} s, P99 TTFT {s['ttft_p99_s']:.2f} s, QoE "
+                  f"{s['qoe_mean']:.3f}, {s['throughput_tps']:.1f} tok/s ({took_s:.0f} s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return s
+
+        rounds = run_rounds(POLICIES, args.rounds, measure)
+        results[name] = {p: [r[p] for r in rounds] for p in POLICIES}
+    return results
+
+
 def absolute_table(results: dict[str, dict[str, list[dict]]]) -> list[str]:
     """Markdown: per workload, each policy's medians [min-max] of the readers' headline metrics."""
     titles = [f"{title} ({p})" for _, title, _ in ABSOLUTE for p in POLICIES]
@@ -105,22 +176,33 @@ def write_markdown(path: Path, command: str, absolute: list[str], targets: str) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", type=Path, required=True, help="a `tokenflow profile` file")
+    parser.add_argument("--profile", type=Path, default=None, help="a `tokenflow profile` file")
     parser.add_argument("--seeds", type=int, default=3, help="workload seeds 0 .. N-1")
-    parser.add_argument("--workloads", default=",".join(w.name for w in SUITE))
+    parser.add_argument(
+        "--real", action="store_true", help="the real engine, rounds A B B A, not a profile"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --real: rounds of A B")
+    parser.add_argument("--workloads", default=None, help="comma-separated (default: the suite)")
     parser.add_argument(
         "--slowdown", type=float, default=1.0, help="scale the profile's step and copy times"
     )
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    results = run(args)
+    if args.real == (args.profile is not None):
+        parser.error("give either --profile PROFILE.json or --real")
+    default = "long-prompts-20,class-mix-40,readme-burst" if args.real else None
+    names = args.workloads or default or ",".join(w.name for w in SUITE)
+    args.workloads = [w for w in names.split(",") if w]
+    pick = real_workload if args.real else suite_workload
+    for name in args.workloads:
+        pick(name)  # an unknown name fails here, before any run
+    results = run_real(args) if args.real else run(args)
     absolute, targets = absolute_table(results), targets_table(results)
     print("\n".join(absolute) + "\n\n" + targets)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown and args.slowdown == 1.0:
+    if args.markdown and args.slowdown == 1.0 and not args.real:
         command = (
             f"python -m benchmarks.profiled_workloads --profile {args.profile} "
             f"--seeds {args.seeds} --markdown {args.markdown}"

@@ -36,6 +36,7 @@ def test_models_list_and_retrieve_show_the_served_model(
         {"reasoning_effort": "low"},
         {"prompt_cache_key": "conversation-1"},
         {"safety_identifier": "user-hash"},
+        {"parallel_tool_calls": False},
     ],
     ids=lambda fields: next(iter(fields)),
 )

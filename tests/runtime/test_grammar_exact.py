@@ -1,7 +1,8 @@
-"""The scheduler keeps its promise for structured outputs: a greedy json_schema stream that is
-paused mid-answer (offloaded and reloaded, or dropped and recomputed) produces exactly the
-tokens it produces when never paused, because its grammar state lives outside the KV cache and
-a recompute does not advance it again."""
+"""The scheduler keeps its promise for structured outputs: a greedy json_schema stream with
+penalties, asking for logprobs, that is paused mid-answer (offloaded and reloaded, or dropped
+and recomputed) produces exactly the tokens, alternatives and logprobs (to float32 rounding) it
+produces when never paused, because its grammar state and its penalties' counts live outside the
+KV cache and a recompute advances neither again."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import pytest
 
 from tests.runtime.test_preemption_exact import StepClock
+from tests.runtime.test_preemption_exact_scores import same_scores
 from tokenflow.core.request import SamplingParams, StructuredOutput
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
@@ -25,17 +27,25 @@ SCHEMA = {
     "required": ["name", "tags", "score"],
 }
 PARAMS = SamplingParams(
-    max_tokens=40, temperature=0, structured_output=StructuredOutput(json.dumps(SCHEMA))
+    max_tokens=40,
+    temperature=0,
+    presence_penalty=0.5,
+    frequency_penalty=0.3,
+    repetition_penalty=1.3,
+    logprobs=3,
+    prompt_logprobs=2,
+    structured_output=StructuredOutput(json.dumps(SCHEMA)),
 )
 
 
-def _run(engine: LLMEngine, rate_tps: float | None) -> dict[str, list[int]]:
+def _run(engine: LLMEngine, rate_tps: float | None) -> dict[str, tuple]:
+    """Per request: (tokens, their logprobs, [the prompt's logprobs])."""
     clock = StepClock()
     engine.core.clock = clock
-    tokens: dict[str, list[int]] = {}
+    seen: dict[str, tuple[list, list, list]] = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", engine.tokenizer.encode(prompt), PARAMS, rate_tps)
-        tokens[f"r{i}"] = []
+        seen[f"r{i}"] = ([], [], [])
     for _ in range(20_000):
         if not engine.has_work:
             break
@@ -44,19 +54,24 @@ def _run(engine: LLMEngine, rate_tps: float | None) -> dict[str, list[int]]:
         engine.scheduler.kv.check_integrity()
         for delta in deltas:
             assert delta.finish_reason != "error", delta.error
-            tokens[delta.request_id].extend(delta.token_ids)
+            tokens, logprobs, prompt = seen[delta.request_id]
+            tokens.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                prompt.append(delta.prompt_logprobs)
     assert not engine.has_work
-    return tokens
+    return seen
 
 
 @pytest.fixture(scope="module")
-def unpaused(tiny_model_dir) -> dict[str, list[int]]:
+def unpaused(tiny_model_dir) -> dict[str, tuple]:
     engine = LLMEngine(EngineArgs(model=tiny_model_dir, device="cpu", policy="fcfs"))
-    tokens = _run(engine, None)
+    seen = _run(engine, None)
     assert engine.scheduler.num_preemptions_total == 0
-    for ids in tokens.values():  # constrained: every stream is the start of a JSON object
-        assert engine.tokenizer.decode(ids).startswith('{"name": "')
-    return tokens
+    for tokens, logprobs, _ in seen.values():  # constrained: each starts a JSON object
+        assert engine.tokenizer.decode(tokens).startswith('{"name": "')
+        assert len(logprobs) == len(tokens)
+    return seen
 
 
 def test_offloaded_and_reloaded_constrained_streams_are_exact(tiny_model_dir, unpaused):
@@ -69,9 +84,9 @@ def test_offloaded_and_reloaded_constrained_streams_are_exact(tiny_model_dir, un
         host_kv_tokens=4096,
     )
     engine = LLMEngine(args)
-    tokens = _run(engine, rate_tps=2.0)
+    seen = _run(engine, rate_tps=2.0)
     assert engine.scheduler.num_loads_total >= 4, "streams must be reloaded mid-answer"
-    assert tokens == unpaused
+    assert same_scores(seen, unpaused)
     assert engine.grammars.num_matchers <= len(PROMPTS)  # released with their requests
 
 
@@ -86,6 +101,6 @@ def test_recomputed_constrained_streams_are_exact(tiny_model_dir, unpaused):
     )
     engine = LLMEngine(args)
     engine.scheduler.new_token_ratio = 0.0  # admit optimistically so decode growth hits OOM
-    tokens = _run(engine, rate_tps=2.0)
+    seen = _run(engine, rate_tps=2.0)
     assert engine.scheduler.num_recomputes_total >= 1, "streams must be recomputed mid-answer"
-    assert tokens == unpaused
+    assert same_scores(seen, unpaused)

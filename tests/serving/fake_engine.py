@@ -1,7 +1,8 @@
 """A deterministic `EngineClient` for server and benchmark tests (no model, no scheduler).
 
 Tokenizer: whitespace words, one token each, ids assigned on first sight (per instance).
-Output: token i of every request is the word `t{i}`; each token takes `token_delay_s`.
+Output: token i of every request is the word `t{i}` (or `words[i]`, then EOS, where `words` is
+given); each token takes `token_delay_s`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class FakeEngine:
     reject_prompts_longer_than: int | None = None
     gate: threading.Event | None = None
     gate_at_token: int = 0
+    words: tuple[str, ...] = ()  # the answer's words, then EOS (empty: t0, t1, ...)
     tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
     active_ids: list[str] = field(default_factory=list)
     aborted_ids: list[str] = field(default_factory=list)
@@ -172,9 +174,12 @@ class FakeEngine:
     def _next_token(self, position: int, params: SamplingParams) -> tuple[int, str | None]:
         """The token at output `position` and the finish reason it causes (if any)."""
         can_stop = not params.ignore_eos and position >= params.min_tokens
+        if self.words and position >= len(self.words) and can_stop:
+            return 0, "stop"
         if self.eos_after is not None and position >= self.eos_after and can_stop:
             return 0, "stop"
-        token_id = self.tokenizer.token_id(f"t{position}")
+        word = self.words[position] if position < len(self.words) else f"t{position}"
+        token_id = self.tokenizer.token_id(word)
         if token_id in params.stop_token_ids and position >= params.min_tokens:
             return token_id, "stop"
         return token_id, "length" if position + 1 >= params.max_tokens else None

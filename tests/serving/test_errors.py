@@ -162,6 +162,7 @@ async def test_supported_neutral_values_pass(client: httpx.AsyncClient) -> None:
         "reasoning_effort": "low",
         "prompt_cache_key": "k",
         "safety_identifier": "s",
+        "parallel_tool_calls": True,
         "seed": 3,
         "top_k": -1,
         "stop": "zzz",

@@ -101,7 +101,12 @@ def build_app(
     app.state.config = config
     app.state.metrics = metrics
     app.state.drain = drain
-    app.state.serving = OpenAIServing(engine, metrics, class_rules=config.class_rules)
+    app.state.serving = OpenAIServing(
+        engine,
+        metrics,
+        class_rules=config.class_rules,
+        tool_call_parser=config.auto_tool_call_parser,
+    )
     app.state.streams_watch = StreamsWatch(engine, metrics)
     app.state.started_s = int(time.time())
     _add_error_handlers(app)

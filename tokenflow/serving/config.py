@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenflow.serving.auth import read_key_file
 from tokenflow.serving.classes import CLASS_NAMES, ClassRules
+from tokenflow.serving.tool_calls import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -41,6 +42,10 @@ class ServerConfig:
     # Requests that state no class (serving/classes.py): the default, and rules by API key.
     default_class: str = "eager"
     api_key_classes: tuple[str, ...] = ()  # "KEY=CLASS[:RATE]" each
+    # tool_choice "auto" (vLLM's pair of flags): the answer is free and the parser reads the
+    # model's own tool-call format out of it (`tool_calls.HermesToolCalls`).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
     class_rules: ClassRules = field(init=False, repr=False, compare=False)
     # The allow-list: api_keys, the key file's and the keys of class rules; () when open.
     allowed_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
@@ -75,6 +80,16 @@ class ServerConfig:
             raise ValueError(f"max_requests_per_key must be >= 0, got {self.max_requests_per_key}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        parser = self.tool_call_parser
+        if parser is not None and parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """The parser tool_choice "auto" uses, or None when "auto" with tools is refused."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +168,19 @@ class ServerConfig:
             "chat-key=reader:6 or agents-key=eager; binding (a request's stream_class and "
             "stream_rate cannot change it) unless written KEY=~CLASS[:RATE]; repeatable",
         )
+        server.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help='answer tool_choice "auto" with tools (the default when tools are given): the '
+            "model writes its calls in its own format, --tool-call-parser reads them",
+        )
+        server.add_argument(
+            "--tool-call-parser",
+            default=None,
+            choices=TOOL_CALL_PARSERS,
+            help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, as "
+            "Hermes and Qwen2.5 write them)",
+        )
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
@@ -171,4 +199,6 @@ class ServerConfig:
             drain_timeout_s=args.drain_timeout_s,
             default_class=args.default_class,
             api_key_classes=tuple(args.api_key_classes),
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
         )

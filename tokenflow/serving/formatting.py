@@ -29,7 +29,7 @@ from tokenflow.serving.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from tokenflow.serving.tool_calls import ToolCallText
+from tokenflow.serving.tool_calls import HermesToolCalls, ToolCallText
 
 DONE = "[DONE]"  # the data of a stream's last event
 
@@ -226,6 +226,69 @@ class ToolCallFormat(ChatFormat):
                     message=message,
                     logprobs=self._logprobs(piece),
                     finish_reason=text.finish_reason(piece.finish_reason),
+                )
+            )
+        return ChatCompletionResponse(
+            id=request.request_id,
+            created=request.created_s,
+            model=request.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class AutoToolCallFormat(ChatFormat):
+    """/v1/chat/completions under tool_choice "auto" with a tool-call parser: each choice's text
+    is read by its parser (`tool_calls.HermesToolCalls`), so its deltas carry `content` and, as
+    each call closes, `tool_calls`; its message both (content None when only whitespace is left
+    beside the calls)."""
+
+    def __init__(self, texts: TokenTexts, new_call_id: Callable[[], str]) -> None:
+        super().__init__(texts)
+        self._new_call_id = new_call_id
+        self._parsers: dict[int, HermesToolCalls] = {}  # by choice index
+
+    def _parser(self, index: int) -> HermesToolCalls:
+        if index not in self._parsers:
+            self._parsers[index] = HermesToolCalls(self._new_call_id)
+        return self._parsers[index]
+
+    def delta_chunk(
+        self, request: PreparedRequest, index: int, piece: Piece, usage: UsageInfo | None
+    ) -> ChatCompletionChunk:
+        parser = self._parser(index)
+        parsed = parser.feed(piece.text, piece.finish_reason)
+        # As ChatFormat: text and finish may share a chunk; the closing chunk's delta is empty.
+        has_content = bool(parsed.content) or (
+            piece.finish_reason is None and not parsed.tool_calls
+        )
+        delta = DeltaMessage(
+            content=parsed.content if has_content else None, tool_calls=parsed.tool_calls or None
+        )
+        choice = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=self._logprobs(piece),
+            finish_reason=parser.finish_reason(piece.finish_reason),
+        )
+        return self._chunk(request, [choice], usage)
+
+    def response(
+        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
+    ) -> ChatCompletionResponse:
+        choices = []
+        for index, piece in enumerate(pieces):
+            parser = self._parser(index)
+            parser.feed(piece.text, piece.finish_reason)
+            content: str | None = parser.content
+            if parser.calls and not parser.content.strip():
+                content = None
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=AssistantMessage(content=content, tool_calls=parser.calls or None),
+                    logprobs=self._logprobs(piece),
+                    finish_reason=parser.finish_reason(piece.finish_reason),
                 )
             )
         return ChatCompletionResponse(

@@ -42,6 +42,7 @@ from tokenflow.serving.classes import ClassRules, Stated
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S
 from tokenflow.serving.formatting import (
     DONE,
+    AutoToolCallFormat,
     ChatFormat,
     CompletionFormat,
     ResponseFormat,
@@ -64,6 +65,7 @@ from tokenflow.serving.protocol import (
 from tokenflow.serving.structured import (
     check_tool_messages,
     forced_tool_call,
+    is_auto_tool_call,
     structured_output_of,
     template_message,
 )
@@ -123,10 +125,14 @@ class OpenAIServing:
         wall_clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = _new_hex_id,
         class_rules: ClassRules | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.class_rules = class_rules or ClassRules()
+        # The parser of the model's tool calls under tool_choice "auto" (None: "auto" with
+        # tools is a 400); `ServerConfig.auto_tool_call_parser`.
+        self.tool_call_parser = tool_call_parser
         self.token_texts = TokenTexts(engine.tokenizer)
         self._clock = clock
         self._wall_clock = wall_clock
@@ -159,7 +165,9 @@ class OpenAIServing:
         """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames."""
         check_chat_support(body)
         model = self._check_model(body.model)
-        check_tool_messages(body, self.engine.tokenizer.renders_tools)
+        renders_tools = self.engine.tokenizer.renders_tools
+        check_tool_messages(body, renders_tools)
+        is_auto = is_auto_tool_call(body, self.tool_call_parser, renders_tools)
         tool_call = forced_tool_call(body)
         structured = tool_call or structured_output_of(body)
         tools = body.tools if body.tools and self.engine.tokenizer.renders_tools else None
@@ -172,11 +180,16 @@ class OpenAIServing:
         prepared = self.prepare(
             body, model, prompts, "chatcmpl-", stated, max_tokens, wants, structured
         )
-        if tool_call is None:
-            fmt: ResponseFormat = ChatFormat(self.token_texts)
+        if tool_call is not None:
+            fmt: ResponseFormat = ToolCallFormat(self.token_texts, self._new_call_id)
+        elif is_auto:
+            fmt = AutoToolCallFormat(self.token_texts, self._new_call_id)
         else:
-            fmt = ToolCallFormat(self.token_texts, lambda: "call_" + self._new_id())
+            fmt = ChatFormat(self.token_texts)
         return await self._serve(prepared, fmt, wait_for_disconnect)
+
+    def _new_call_id(self) -> str:
+        return "call_" + self._new_id()
 
     # -- validation -----------------------------------------------------------------------------
     def prepare(

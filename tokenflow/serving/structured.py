@@ -9,9 +9,11 @@ Each becomes one `StructuredOutput` (a JSON Schema the engine compiles into a to
   `{"name": "<function>", "arguments": <its parameters>}` (for "required", any of the tools,
   each with its own parameters), which `tool_calls.py` turns into `tool_calls`.
 
-`tool_choice: "auto"` with tools would need a parser for the model's own tool-call format, which
-this server does not have: it is a 400 naming `--tool-call-parser`, the vLLM flag that enables
-one.  `"none"`, or "auto" without tools, is plain chat.
+`tool_choice: "auto"` with tools (OpenAI's default when tools are given) leaves the answer free
+and needs a parser for the model's own tool-call format: `serve --enable-auto-tool-choice
+--tool-call-parser hermes` (vLLM's flags; `tool_calls.HermesToolCalls`), and a chat template
+with a tools section to show the model its tools; without either it is a 400 that says which.
+`"none"`, or "auto" without tools, is plain chat.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tokenflow.serving.protocol import (
 )
 from tokenflow.serving.validation import ApiError
 
-TOOL_CALL_PARSER_FLAG = "--tool-call-parser"
+AUTO_TOOL_FLAGS = "--enable-auto-tool-choice --tool-call-parser hermes"
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -57,22 +59,47 @@ def structured_output_of(
     return None
 
 
-def forced_tool_call(body: ChatCompletionRequest) -> StructuredOutput | None:
-    """The constraint of a forced tool call, or None when the answer is plain chat."""
-    choice, tools = body.tool_choice, body.tools or []
-    if choice is None or choice == "none":
-        return None
-    if choice == "auto":
-        if not tools:
-            return None
+def tool_choice_of(body: ChatCompletionRequest) -> str | NamedToolChoice:
+    """The request's tool_choice; when it gives none, OpenAI's (and vLLM's) default: "auto" with
+    tools, "none" without."""
+    if body.tool_choice is not None:
+        return body.tool_choice
+    return "auto" if body.tools else "none"
+
+
+def is_auto_tool_call(
+    body: ChatCompletionRequest, tool_call_parser: str | None, template_renders_tools: bool
+) -> bool:
+    """Whether the answer is free with tools offered (tool_choice "auto" with tools), for the
+    server's tool-call parser to read; a 400 when there is no parser or the chat template
+    cannot show the model its tools."""
+    if tool_choice_of(body) != "auto" or not body.tools:
+        return False
+    if tool_call_parser is None:
         raise ApiError(
             400,
-            'tool_choice="auto" with tools needs a parser for the model\'s tool-call format '
-            f"({TOOL_CALL_PARSER_FLAG} in vLLM), which this server does not have; use "
+            'tool_choice="auto" with tools (the default when tools are given) needs a parser '
+            f"for the model's tool-call format: start the server with {AUTO_TOOL_FLAGS}, or use "
             'tool_choice="required" or a named function',
             param="tool_choice",
             code="unsupported_parameter",
         )
+    if not template_renders_tools:
+        raise ApiError(
+            400,
+            'tool_choice="auto": this model\'s chat template has no tools section, so the '
+            'model cannot be shown its tools; use tool_choice="required" or a named function',
+            param="tool_choice",
+        )
+    return True
+
+
+def forced_tool_call(body: ChatCompletionRequest) -> StructuredOutput | None:
+    """The constraint of a forced tool call, or None when the answer is free (plain chat, or
+    "auto" for the tool-call parser: `is_auto_tool_call`)."""
+    choice, tools = tool_choice_of(body), body.tools or []
+    if choice in ("none", "auto"):
+        return None
     if not tools:
         raise ApiError(400, f"tool_choice={_shown(choice)} needs tools", param="tool_choice")
     if body.response_format is not None and body.response_format.type != "text":

@@ -1,4 +1,6 @@
-"""A forced tool call's text -> OpenAI `tool_calls`, whole or as stream deltas.
+"""A tool call's text -> OpenAI `tool_calls`, whole or as stream deltas: a forced call
+(`ToolCallText`), or the calls a model writes in its own format under tool_choice "auto"
+(`HermesToolCalls`, below).
 
 The grammar (see `structured.py`) makes the output exactly `{"name": "<function>",
 "arguments": <JSON>}` in compact form, so the call's name is known once the text passes the
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenflow.serving.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
@@ -70,3 +74,106 @@ class ToolCallText:
             end -= 1  # possibly (at a stop: surely) the wrapper's closing brace
         start = self._arguments_start + len(self.arguments)
         return self._text[start:end] if end > start else ""
+
+
+# -- free-form calls (tool_choice "auto"), read by a parser of the model's own format ------------
+HERMES = "hermes"
+TOOL_CALL_PARSERS = (HERMES,)  # what `--tool-call-parser` accepts
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ParsedText:
+    """What one piece of a free-form answer adds: text for `content`, and the calls it closed."""
+
+    content: str
+    tool_calls: list[DeltaToolCall]
+
+
+class HermesToolCalls:
+    """The Hermes / Qwen2.5 tool-call format: the answer's text, with each call written as
+    `<tool_call>{"name": "<function>", "arguments": {...}}</tool_call>` among it (what Qwen2.5's
+    and Hermes' chat templates teach the model, and vLLM's `hermes` parser reads).
+
+    Text outside the blocks is content, sent as it comes except a tail that may be the start of
+    `<tool_call>` (held until the next text or the finish tells).  A block is sent as one call
+    delta (index, id, type, name and the arguments whole) when its closing tag arrives; a block
+    that is not a JSON object with a string `name` stays content, as the model wrote it, and so
+    does a block the finish cuts off."""
+
+    def __init__(self, new_call_id: Callable[[], str]) -> None:
+        self._new_call_id = new_call_id
+        self._pending = ""  # text not sent yet: a possible opening tag's start, or an open block
+        self._in_block = False
+        self.content = ""  # sent as content so far
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, finish_reason: str | None) -> ParsedText:
+        """The content and the calls `text` completes; at the finish, everything held."""
+        self._pending += text
+        is_last = finish_reason is not None
+        content: list[str] = []
+        deltas: list[DeltaToolCall] = []
+        while True:
+            if not self._in_block:
+                at = self._pending.find(_OPEN)
+                if at < 0:
+                    cut = len(self._pending) - (0 if is_last else _open_tag_tail(self._pending))
+                    content.append(self._pending[:cut])
+                    self._pending = self._pending[cut:]
+                    break
+                content.append(self._pending[:at])
+                self._pending = self._pending[at + len(_OPEN) :]
+                self._in_block = True
+                continue
+            end = self._pending.find(_CLOSE)
+            if end < 0:
+                if is_last:  # cut off inside a block: the model's text, as written
+                    content.append(_OPEN + self._pending)
+                    self._pending, self._in_block = "", False
+                break
+            block = self._pending[:end]
+            self._pending = self._pending[end + len(_CLOSE) :]
+            self._in_block = False
+            call = self._call_of(block)
+            if call is None:
+                content.append(_OPEN + block + _CLOSE)
+                continue
+            function = DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments)
+            index = len(self.calls)
+            deltas.append(
+                DeltaToolCall(index=index, id=call.id, type="function", function=function)
+            )
+            self.calls.append(call)
+        added = "".join(content)
+        self.content += added
+        return ParsedText(added, deltas)
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """The answer's finish: "tool_calls" when it stopped after writing a call."""
+        if finish_reason == "stop" and self.calls:
+            return "tool_calls"
+        return finish_reason
+
+    def _call_of(self, block: str) -> ToolCall | None:
+        try:
+            written = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(written, dict) or not isinstance(written.get("name"), str):
+            return None
+        arguments = written.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(
+            id=self._new_call_id(),
+            function=FunctionCall(name=written["name"], arguments=arguments),
+        )
+
+
+def _open_tag_tail(text: str) -> int:
+    """The length of the longest end of `text` that begins `<tool_call>` (0 if none)."""
+    for size in range(min(len(text), len(_OPEN) - 1), 0, -1):
+        if _OPEN.startswith(text[-size:]):
+            return size
+    return 0
