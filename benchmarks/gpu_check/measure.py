@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from tokenflow.calibrate.sweep import SweepSpec, run_sweep
+from tokenflow.core.plan import attention_pairs
 from tokenflow.engine import ModelExecutor
 from tokenflow.model import LlamaModel, ModelConfig, TieredKVCache
-from tokenflow.sim.cost_model import CostModel, attention_pairs
+from tokenflow.sim.cost_model import CostModel
 from tokenflow.sim.hardware import ModelSpec, get_gpu
 
 BLOCK_SIZE = 16

@@ -101,4 +101,4 @@ def test_queues_are_empty_after_aborts_and_finishes():
     run_to_completion(core, clock)
     assert queues.remaining_output_tokens == 0
     assert not (queues.running or queues.preempted or queues.waiting or queues.loading)
-    assert not queues.write_candidates and not queues.unsettled
+    assert not queues.write_candidates and not queues.maybe_prefilling

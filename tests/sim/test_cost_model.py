@@ -1,6 +1,7 @@
 import pytest
 
-from tokenflow.sim.cost_model import CostModel, CostModelConfig, attention_pairs
+from tokenflow.core.plan import attention_pairs
+from tokenflow.sim.cost_model import CostModel, CostModelConfig
 from tokenflow.sim.hardware import get_gpu, get_model, gpu_specs
 
 

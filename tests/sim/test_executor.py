@@ -7,10 +7,10 @@ import pytest
 import tokenflow.engine.clock
 from tests.python_calls import count_python_calls
 from tokenflow.core.clock import SimClock
-from tokenflow.core.plan import BlockCopy, CopyKind, ScheduledChunk, StepPlan
+from tokenflow.core.plan import BlockCopy, CopyKind, ScheduledChunk, StepPlan, attention_pairs
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.clock import WallClock
-from tokenflow.sim.cost_model import CostModel, attention_pairs
+from tokenflow.sim.cost_model import CostModel
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.hardware import get_gpu, get_model
 

@@ -25,7 +25,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenflow.core.plan import BlockCopy, CopyKind, ScheduledChunk, StepPlan, StepResult
+from tokenflow.core.plan import (
+    BlockCopy,
+    CopyKind,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    attention_pairs,
+)
 from tokenflow.core.request import SamplingParams
 
 _TOKEN_ID = 1000  # an ordinary token of any supported vocabulary (the values do not matter)
@@ -132,7 +139,7 @@ class StepSample:
             num_decode_seqs=shape.num_decode_seqs,
             decode_context_tokens=shape.num_decode_seqs * shape.context_tokens_per_seq,
             num_prefill_tokens=t,
-            prefill_attention_pairs=t * s + t * (t + 1) // 2,
+            prefill_attention_pairs=attention_pairs(s, t),
             num_d2h_blocks=shape.num_d2h_blocks,
             num_h2d_blocks=shape.num_h2d_blocks,
             duration_s=duration_s,

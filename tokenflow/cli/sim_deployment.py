@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from tokenflow.cli.simulate_policy import tokenflow_config
 from tokenflow.cli.workload import workload_spec_from_args
-from tokenflow.core.config import tokenflow_defaults
+from tokenflow.core.config import policy_config, tokenflow_defaults
 from tokenflow.eval.workload import WorkloadRequest, generate
 from tokenflow.sim.cost_model import CostModelConfig
 from tokenflow.sim.overhead import SchedulerOverhead
@@ -26,7 +25,7 @@ def paper_deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], S
         workload = generate(workload_spec_from_args(args))
     else:
         workload = generate(setup.workload)
-    tokenflow = tokenflow_config(args, tokenflow_defaults("cuda"))  # (a simulated GPU)
+    tokenflow = policy_config(args, tokenflow_defaults("cuda"))  # (a simulated GPU)
     config = SimConfig(
         gpu=args.gpu or (setup.gpu if setup else "h200"),
         model=args.model or (setup.model if setup else "llama3-8b"),

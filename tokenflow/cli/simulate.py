@@ -12,7 +12,7 @@ import sys
 
 from tokenflow.cli.fleet import add_fleet_arguments, is_fleet, run_fleet_simulate
 from tokenflow.cli.sim_deployment import paper_deployment
-from tokenflow.cli.simulate_policy import add_simulate_policy_arguments, tokenflow_config
+from tokenflow.cli.simulate_policy import add_simulate_policy_arguments
 from tokenflow.cli.simulate_profile import (
     add_profile_arguments,
     check_profile_options,
@@ -92,7 +92,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_profile_options(args)
         if args.profile is not None:
             workload = generate(workload_spec_from_args(args))
-            run = deployment_from_args(args, tokenflow_config)
+            run = deployment_from_args(args)
             results = [simulate_profiled(workload, p, run, progress) for p in policies]
             title = describe(run, len(workload))
         else:

@@ -1,29 +1,17 @@
-"""`tokenflow simulate`'s policy options and ablations."""
+"""`tokenflow simulate`'s policy options (the one table every command shares) and the
+ablations of the simulated mechanism."""
 
 from __future__ import annotations
 
 import argparse
 
-from tokenflow.core.config import POLICY_KNOBS, TokenFlowConfig, tokenflow_defaults, with_knobs
+from tokenflow.core.config import add_policy_arguments, tokenflow_defaults
 
 
 def add_simulate_policy_arguments(tf: argparse._ArgumentGroup) -> None:
     """TokenFlow's options and the ablations of its mechanism."""
-    gpu = tokenflow_defaults("cuda")
-    for name, knob in POLICY_KNOBS.items():
-        tf.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=float,
-            default=None,
-            help=f"{knob.help} (default: the profiled engine's with --profile, else "
-            f"{getattr(gpu, knob.field):g})",
-        )
+    add_policy_arguments(tf, _simulated_default)
     tf.add_argument("--no-offload", action="store_true", help="ablation: preempt by recompute only")
-    tf.add_argument(
-        "--no-write-through",
-        action="store_true",
-        help="ablation: write-back, the preempting step waits for its eviction",
-    )
     tf.add_argument(
         "--no-load-evict-overlap",
         action="store_true",
@@ -31,6 +19,6 @@ def add_simulate_policy_arguments(tf: argparse._ArgumentGroup) -> None:
     )
 
 
-def tokenflow_config(args: argparse.Namespace, base: TokenFlowConfig) -> TokenFlowConfig:
-    """`base` with the policy knobs given on the command line."""
-    return with_knobs(base, {name: getattr(args, name) for name in POLICY_KNOBS})
+def _simulated_default(field: str) -> str:
+    gpu = getattr(tokenflow_defaults("cuda"), field)
+    return f"the profiled engine's with --profile, else {gpu:g}"

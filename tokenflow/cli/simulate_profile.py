@@ -9,9 +9,10 @@ server; what is not given is the profiled engine's (`serve`'s defaults when it w
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tokenflow.calibrate.profile_file import Profile, load_profile
+from tokenflow.core.config import policy_config
 from tokenflow.eval.workload import WorkloadRequest
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, SimResult, run_engine
@@ -73,16 +74,13 @@ class ProfiledRun:
     deployment: ProfiledDeployment
 
 
-def deployment_from_args(args: argparse.Namespace, tokenflow_config: object) -> ProfiledRun:
-    """The profiled deployment the options describe (`tokenflow_config` maps the policy
-    options over a base `TokenFlowConfig`)."""
+def deployment_from_args(args: argparse.Namespace) -> ProfiledRun:
+    """The profiled deployment the options describe: the profile's policy with the policy
+    options over it."""
     profile = load_profile(args.profile)
-    base = profile.tokenflow
-    if args.no_write_through:
-        base = replace(base, write_through=False)
     deployment = ProfiledDeployment(
         profile=profile,
-        tokenflow=tokenflow_config(args, base),  # type: ignore[operator]
+        tokenflow=policy_config(args, profile.tokenflow),
         endpoint=args.endpoint,
         **{name: getattr(args, name) for name in DEPLOYMENT_OPTIONS},
     )

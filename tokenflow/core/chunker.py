@@ -36,19 +36,21 @@ class ChunkBuilder:
     def residents(self) -> tuple[list[Request], list[Request]]:
         """The running residents (loads wait): (decoding, prefilling), each in running order.
 
-        Only the residents that may not be decoding are looked at (`RequestQueues.unsettled`):
-        every other one is."""
+        Only the residents that may not be decoding are looked at
+        (`RequestQueues.maybe_prefilling`): every other one is."""
         running, state = self._queues.running, RequestState.RUNNING
         prefilling = [
-            r for r in self._queues.unsettled.values() if r.state is state and r.is_prefilling
+            r
+            for r in self._queues.maybe_prefilling.values()
+            if r.state is state and r.is_prefilling
         ]
         if not prefilling:
             if not self._queues.loading:
                 return list(running), []
             return [r for r in running if r.state is state], []
-        unsettled = set(prefilling)
-        decoding = [r for r in running if r.state is state and r not in unsettled]
-        return decoding, list(filter(unsettled.__contains__, running))
+        is_prefilling = set(prefilling).__contains__
+        decoding = [r for r in running if r.state is state and not is_prefilling(r)]
+        return decoding, list(filter(is_prefilling, running))
 
     def prefill_first(
         self, prefilling: list[Request], max_prefill_tokens: int

@@ -5,9 +5,11 @@ Field comments double as CLI help; defaults are documented with their reason.
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 
 
 def _check_positive(obj: object, *names: str) -> None:
@@ -120,30 +122,34 @@ class PolicyKnob:
 
 
 # `--<name>` in serve, simulate and profile, and the keys of `tokenflow tune`'s config files.
-POLICY_KNOBS = {
-    "schedule_interval": PolicyKnob(
-        "schedule_interval_s", "seconds between TokenFlow's decisions under stress"
-    ),
-    "mu": PolicyKnob(
-        "buffer_conservativeness", "buffer conservativeness: a pause needs mu x a round trip"
-    ),
-    "critical_slack": PolicyKnob(
-        "critical_slack_s", "seconds of buffer that mean stress, and a pause's margin"
-    ),
-    "new_token_ratio": PolicyKnob(
-        "init_new_token_ratio",
-        "admission reserves this share of each resident's remaining output at first",
-    ),
-    "capacity_headroom": PolicyKnob(
-        "capacity_headroom", "admit while reading rates stay <= this share of capacity"
-    ),
-    "queue_headroom": PolicyKnob(
-        "queue_headroom",
-        "admit the whole queue while its reading rates stay <= this share of capacity "
-        "(e.g. 1.15: shorter P99 TTFT, longer stalls)",
-    ),
-    "max_stall_s": PolicyKnob("max_stall_s", "a stream stalled this long goes on the device first"),
-}
+POLICY_KNOBS: Mapping[str, PolicyKnob] = MappingProxyType(
+    {
+        "schedule_interval": PolicyKnob(
+            "schedule_interval_s", "seconds between TokenFlow's decisions under stress"
+        ),
+        "mu": PolicyKnob(
+            "buffer_conservativeness", "buffer conservativeness: a pause needs mu x a round trip"
+        ),
+        "critical_slack": PolicyKnob(
+            "critical_slack_s", "seconds of buffer that mean stress, and a pause's margin"
+        ),
+        "new_token_ratio": PolicyKnob(
+            "init_new_token_ratio",
+            "admission reserves this share of each resident's remaining output at first",
+        ),
+        "capacity_headroom": PolicyKnob(
+            "capacity_headroom", "admit while reading rates stay <= this share of capacity"
+        ),
+        "queue_headroom": PolicyKnob(
+            "queue_headroom",
+            "admit the whole queue while its reading rates stay <= this share of capacity "
+            "(e.g. 1.15: shorter P99 TTFT, longer stalls)",
+        ),
+        "max_stall_s": PolicyKnob(
+            "max_stall_s", "a stream stalled this long goes on the device first"
+        ),
+    }
+)
 
 
 def with_knobs(base: TokenFlowConfig, knobs: Mapping[str, float | None]) -> TokenFlowConfig:
@@ -171,3 +177,36 @@ class AndesConfig:
             raise ValueError("kv_usage_threshold must be in (0, 1]")
         if self.max_preemptions_per_request < 0:
             raise ValueError("max_preemptions_per_request must be >= 0")
+
+
+# -- the policy's options on a command line: one table (POLICY_KNOBS) for every command -------
+def add_policy_arguments(
+    group: argparse._ArgumentGroup, default_text: Callable[[str], str]
+) -> None:
+    """The TokenFlow policy's knobs and `--no-write-through`, for every command that runs the
+    policy (`serve`, `simulate`, `profile`...); `default_text(field)` says a knob's default in
+    its help."""
+    for name, knob in POLICY_KNOBS.items():
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=float,
+            default=None,
+            help=f"{knob.help} (default {default_text(knob.field)})",
+        )
+    group.add_argument(
+        "--no-write-through",
+        action="store_true",
+        help="write-back (an ablation): nothing is copied to the host ahead, so a preemption "
+        "waits for its eviction",
+    )
+
+
+def has_policy_options(args: argparse.Namespace) -> bool:
+    """Whether the command line gave any of the policy's options."""
+    return args.no_write_through or any(getattr(args, n) is not None for n in POLICY_KNOBS)
+
+
+def policy_config(args: argparse.Namespace, base: TokenFlowConfig) -> TokenFlowConfig:
+    """`base` with the policy options of the command line over it."""
+    config = with_knobs(base, {name: getattr(args, name) for name in POLICY_KNOBS})
+    return replace(config, write_through=False) if args.no_write_through else config

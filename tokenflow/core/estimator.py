@@ -191,11 +191,8 @@ class StepTimeEstimator:
 
     def prefill_time_s(self, num_tokens: int) -> float:
         """Predicted time a step takes beyond its decodes to prefill `num_tokens` tokens
-        (e.g. to recompute one stream's KV): `prefill_batch_time_s(num_tokens, num_tokens)`,
-        one step, written out (it prices every paused stream at every decision)."""
-        if num_tokens <= 0:
-            return 0.0
-        return self._prefill_step_s + num_tokens * self._prefill_token_s
+        (e.g. to recompute one stream's KV): one step of them all."""
+        return self.prefill_batch_time_s(num_tokens, num_tokens)
 
     def prefill_batch_time_s(self, num_tokens: int, max_step_tokens: int) -> float:
         """Predicted time to prefill `num_tokens` tokens in all, started together, in the

@@ -47,6 +47,13 @@ class BlockCopy:
     dst_block_id: int
 
 
+def attention_pairs(start_position: int, num_tokens: int) -> int:
+    """Causal (query, key) pairs of a chunk of `num_tokens` queries at positions
+    start_position ...: each attends to itself and everything before it (what a prefill's
+    attention costs grow with)."""
+    return num_tokens * start_position + num_tokens * (num_tokens + 1) // 2
+
+
 @dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of a step: a prefill chunk or a single decode token.

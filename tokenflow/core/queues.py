@@ -32,7 +32,7 @@ class RequestQueues:
         # Residents that may not be decoding yet (a superset: a stream joins when it enters the
         # device and leaves once it has sampled a token in a step that filled a block or ran a
         # prefill); every other resident with a token is decoding.
-        self.unsettled: dict[str, Request] = {}
+        self.maybe_prefilling: dict[str, Request] = {}
 
     @property
     def has_work(self) -> bool:
@@ -58,7 +58,7 @@ class RequestQueues:
         request.state = state
         self.running.append(request)
         self.remaining_output_tokens += request.num_remaining_output_tokens
-        self.unsettled[request.request_id] = request
+        self.maybe_prefilling[request.request_id] = request
         if state is RequestState.LOADING:
             self.loading.append(request)
 
@@ -89,7 +89,7 @@ class RequestQueues:
     def token_appended(self, request: Request) -> None:
         """A resident sampled a token in a step that filled one of its blocks or ran a prefill
         (call after `Request.append_token`): it is decoding now."""
-        self.unsettled.pop(request.request_id, None)
+        self.maybe_prefilling.pop(request.request_id, None)
 
     def _leave_device(self, request: Request) -> None:
         self.running.remove(request)
@@ -97,4 +97,4 @@ class RequestQueues:
         if request.state is RequestState.LOADING:
             self.loading.remove(request)
         self.write_candidates.pop(request.request_id, None)
-        self.unsettled.pop(request.request_id, None)
+        self.maybe_prefilling.pop(request.request_id, None)

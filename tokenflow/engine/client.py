@@ -111,7 +111,7 @@ class EngineClient(Protocol):
     vocab_size: int  # token ids are in [0, vocab_size)
     default_rate_tps: float
     tokenizer: Tokenizer
-    kernels: str | None  # the CPU kernel plan in one line (engine/kernels/); None: not ours
+    kernels: str | None  # the CPU kernel plan in one line (model/kernels/); None: not ours
 
     def generate(
         self,

@@ -11,7 +11,13 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from tokenflow.core.config import POLICY_KNOBS, TokenFlowConfig, tokenflow_defaults, with_knobs
+from tokenflow.core.config import (
+    TokenFlowConfig,
+    add_policy_arguments,
+    has_policy_options,
+    policy_config,
+    tokenflow_defaults,
+)
 from tokenflow.core.policies import POLICY_NAMES
 from tokenflow.core.request import is_reader_rate, reader_rate_error
 
@@ -101,7 +107,7 @@ class EngineArgs:
         group = parser.add_argument_group("engine")
         _add_model_arguments(group)
         _add_runtime_arguments(group)
-        _add_policy_arguments(parser.add_argument_group("tokenflow policy"))
+        add_policy_arguments(parser.add_argument_group("tokenflow policy"), _device_defaults)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EngineArgs:
@@ -109,14 +115,10 @@ class EngineArgs:
         device's defaults with the knobs given; left None when none is given."""
         names = {f.name for f in fields(cls)} - {"tokenflow"}
         built = cls(**{n: getattr(args, n) for n in names})
-        knobs = {name: getattr(args, name) for name in POLICY_KNOBS}
-        if all(v is None for v in knobs.values()) and not args.no_write_through:
+        if not has_policy_options(args):
             return built
         base = tokenflow_defaults(resolve_device(built.device).type)
-        tokenflow = with_knobs(base, knobs)
-        if args.no_write_through:
-            tokenflow = replace(tokenflow, write_through=False)
-        return replace(built, tokenflow=tokenflow)
+        return replace(built, tokenflow=policy_config(args, base))
 
     def tokenflow_for(self, device_type: str) -> TokenFlowConfig:
         """The TokenFlow policy these arguments run on a `device_type` engine."""
@@ -209,19 +211,10 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _add_policy_arguments(group: argparse._ArgumentGroup) -> None:
-    """The TokenFlow policy's knobs (defaults: the device's, `tokenflow_defaults`)."""
-    cpu, gpu = tokenflow_defaults("cpu"), tokenflow_defaults("cuda")
-    for name, knob in POLICY_KNOBS.items():
-        on_cpu, on_gpu = getattr(cpu, knob.field), getattr(gpu, knob.field)
-        default = f"{on_cpu:g}" if on_cpu == on_gpu else f"{on_cpu:g} on a CPU, {on_gpu:g} on a GPU"
-        group.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=float,
-            default=None,
-            help=f"{knob.help} (default {default})",
-        )
-    group.add_argument("--no-write-through", action="store_true")
+def _device_defaults(field: str) -> str:
+    on_cpu = getattr(tokenflow_defaults("cpu"), field)
+    on_gpu = getattr(tokenflow_defaults("cuda"), field)
+    return f"{on_cpu:g}" if on_cpu == on_gpu else f"{on_cpu:g} on a CPU, {on_gpu:g} on a GPU"
 
 
 def resolve_device(name: str) -> torch.device:

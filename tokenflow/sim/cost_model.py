@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenflow.core.plan import attention_pairs
 from tokenflow.sim.hardware import GpuSpec, ModelSpec
 
 _GIB = 2**30
@@ -195,9 +196,3 @@ class CostModel:
             num_prefill_samples=1,
         )
         return chunk_tokens / step_s
-
-
-def attention_pairs(start_position: int, num_tokens: int) -> int:
-    """Causal (query, key) pairs of `num_tokens` queries at positions start_position ...: each
-    attends to itself and everything before it."""
-    return num_tokens * start_position + num_tokens * (num_tokens + 1) // 2

@@ -30,7 +30,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from tokenflow.core.clock import SimClock
-from tokenflow.core.plan import CopyKind, SampledToken, StepPlan, StepResult
+from tokenflow.core.plan import (
+    CopyKind,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    attention_pairs,
+)
 
 _TOKEN_ID_RANGE = 999  # ids 1 .. 999
 
@@ -181,8 +187,7 @@ class SimExecutor:
                 longest_decode_context = max(longest_decode_context, start + 1)
             else:
                 num_prefill_tokens += n
-                # Causal pairs: each of the n queries attends to itself and all before it.
-                prefill_pairs += n * start + n * (n + 1) // 2
+                prefill_pairs += attention_pairs(start, n)
                 num_prefill_samples += chunk.samples_token
         return self._cost_model.compute_time_s(
             num_prefill_tokens=num_prefill_tokens,

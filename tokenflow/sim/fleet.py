@@ -320,7 +320,7 @@ def _movable(request: Request, kind: StreamKind, now_s: float, reached_s: float)
         route=RouteRequest.of(request),
         kind=kind,
         num_context_tokens=request.num_tokens,
-        num_left_tokens=request.sampling_params.max_tokens - request.num_output_tokens,
+        num_left_tokens=request.num_remaining_output_tokens,
         slack_s=request.slack_s(now_s) if kind is not StreamKind.QUEUED else 0.0,
         arrival_s=request.arrival_s,
         queued_s=now_s - reached_s,
