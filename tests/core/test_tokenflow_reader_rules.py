@@ -42,8 +42,9 @@ def test_the_prefill_hold_counts_steps_of_the_recent_chunk_and_the_prompts_ahead
         estimator.observe(4, 100, 0.2)  # recent prefill steps: 100 prompt tokens each
     view = replace(empty_view(400), estimator=estimator)
     hold_s = prefill_hold_s(view, 1000)
-    # ten chunked steps, each with the decodes: longer than one step's prefill price
-    assert hold_s >= 10 * estimator.decode_time_s(1) + estimator.prefill_time_s(1000) - 1e-9
+    # ten chunked steps of the prompt, each with the decodes: longer than one step's price
+    prefill_s = estimator.prefill_batch_time_s(1000, 100)
+    assert hold_s - prefill_s >= 10 * estimator.decode_time_s(1) - 1e-9
     assert hold_s > prefill_price_s(view, 1000)
     core, clock, _ = make_core("tokenflow", num_device_blocks=200, scheduler_config=OPTIMISTIC)
     core.add_request(make_request("ahead", num_prompt=300, max_tokens=4))
