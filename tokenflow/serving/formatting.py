@@ -113,7 +113,8 @@ class CompletionFormat:
 
 
 class ChatFormat:
-    """/v1/chat/completions: `chat.completion.chunk` deltas; a choice's first carries the role."""
+    """/v1/chat/completions: `chat.completion.chunk` deltas; a choice's first carries the role.
+    The formats of tool calls below change only a choice's delta and message."""
 
     def __init__(self, texts: TokenTexts) -> None:
         self._texts = texts
@@ -132,6 +133,20 @@ class ChatFormat:
             usage=usage,
         )
 
+    def _choice_chunk(
+        self,
+        request: PreparedRequest,
+        index: int,
+        piece: Piece,
+        delta: DeltaMessage,
+        finish_reason: str | None,
+        usage: UsageInfo | None,
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(
+            index=index, delta=delta, logprobs=self._logprobs(piece), finish_reason=finish_reason
+        )
+        return self._chunk(request, [choice], usage)
+
     def opening_chunks(self, request: PreparedRequest, index: int) -> list[BaseModel]:
         delta = DeltaMessage(role="assistant", content="")
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=None)
@@ -143,33 +158,32 @@ class ChatFormat:
         # The closing chunk of OpenAI has an empty delta; text and finish may share a chunk.
         has_content = bool(piece.text) or piece.finish_reason is None
         delta = DeltaMessage(content=piece.text) if has_content else DeltaMessage()
-        choice = ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=self._logprobs(piece),
-            finish_reason=piece.finish_reason,
-        )
-        return self._chunk(request, [choice], usage)
+        return self._choice_chunk(request, index, piece, delta, piece.finish_reason, usage)
 
     def usage_chunk(self, request: PreparedRequest, usage: UsageInfo) -> ChatCompletionChunk:
         return self._chunk(request, [], usage)
 
+    def _message(self, index: int, piece: Piece) -> tuple[AssistantMessage, str | None]:
+        """Choice `index`'s whole message and finish reason (the non-streaming answer)."""
+        return AssistantMessage(content=piece.text), piece.finish_reason
+
     def response(
         self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
     ) -> ChatCompletionResponse:
+        choices = []
+        for index, piece in enumerate(pieces):
+            message, finish_reason = self._message(index, piece)
+            logprobs = self._logprobs(piece)
+            choices.append(
+                ChatChoice(
+                    index=index, message=message, logprobs=logprobs, finish_reason=finish_reason
+                )
+            )
         return ChatCompletionResponse(
             id=request.request_id,
             created=request.created_s,
             model=request.model,
-            choices=[
-                ChatChoice(
-                    index=i,
-                    message=AssistantMessage(content=piece.text),
-                    logprobs=self._logprobs(piece),
-                    finish_reason=piece.finish_reason,
-                )
-                for i, piece in enumerate(pieces)
-            ],
+            choices=choices,
             usage=usage,
         )
 
@@ -199,42 +213,19 @@ class ToolCallFormat(ChatFormat):
     ) -> ChatCompletionChunk:
         call = self._call(index)
         delta = DeltaMessage(tool_calls=call.feed(piece.text, piece.finish_reason) or None)
-        choice = ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=self._logprobs(piece),
-            finish_reason=call.finish_reason(piece.finish_reason),
-        )
-        return self._chunk(request, [choice], usage)
+        finish_reason = call.finish_reason(piece.finish_reason)
+        return self._choice_chunk(request, index, piece, delta, finish_reason, usage)
 
-    def response(
-        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
-    ) -> ChatCompletionResponse:
-        choices = []
-        for index, piece in enumerate(pieces):
-            text = self._call(index)
-            text.feed(piece.text, piece.finish_reason)
-            call = text.call()
-            message = (
-                AssistantMessage(content=piece.text)
-                if call is None
-                else AssistantMessage(content=None, tool_calls=[call])
-            )
-            choices.append(
-                ChatChoice(
-                    index=index,
-                    message=message,
-                    logprobs=self._logprobs(piece),
-                    finish_reason=text.finish_reason(piece.finish_reason),
-                )
-            )
-        return ChatCompletionResponse(
-            id=request.request_id,
-            created=request.created_s,
-            model=request.model,
-            choices=choices,
-            usage=usage,
+    def _message(self, index: int, piece: Piece) -> tuple[AssistantMessage, str | None]:
+        text = self._call(index)
+        text.feed(piece.text, piece.finish_reason)
+        call = text.call()
+        message = (
+            AssistantMessage(content=piece.text)
+            if call is None
+            else AssistantMessage(content=None, tool_calls=[call])
         )
+        return message, text.finish_reason(piece.finish_reason)
 
 
 class AutoToolCallFormat(ChatFormat):
@@ -265,36 +256,14 @@ class AutoToolCallFormat(ChatFormat):
         delta = DeltaMessage(
             content=parsed.content if has_content else None, tool_calls=parsed.tool_calls or None
         )
-        choice = ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=self._logprobs(piece),
-            finish_reason=parser.finish_reason(piece.finish_reason),
-        )
-        return self._chunk(request, [choice], usage)
+        finish_reason = parser.finish_reason(piece.finish_reason)
+        return self._choice_chunk(request, index, piece, delta, finish_reason, usage)
 
-    def response(
-        self, request: PreparedRequest, pieces: list[Piece], usage: UsageInfo
-    ) -> ChatCompletionResponse:
-        choices = []
-        for index, piece in enumerate(pieces):
-            parser = self._parser(index)
-            parser.feed(piece.text, piece.finish_reason)
-            content: str | None = parser.content
-            if parser.calls and not parser.content.strip():
-                content = None
-            choices.append(
-                ChatChoice(
-                    index=index,
-                    message=AssistantMessage(content=content, tool_calls=parser.calls or None),
-                    logprobs=self._logprobs(piece),
-                    finish_reason=parser.finish_reason(piece.finish_reason),
-                )
-            )
-        return ChatCompletionResponse(
-            id=request.request_id,
-            created=request.created_s,
-            model=request.model,
-            choices=choices,
-            usage=usage,
-        )
+    def _message(self, index: int, piece: Piece) -> tuple[AssistantMessage, str | None]:
+        parser = self._parser(index)
+        parser.feed(piece.text, piece.finish_reason)
+        content: str | None = parser.content
+        if parser.calls and not parser.content.strip():
+            content = None
+        message = AssistantMessage(content=content, tool_calls=parser.calls or None)
+        return message, parser.finish_reason(piece.finish_reason)
