@@ -85,6 +85,7 @@ class DrainSignal:
         self._is_fleet_draining = False
         self._leaving: set[str] = set()
         self._drained: dict[str, bool] = {}
+        self._num_handed_off: dict[str, int] = {}
 
     async def begin(self) -> None:
         """Every replica drains (the fleet shuts down: no stream has anywhere to move)."""
@@ -106,13 +107,19 @@ class DrainSignal:
             )
             return not self._is_fleet_draining
 
-    async def done(self, replica: str, drained: bool) -> None:
-        """`replica` finished its drain; `drained`: every answer was sent in time."""
+    async def done(self, replica: str, drained: bool, num_handed_off: int = 0) -> None:
+        """`replica` finished its drain; `drained`: every answer was sent (or handed off) in
+        time; `num_handed_off`: the answers that moved to other replicas."""
         self._drained[replica] = drained
+        self._num_handed_off[replica] = num_handed_off
 
     async def drained(self) -> dict[str, bool]:
         """The replicas that finished their drain so far."""
         return dict(self._drained)
+
+    async def num_handed_off(self, replica: str) -> int:
+        """The answers `replica` handed off when it drained (0 before it is done)."""
+        return self._num_handed_off.get(replica, 0)
 
 
 class EngineReplica:
@@ -141,6 +148,7 @@ class EngineReplica:
         self.app = build_app(self.engine, self.config, self.drain_state, self.moves)
         self.name = ray.get_runtime_context().get_actor_name() or f"pid-{os.getpid()}"
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.num_handed_off = 0  # answers its drain handed to other replicas
         self._period_s = report_period_s
         self._report: LoadReport = self._measure()
         self._reported_s = time.monotonic()
@@ -245,22 +253,23 @@ class EngineReplica:
         off in time."""
         self.drain_state.begin()
         if move_streams:
-            self._hand_off_streams()
+            self.num_handed_off = self._hand_off_streams()
         drained = self.drain_state.wait_drained(self.config.drain_timeout_s)
         self.engine.stop()
         return drained
 
-    def _hand_off_streams(self) -> None:
+    def _hand_off_streams(self) -> int:
         """Export every movable answer's engine request, between two steps; each answer's body
-        then ends, and `serve_http` yields its handoff."""
+        then ends, and `serve_http` yields its handoff.  How many were exported."""
         request_ids = self.moves.movable_request_ids()
         try:
             exported = self.engine.export_streams(request_ids)
             states = exported.result(timeout=self.config.drain_timeout_s)
         except Exception as err:  # noqa: BLE001 - they finish here instead, as without moves
             logger.warning("the streams could not be exported: %s", err)
-            return
+            return 0
         logger.info("handing off %d of %d movable streams", len(states), len(request_ids))
+        return len(states)
 
     def _drain_when_signalled(self, drain_signal: ActorHandle) -> None:
         """(Its own thread, from the start.)  Drain once the launcher says so; tell it when
@@ -270,7 +279,8 @@ class EngineReplica:
         except ray.exceptions.RayError:
             return  # the launcher, which holds the signal, is gone: nobody will ask
         logger.info("draining %d requests in flight", self.drain_state.num_in_flight)
-        drain_signal.done.remote(self.name, self.drain(move_streams))
+        drained = self.drain(move_streams)
+        drain_signal.done.remote(self.name, drained, self.num_handed_off)
 
     def __del__(self) -> None:
         """Serve's shutdown hook (scale-down, redeploy, `serve.shutdown`).  Serve calls it once
