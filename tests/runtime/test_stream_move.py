@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.serving.live_server import serve_in_thread
-from tokenflow.core.request import SamplingParams
+from tokenflow.core.request import SamplingParams, StructuredOutput
 from tokenflow.engine.async_engine import AsyncEngine
 from tokenflow.engine.client import StreamMoved
 from tokenflow.engine.engine_args import EngineArgs
@@ -199,3 +199,28 @@ def test_export_ends_the_deltas_with_stream_moved_and_resume_goes_on_exactly(ser
     assert after[-1].finish_reason == "length" and after[-1].num_output_tokens == MAX_TOKENS
     assert _tokens(before) + _tokens(after) == _tokens(undisturbed)
     assert "".join(d.text for d in before + after) == "".join(d.text for d in undisturbed)
+
+
+def test_a_stream_held_to_a_grammar_stays_and_finishes_where_it_is(servers):
+    source = servers[0]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    spec = StructuredOutput(json.dumps(schema))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_output=spec)
+    prompt = source.engine.tokenizer.encode("The user's profile as JSON")
+    reached, release = hold_at(source.engine, 2)
+    result: list = []
+
+    async def run() -> None:
+        result.extend([d async for d in source.engine.generate("held", prompt, params, 4.0)])
+
+    runner = threading.Thread(target=lambda: asyncio.run(run()))
+    runner.start()
+    try:
+        assert reached.wait(timeout=120)
+        exported = source.engine.export_streams(["held"])
+    finally:
+        release.set()
+        source.engine.after_step = None
+    assert exported.result(timeout=60) == []
+    runner.join(timeout=120)
+    assert result[-1].finish_reason in ("stop", "length")
