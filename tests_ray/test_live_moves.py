@@ -5,6 +5,7 @@ one id, one usage over every token, one [DONE]; the drain takes the time of the 
 of the answers."""
 
 import argparse
+import itertools
 import json
 import socket
 import threading
@@ -72,13 +73,14 @@ def fleet():
 
 def _answer(url: str, path: str, body: dict, rate: float, out: dict, first: threading.Event):
     """One streamed answer read to its end: its status, first replica and every event's data."""
-    out.update(events=[], replica=None, status=None)
+    out.update(events=[], times_s=[], replica=None, status=None)
     body = {**body, "stream_rate": rate}
     with httpx.stream("POST", url + path, json=body, headers=AUTH, timeout=600) as response:
         out["status"], out["replica"] = response.status_code, response.headers.get(REPLICA_HEADER)
         for line in response.iter_lines():
             if line.startswith("data: "):
                 out["events"].append(line[6:])
+                out["times_s"].append(time.monotonic())
                 first.set()
     first.set()  # (also when it failed before any event: the test does not wait forever)
 
@@ -139,9 +141,12 @@ def test_a_replica_that_leaves_hands_its_streams_over_and_every_answer_is_whole(
     for thread in threads:
         thread.join(timeout=600)
     answered_s = time.monotonic() - left_s
+    moved = [r for r in results if r["replica"] == victim]
+    gaps = [max(b - a for a, b in itertools.pairwise(r["times_s"])) for r in moved]
     print(
-        f"\n{replicas.count(victim)} of {len(results)} answers on the leaving replica: "
-        f"{departure}; the answers ended {answered_s:.1f} s after the drain"
+        f"\n{len(moved)} of {len(results)} answers on the leaving replica: {departure}; "
+        f"the answers ended {answered_s:.1f} s after the drain; the longest gap between two "
+        f"events of each moved answer: {', '.join(f'{g:.2f} s' for g in gaps)}"
     )
 
     assert departure.is_drained and departure.num_handed_off >= 1

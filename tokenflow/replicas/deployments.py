@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import ray
 from fastapi import FastAPI, Request
@@ -74,6 +75,14 @@ def server_config(serve_argv: list[str]) -> ServerConfig:
     return ServerConfig.from_namespace(args)
 
 
+@dataclass(frozen=True)
+class DrainOutcome:
+    """How one replica's drain ended."""
+
+    is_drained: bool  # every answer was sent, or handed off, within its --drain-timeout-s
+    num_handed_off: int  # answers that moved to other replicas
+
+
 @ray.remote(num_cpus=0)
 class DrainSignal:
     """The launcher's word to the engine replicas that the fleet shuts down, or that one of them
@@ -110,16 +119,26 @@ class DrainSignal:
     async def done(self, replica: str, drained: bool, num_handed_off: int = 0) -> None:
         """`replica` finished its drain; `drained`: every answer was sent (or handed off) in
         time; `num_handed_off`: the answers that moved to other replicas."""
-        self._drained[replica] = drained
-        self._num_handed_off[replica] = num_handed_off
+        async with self._changed:
+            self._drained[replica] = drained
+            self._num_handed_off[replica] = num_handed_off
+            self._changed.notify_all()
 
     async def drained(self) -> dict[str, bool]:
         """The replicas that finished their drain so far."""
         return dict(self._drained)
 
-    async def num_handed_off(self, replica: str) -> int:
-        """The answers `replica` handed off when it drained (0 before it is done)."""
-        return self._num_handed_off.get(replica, 0)
+    async def wait_done(self, replica: str, timeout_s: float) -> "DrainOutcome | None":
+        """Block until `replica` finished its drain, for at most `timeout_s`: what it told
+        `done`; None when it did not finish in time."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: replica in self._drained), timeout_s
+                )
+            except TimeoutError:
+                return None
+            return DrainOutcome(self._drained[replica], self._num_handed_off[replica])
 
 
 class EngineReplica:

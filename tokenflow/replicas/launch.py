@@ -184,14 +184,11 @@ def leave(drain_signal: ActorHandle, replica: str, timeout_s: float) -> Departur
     done, or `timeout_s` and a little more passed (then `is_drained` is False)."""
     started_s = time.monotonic()
     ray.get(drain_signal.leave.remote(replica))
-    deadline = started_s + timeout_s + _SHUTDOWN_SLACK_S
-    while time.monotonic() < deadline:
-        drained = ray.get(drain_signal.drained.remote())
-        if replica in drained:
-            num_handed_off = ray.get(drain_signal.num_handed_off.remote(replica))
-            return Departure(drained[replica], num_handed_off, time.monotonic() - started_s)
-        time.sleep(0.2)
-    return Departure(False, 0, time.monotonic() - started_s)
+    done = ray.get(drain_signal.wait_done.remote(replica, timeout_s + _SHUTDOWN_SLACK_S))
+    elapsed_s = time.monotonic() - started_s
+    if done is None:
+        return Departure(False, 0, elapsed_s)
+    return Departure(done.is_drained, done.num_handed_off, elapsed_s)
 
 
 def _is_loopback(host: str) -> bool:
