@@ -23,6 +23,7 @@ class _Stream:
         start = {"status": status, "headers": list(headers), "replica": replica}
         self.items: list = [{**start, "replica_id": f"id-{replica}"}, *chunks]
         self.block = block
+        self.waited = asyncio.Event()  # set once a read waits on a blocked stream
         self.cancelled = False
         self.num_read = 0
 
@@ -31,6 +32,7 @@ class _Stream:
 
     async def __anext__(self):
         if self.block:
+            self.waited.set()
             await asyncio.Event().wait()
         if isinstance(self.items[0] if self.items else None, Exception):
             raise self.items.pop(0)
@@ -267,3 +269,23 @@ def test_the_ticket_is_the_ingress_own_never_the_clients():
     asyncio.run(_answer(handle, _request(((MOVE_HEADER.lower().encode(), b"forged"),))))
     tickets = _ticket(handle.headers[0])
     assert len(tickets) == 1 and tickets != ["forged"]
+
+
+def test_the_continuation_is_cancelled_when_the_client_leaves_while_it_opens():
+    taking = _Stream(block=True)  # the next replica has not answered yet
+    handle = _Handle(_Stream(200, "a", [FRAMES[0], _handoff(1)]), taking)
+
+    async def leave_during_the_move():
+        response = await Forwarder(handle, 4.0).forward(_request(), "v1/completions")
+
+        task = asyncio.ensure_future(response(_request().scope, _request().receive, _ignore))
+        await taking.waited.wait()  # the relay waits for the continuation's first item
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_during_the_move())
+    assert taking.cancelled and handle.handoffs[1] is not None
+
+
+async def _ignore(message):
+    """A client that reads whatever comes."""
