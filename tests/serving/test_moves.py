@@ -1,14 +1,24 @@
 """Which answers may move, what a handoff says, and the book a replica keeps of its moves
-(tokenflow/serving/moves.py), on hand-built requests."""
+(tokenflow/serving/moves.py), on hand-built requests; and which answers in flight an app with
+a book lists as movable (a fake engine held mid-answer)."""
 
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 
+import httpx
+import pytest
+
+from tests.serving.fake_engine import FakeEngine
+from tests.serving.live_server import serve_in_thread
+from tests.serving.test_tool_choice import ASK, AUTO, WEATHER, WORDS, ToolsTokenizer
 from tokenflow.core.migration import StreamState
 from tokenflow.core.request import Consumption, SamplingParams, StructuredOutput
+from tokenflow.serving.app import build_app
 from tokenflow.serving.moves import (
+    MOVE_HEADER,
     MoveBook,
     StreamHandoff,
     handoff_of,
@@ -94,3 +104,33 @@ def test_the_book_lists_movable_answers_and_hands_each_handoff_out_once():
     assert book.take_handoff("t2") is None  # it did not move
     book.expect_resume("t3", handoff)
     assert book.take_resume("t3") == handoff and book.take_resume("t3") is None
+
+
+CHAT = {"model": "fake-model", "messages": ASK, "max_tokens": 16, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("body", "ticket", "is_listed"),
+    [
+        (CHAT, "t", True),
+        (CHAT, None, False),  # not through the fleet's ingress
+        ({**CHAT, "n": 2}, "t", False),  # two engine requests
+        ({**CHAT, "tools": [WEATHER], "tool_choice": "auto"}, "t", False),  # its parser's state
+    ],
+    ids=["plain", "no-ticket", "n2", "auto-tools"],
+)
+def test_the_app_lists_only_movable_answers_while_they_stream(body, ticket, is_listed):
+    gate = threading.Event()
+    engine = FakeEngine(words=WORDS, tokenizer=ToolsTokenizer(), gate=gate, gate_at_token=2)
+    book = MoveBook()
+    headers = {MOVE_HEADER: ticket} if ticket else {}
+    with serve_in_thread(build_app(engine, AUTO, moves=book)) as url:
+        url += "/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # (mid-answer)
+            listed = book.movable_request_ids()
+            gate.set()
+            assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    assert bool(listed) is is_listed
+    assert book.movable_request_ids() == []  # forgotten once the answer ended
