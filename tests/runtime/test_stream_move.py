@@ -224,3 +224,52 @@ def test_a_stream_held_to_a_grammar_stays_and_finishes_where_it_is(servers):
     assert exported.result(timeout=60) == []
     runner.join(timeout=120)
     assert result[-1].finish_reason in ("stop", "length")
+
+
+def test_a_request_still_queued_moves_and_starts_on_the_other_engine(servers, tiny_model_dir):
+    target = servers[1]
+    args = EngineArgs(
+        model=tiny_model_dir, device="cpu", max_model_len=256, max_num_seqs=1, policy="fcfs"
+    )
+    source = AsyncEngine(args)  # one stream at a time, never preempted: the second one queues
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompt = source.tokenizer.encode(PROMPT)
+    reached, release = threading.Event(), threading.Event()
+
+    def after_step() -> None:  # hold the engine once "queued" waits behind "first"
+        states = {s.request_id: s.state for s in source.engine.streams(8).streams}
+        if not reached.is_set() and states.get("queued") == "waiting" and "first" in states:
+            reached.set()
+            release.wait(timeout=120)
+
+    source.after_step = after_step
+    outcomes: dict[str, object] = {}
+
+    async def run(request_id: str) -> None:
+        try:
+            outcomes[request_id] = [
+                d async for d in source.generate(request_id, prompt, params, 4.0)
+            ]
+        except StreamMoved as err:
+            outcomes[request_id] = err
+
+    async def both() -> None:
+        await asyncio.gather(run("first"), run("queued"))
+
+    runner = threading.Thread(target=lambda: asyncio.run(both()))
+    runner.start()
+    try:
+        assert reached.wait(timeout=120)
+        exported = source.export_streams(["queued"])
+    finally:
+        release.set()
+    (state,) = exported.result(timeout=60)
+    runner.join(timeout=120)
+    source.close()
+    assert not state.is_started and isinstance(outcomes["queued"], StreamMoved)
+
+    async def resumed() -> list:
+        return [d async for d in target.engine.resume(state)]
+
+    after = asyncio.run(resumed())
+    assert _tokens(after) == _tokens(outcomes["first"])  # the same prompt, greedy: the same answer
