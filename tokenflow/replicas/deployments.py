@@ -128,7 +128,7 @@ class DrainSignal:
         """The replicas that finished their drain so far."""
         return dict(self._drained)
 
-    async def wait_done(self, replica: str, timeout_s: float) -> "DrainOutcome | None":
+    async def wait_done(self, replica: str, timeout_s: float) -> DrainOutcome | None:
         """Block until `replica` finished its drain, for at most `timeout_s`: what it told
         `done`; None when it did not finish in time."""
         async with self._changed:
