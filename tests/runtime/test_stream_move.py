@@ -137,7 +137,7 @@ def test_an_answer_moved_mid_stream_is_the_undisturbed_answer(servers, path):
     assert source.book.movable_request_ids() == [] == target.book.movable_request_ids()
 
 
-def test_a_request_without_a_book_or_a_ticket_is_not_movable(servers, tiny_model_dir):
+def test_a_request_without_a_ticket_is_not_movable(servers):
     source = servers[0]
     reached, release = hold_at(source.engine, 2)
     reader = threading.Thread(
