@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tokenflow.replicas.deployments import EngineReplica
+from tokenflow.serving.moves import MoveBook
 
 RECORDER = "tokenflow-test-recorder"
 NAMESPACE = "tokenflow-tests"
@@ -60,6 +61,7 @@ class FakeReplica(EngineReplica):
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         recorder = ray.get_actor(RECORDER, namespace=NAMESPACE)
         self.app = _app(ray.get(recorder.register.remote(self.name)), recorder)
+        self.moves = MoveBook()  # (its answers never move)
 
     def record_routing_stats(self) -> dict[str, object]:
         return {}  # (no report: the router spreads requests evenly)

@@ -1,13 +1,17 @@
 """The ingress's forwarding, without a cluster: a scripted `DeploymentHandle` stands for the
 replicas.  A refusal is offered to another replica, a bounded number of times; the replica
-call is cancelled whenever the client leaves before the replica's last chunk."""
+call is cancelled whenever the client leaves before the replica's last chunk; an answer a
+replica hands off goes on from another replica in the same response."""
 
 import asyncio
 
 from starlette.requests import Request
 
+from tokenflow.core.migration import StreamState
+from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.replicas.deployments import REPLICA_HEADER, Forwarder
 from tokenflow.replicas.guards import MAX_TRIES
+from tokenflow.serving.moves import MOVE_HEADER, StreamHandoff
 
 BODY = b'{"prompt": "hi", "max_tokens": 4, "stream": true}'
 
@@ -19,6 +23,7 @@ class _Stream:
         start = {"status": status, "headers": list(headers), "replica": replica}
         self.items: list = [{**start, "replica_id": f"id-{replica}"}, *chunks]
         self.block = block
+        self.waited = asyncio.Event()  # set once a read waits on a blocked stream
         self.cancelled = False
         self.num_read = 0
 
@@ -27,6 +32,7 @@ class _Stream:
 
     async def __anext__(self):
         if self.block:
+            self.waited.set()
             await asyncio.Event().wait()
         if isinstance(self.items[0] if self.items else None, Exception):
             raise self.items.pop(0)
@@ -40,11 +46,14 @@ class _Stream:
 
 
 class _Handle:
-    """A DeploymentHandle whose calls get the scripted streams in turn."""
+    """A DeploymentHandle whose calls (of `serve_http`, or of `resume_http` with a handoff)
+    get the scripted streams in turn."""
 
     def __init__(self, *streams):
         self.streams = list(streams)
         self.routes: list[dict] = []
+        self.headers: list[list[tuple[str, str]]] = []
+        self.handoffs: list[StreamHandoff | None] = []
 
     def options(self, stream):
         assert stream
@@ -54,12 +63,36 @@ class _Handle:
     def serve_http(self):
         return self
 
-    def remote(self, route, method, path, headers, body):
+    @property
+    def resume_http(self):
+        return self
+
+    def remote(self, route, method, path, headers, body, handoff=None):
         self.routes.append(route)
+        self.headers.append(headers)
+        self.handoffs.append(handoff)
         return self.streams.pop(0)
 
 
-def _request() -> Request:
+def _handoff(num_sent_tokens: int) -> StreamHandoff:
+    """What a replica hands the ingress when its answer moves (the ingress only passes it on)."""
+    state = StreamState(
+        request_id="cmpl-1",
+        prompt_token_ids=(1, 2),
+        output_token_ids=tuple(range(num_sent_tokens)),
+        sampling_params=SamplingParams(max_tokens=4, temperature=0),
+        eos_token_ids=(0,),
+        consumption=Consumption.READER,
+        arrival_s=-1.0,
+        rate_tps=4.0,
+        token_times_s=tuple(-0.1 for _ in range(num_sent_tokens)),
+        last_consume_s=-0.1,
+        num_preemptions=0,
+    )
+    return StreamHandoff(state, "cmpl-1", 1700000000, num_sent_tokens, num_sent_tokens, 1)
+
+
+def _request(headers: tuple[tuple[bytes, bytes], ...] = ()) -> Request:
     sent = False
 
     async def receive():
@@ -75,14 +108,15 @@ def _request() -> Request:
         "method": "POST",
         "path": "/v1/completions",
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *headers],
     }
     return Request(scope, receive)
 
 
-async def _answer(handle: _Handle):
+async def _answer(handle: _Handle, request: Request | None = None):
     """The ingress's answer to one request: status, headers and body."""
-    response = await Forwarder(handle, 4.0).forward(_request(), "v1/completions")
+    request = request or _request()
+    response = await Forwarder(handle, 4.0).forward(request, "v1/completions")
     messages: list[dict] = []
 
     async def send(message):
@@ -173,3 +207,85 @@ def test_a_stream_read_to_its_end_is_not_cancelled():
     stream = _Stream(200, "a", [b"data: [DONE]\n\n"])
     asyncio.run(_answer(_Handle(stream)))
     assert not stream.cancelled
+
+
+# One answer's SSE frames: the replica that serves it whole sends them all; a replica that
+# hands it off after two sends those two, and the replica that continues it the rest.
+FRAMES = [b'data: {"id": "cmpl-1", "n": %d}\n\n' % i for i in range(4)] + [b"data: [DONE]\n\n"]
+
+
+def _ticket(headers: list[tuple[str, str]]) -> list[str]:
+    return [v for k, v in headers if k.lower() == MOVE_HEADER.lower()]
+
+
+def test_an_answer_handed_off_mid_stream_reaches_the_client_whole_from_the_next_replica():
+    unmoved = asyncio.run(_answer(_Handle(_Stream(200, "a", FRAMES))))
+    handoff = _handoff(2)
+    leaving = _Stream(200, "a", [*FRAMES[:2], handoff])
+    taking = _Stream(200, "b", FRAMES[2:])
+    handle = _Handle(leaving, taking)
+    status, headers, body = asyncio.run(_answer(handle))
+    assert (status, body) == (200, unmoved[2])  # every frame once, one [DONE]
+    assert headers[REPLICA_HEADER.lower()] == "a"  # (the headers went out before the move)
+    assert handle.handoffs == [None, handoff]  # the continuation is a `resume_http` call
+    assert handle.routes[1]["avoid"] == ["id-a"]  # never offered back to the replica leaving
+    assert _ticket(handle.headers[0]) == _ticket(handle.headers[1]) and _ticket(handle.headers[0])
+    assert not leaving.cancelled and not taking.cancelled
+
+
+def test_an_answer_moves_again_when_its_next_replica_leaves_too():
+    first, second = _handoff(1), _handoff(3)
+    streams = [
+        _Stream(200, "a", [FRAMES[0], first]),
+        _Stream(200, "b", [*FRAMES[1:3], second]),
+        _Stream(200, "c", FRAMES[3:]),
+    ]
+    handle = _Handle(*streams)
+    assert asyncio.run(_answer(handle))[2] == b"".join(FRAMES)
+    assert [r["avoid"] for r in handle.routes] == [[], ["id-a"], ["id-a", "id-b"]]
+    assert handle.handoffs == [None, first, second]
+
+
+def test_a_continuation_refused_by_one_replica_is_offered_to_another():
+    refusing = _Stream(503, "b", [b"{}"], [("retry-after", "1")])
+    handle = _Handle(
+        _Stream(200, "a", [FRAMES[0], _handoff(1)]), refusing, _Stream(200, "c", FRAMES[1:])
+    )
+    assert asyncio.run(_answer(handle))[2] == b"".join(FRAMES)
+    assert handle.routes[2]["avoid"] == ["id-a", "id-b"] and refusing.cancelled
+
+
+def test_an_answer_no_replica_takes_ends_with_an_error_frame_and_one_done():
+    refusals = [_Stream(503, r, [b"{}"]) for r in ("b", "c", "d")]
+    handle = _Handle(_Stream(200, "a", [FRAMES[0], _handoff(1)]), *refusals)
+    status, _, body = asyncio.run(_answer(handle))
+    assert status == 200 and body.startswith(FRAMES[0])
+    assert b'"error"' in body and body.count(b"[DONE]") == 1 and body.endswith(b"[DONE]\n\n")
+    assert len(handle.routes) == 1 + MAX_TRIES
+
+
+def test_the_ticket_is_the_ingress_own_never_the_clients():
+    handle = _Handle(_Stream(200, "a", FRAMES))
+    asyncio.run(_answer(handle, _request(((MOVE_HEADER.lower().encode(), b"forged"),))))
+    tickets = _ticket(handle.headers[0])
+    assert len(tickets) == 1 and tickets != ["forged"]
+
+
+def test_the_continuation_is_cancelled_when_the_client_leaves_while_it_opens():
+    taking = _Stream(block=True)  # the next replica has not answered yet
+    handle = _Handle(_Stream(200, "a", [FRAMES[0], _handoff(1)]), taking)
+
+    async def leave_during_the_move():
+        response = await Forwarder(handle, 4.0).forward(_request(), "v1/completions")
+
+        task = asyncio.ensure_future(response(_request().scope, _request().receive, _ignore))
+        await taking.waited.wait()  # the relay waits for the continuation's first item
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_during_the_move())
+    assert taking.cancelled and handle.handoffs[1] is not None
+
+
+async def _ignore(message):
+    """A client that reads whatever comes."""

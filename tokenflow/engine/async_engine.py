@@ -1,8 +1,10 @@
 """The serving engine: an `LLMEngine` stepped by one thread, behind `EngineClient`.
 
-Requests, aborts and snapshot requests (`streams()`) go to the thread through a command queue;
-deltas (and snapshots) come back to each asker via `loop.call_soon_threadsafe`, deltas through
-the request's `_DeltaSink`.  What can go wrong, and who hears of it:
+Requests, aborts, snapshot requests (`streams()`) and streams moving in and out (`resume()`,
+`export_streams()`) go to the thread through a command queue, applied between two steps;
+deltas (and snapshots, exported states) come back to each asker via
+`loop.call_soon_threadsafe`, deltas through the request's `_DeltaSink`.  What can go wrong, and
+who hears of it:
 
 - one request fails (its sampling row, its text, its add): only that request gets an error;
 - a step's plan fails: only the plan's requests get an error (see `LLMEngine.step`);
@@ -21,8 +23,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from tokenflow.core.migration import StreamState
 from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import (
@@ -33,6 +37,7 @@ from tokenflow.engine.client import (
     EngineStats,
     GenerationDelta,
     RequestFailed,
+    StreamMoved,
 )
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
@@ -98,6 +103,19 @@ class _Add:
 
 
 @dataclass(frozen=True)
+class _Import:
+    """A stream another engine exported, to go on here (`resume()`)."""
+
+    state: StreamState
+    sink: _DeltaSink
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+
+@dataclass(frozen=True)
 class _Abort:
     request_id: str
 
@@ -109,7 +127,14 @@ class _Snapshot:
     loop: asyncio.AbstractEventLoop
 
 
-_Command = _Add | _Abort | _Snapshot
+@dataclass(frozen=True)
+class _Export:
+    request_ids: tuple[str, ...]
+    future: Future[list[StreamState]]  # thread-safe: settled on the engine thread
+
+
+_Submission = _Add | _Import  # a request that gets deltas through its sink
+_Command = _Add | _Import | _Abort | _Snapshot | _Export
 
 
 class AsyncEngine:
@@ -138,7 +163,7 @@ class AsyncEngine:
         # SimpleQueue: its put() is reentrant, so stop() is safe from a signal handler that
         # interrupts this thread inside get() (a Queue's lock would deadlock there).
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._sinks: dict[str, _Add] = {}
+        self._sinks: dict[str, _Submission] = {}
         self._num_pending_adds = 0
         self._lock = threading.Lock()  # guards _num_pending_adds, _death and queueing adds
         self._death: str | None = None
@@ -169,8 +194,40 @@ class AsyncEngine:
             self.engine.validate(prompt, sampling_params)
         except ValueError as err:
             raise EngineRequestError(str(err)) from None
-        sink = _DeltaSink()
-        loop = asyncio.get_running_loop()
+        sink, loop = _DeltaSink(), asyncio.get_running_loop()
+        self._submit(_Add(request_id, prompt, sampling_params, rate_tps, consumption, sink, loop))
+        async for delta in self._deltas(request_id, sink):
+            yield delta
+
+    async def resume(self, state: StreamState) -> AsyncIterator[GenerationDelta]:
+        """Go on with a stream another engine exported (`StreamMoved.state`): it resumes by
+        recompute when the policy starts it, and its deltas hold only the tokens and text after
+        those produced there (`LLMEngine.import_stream`).  Refused as `generate()`."""
+        try:
+            self.engine.validate(list(state.prompt_token_ids), state.sampling_params)
+        except ValueError as err:
+            raise EngineRequestError(str(err)) from None
+        sink, loop = _DeltaSink(), asyncio.get_running_loop()
+        self._submit(_Import(state, sink, loop))
+        async for delta in self._deltas(state.request_id, sink):
+            yield delta
+
+    def export_streams(self, request_ids: Sequence[str]) -> Future[list[StreamState]]:
+        """Take the unfinished requests among `request_ids` out of this engine before its next
+        step (queued by the time this returns); the future holds their states (times relative
+        to the export).  Each one's delta iterator then raises `StreamMoved` after the deltas
+        produced before.  A request that finished meanwhile, or that cannot move (held to a
+        grammar), is left as it is.  A future, not a coroutine: a replica's drain thread, which
+        has no event loop, waits on it."""
+        future: Future[list[StreamState]] = Future()
+        with self._lock:  # (a command queued before the loop died is answered by `_die`)
+            if self._death is not None:
+                raise EngineDead(self._death)
+            self._commands.put(_Export(tuple(request_ids), future))
+        return future
+
+    def _submit(self, command: _Submission) -> None:
+        """Queue a request for the engine thread, unless the engine is dead or full."""
         with self._lock:
             if self._death is not None:
                 raise EngineDead(self._death)
@@ -182,12 +239,18 @@ class AsyncEngine:
                     retry_after_s=1.0,
                 )
             self._num_pending_adds += 1
-            add = _Add(request_id, prompt, sampling_params, rate_tps, consumption, sink, loop)
-            self._commands.put(add)
+            self._commands.put(command)
+
+    async def _deltas(self, request_id: str, sink: _DeltaSink) -> AsyncIterator[GenerationDelta]:
+        """A submitted request's deltas until its finish; aborts it if the caller stops early."""
         finished = False
         try:
             while True:
-                item = await sink.get()
+                try:
+                    item = await sink.get()
+                except StreamMoved:
+                    finished = True  # (this engine forgot it already)
+                    raise
                 if item.finish_reason == "error":
                     finished = True
                     raise RequestFailed(item.error or "the request failed")
@@ -291,10 +354,12 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add):
+            if isinstance(command, _Add | _Import):
                 self._send(command, error)
             elif isinstance(command, _Snapshot):
                 _settle(command, error)
+            elif isinstance(command, _Export):
+                command.future.set_exception(error)
         self._fail_all(error)
 
     def _drain(self, block: bool) -> bool:
@@ -322,6 +387,9 @@ class AsyncEngine:
                 logger.exception("the streams snapshot failed")
                 _settle(command, err)
             return
+        if isinstance(command, _Export):
+            command.future.set_result(self._export(command.request_ids))
+            return
         if isinstance(command, _Abort):
             delta = self.engine.abort(command.request_id)
             if delta is not None:
@@ -331,13 +399,16 @@ class AsyncEngine:
         with self._lock:
             self._num_pending_adds -= 1
         try:
-            self.engine.add_request(
-                command.request_id,
-                command.prompt_token_ids,
-                command.params,
-                command.rate_tps,
-                command.consumption,
-            )
+            if isinstance(command, _Import):
+                self.engine.import_stream(command.state)
+            else:
+                self.engine.add_request(
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.rate_tps,
+                    command.consumption,
+                )
         except ValueError as err:
             self._send(command, EngineRequestError(str(err)))
             return
@@ -348,6 +419,25 @@ class AsyncEngine:
         self._sinks[command.request_id] = command
         self._stats = self.engine.stats()
 
+    def _export(self, request_ids: Sequence[str]) -> list[StreamState]:
+        """Export each live request of `request_ids`; its sink hears `StreamMoved` after the
+        deltas already sent to it (the same thread sent them, in order)."""
+        states = []
+        for request_id in request_ids:
+            submission = self._sinks.get(request_id)
+            if submission is None:
+                continue  # finished, failed or aborted meanwhile
+            try:
+                state = self.engine.export_stream(request_id)
+            except ValueError as err:  # e.g. held to a grammar: it finishes here
+                logger.info("request %s stays: %s", request_id, err)
+                continue
+            del self._sinks[request_id]
+            self._send(submission, StreamMoved(state))
+            states.append(state)
+        self._stats = self.engine.stats()
+        return states
+
     def _deliver(self, delta: GenerationDelta) -> None:
         add = self._sinks.get(delta.request_id)
         if add is None:
@@ -357,10 +447,10 @@ class AsyncEngine:
         self._send(add, delta)
 
     @staticmethod
-    def _send(add: _Add, item: GenerationDelta | BaseException) -> None:
+    def _send(submission: _Submission, item: GenerationDelta | BaseException) -> None:
         # RuntimeError: its event loop is closed, nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            add.loop.call_soon_threadsafe(add.sink.put, item)
+            submission.loop.call_soon_threadsafe(submission.sink.put, item)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, add in list(self._sinks.items()):

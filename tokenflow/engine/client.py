@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokenflow.core.migration import StreamState
 from tokenflow.core.plan import TokenLogprobs
 from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.streams import StreamsSnapshot
@@ -37,6 +38,16 @@ class EngineDead(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """Delivered to one request whose own processing failed (the engine goes on)."""
+
+
+class StreamMoved(Exception):
+    """Delivered to a request that was exported (`AsyncEngine.export_streams`): its deltas end
+    here, without a finish reason, after every delta produced before the export; `state` is
+    where another engine goes on from (`resume()`)."""
+
+    def __init__(self, state: StreamState) -> None:
+        super().__init__(f"{state.request_id} moved to another engine")
+        self.state = state
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,12 @@ class EngineClient(Protocol):
         Raises EngineOverloaded, EngineRequestError or EngineDead before the first delta if it
         cannot be accepted; RequestFailed or EngineDead later if it fails mid-way.
         """
+        ...
+
+    def resume(self, state: StreamState) -> AsyncIterator[GenerationDelta]:
+        """Go on with a stream another engine exported (`StreamMoved.state`, times relative to
+        its export) and stream its deltas: only the tokens and text after those produced there.
+        Raises as `generate()`."""
         ...
 
     async def abort(self, request_id: str) -> None:

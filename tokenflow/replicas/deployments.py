@@ -11,28 +11,32 @@ replica serves it with the app `tokenflow serve` runs, so `stream_rate`, validat
 framing are the same; the ingress cancels the replica call as soon as the client leaves.
 
 A replica drains as `tokenflow serve` does on SIGTERM when the launcher asks (`DrainSignal`):
-503 with Retry-After for new requests, the answers in flight go on for --drain-timeout-s.
+503 with Retry-After for new requests, the answers in flight go on for --drain-timeout-s.  When
+it leaves alone (the others serve on), its streamed answers move first: the ingress marks each
+request it forwards with a ticket (`serving.moves.MOVE_HEADER`), the replica exports the
+movable ones from its engine and ends their bodies with their `StreamHandoff`, and the ingress
+continues each on another replica (`resume_http`) in the response its client holds.
 """
 
 # No `from __future__ import annotations`: Ray pickles the ingress class by value, and FastAPI
 # must find its routes' parameter types (`Request`) as objects, not as names to look up.
 import argparse
 import asyncio
-import json
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.actor import ActorHandle
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 
 from tokenflow.core.routing import LoadReport, load_report
 from tokenflow.replicas.asgi import ResponseStart, stream_asgi
@@ -45,16 +49,20 @@ from tokenflow.replicas.guards import (
     read_body,
     should_retry,
 )
+from tokenflow.replicas.relay import Opened, Relay, ReplicaCall, call_replica
 from tokenflow.replicas.reports import report_to_stats, route_facts, with_avoided
 from tokenflow.serving.auth import ApiKeys, RequireApiKey
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, Drain
+from tokenflow.serving.moves import MOVE_HEADER, MoveBook, StreamHandoff
 from tokenflow.serving.validation import ApiError
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "X-TokenFlow-Replica"  # which replica served a response
 CLIENT_CLOSED_STATUS = 499  # (as `tokenflow serve` logs a client that left)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
+# Not forwarded from the client: the hop headers, and a ticket only the ingress gives.
+_NOT_FORWARDED = _HOP_HEADERS | {MOVE_HEADER.lower()}
 
 
 def server_config(serve_argv: list[str]) -> ServerConfig:
@@ -67,29 +75,70 @@ def server_config(serve_argv: list[str]) -> ServerConfig:
     return ServerConfig.from_namespace(args)
 
 
+@dataclass(frozen=True)
+class DrainOutcome:
+    """How one replica's drain ended."""
+
+    is_drained: bool  # every answer was sent, or handed off, within its --drain-timeout-s
+    num_handed_off: int  # answers that moved to other replicas
+
+
 @ray.remote(num_cpus=0)
 class DrainSignal:
-    """The launcher's word to every engine replica that the fleet shuts down, and their answers.
-    An actor, because Serve can call one replica of a deployment, never all of them: each
-    replica waits on `wait_begun` (in a thread) from its start."""
+    """The launcher's word to the engine replicas that the fleet shuts down, or that one of them
+    leaves, and their answers.  An actor, because Serve can call one replica of a deployment,
+    never all of them: each replica waits on `wait_begun` (in a thread) from its start."""
 
     def __init__(self) -> None:
-        self._begun = asyncio.Event()
+        self._changed = asyncio.Condition()
+        self._is_fleet_draining = False
+        self._leaving: set[str] = set()
         self._drained: dict[str, bool] = {}
+        self._num_handed_off: dict[str, int] = {}
 
     async def begin(self) -> None:
-        self._begun.set()
+        """Every replica drains (the fleet shuts down: no stream has anywhere to move)."""
+        async with self._changed:
+            self._is_fleet_draining = True
+            self._changed.notify_all()
 
-    async def wait_begun(self) -> None:
-        await self._begun.wait()
+    async def leave(self, replica: str) -> None:
+        """`replica` (its actor name) drains while the others serve on: its streams move."""
+        async with self._changed:
+            self._leaving.add(replica)
+            self._changed.notify_all()
 
-    async def done(self, replica: str, drained: bool) -> None:
-        """`replica` finished its drain; `drained`: every answer was sent in time."""
-        self._drained[replica] = drained
+    async def wait_begun(self, replica: str) -> bool:
+        """Block until `replica` is to drain; True when it leaves alone (its streams move)."""
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: self._is_fleet_draining or replica in self._leaving
+            )
+            return not self._is_fleet_draining
+
+    async def done(self, replica: str, drained: bool, num_handed_off: int = 0) -> None:
+        """`replica` finished its drain; `drained`: every answer was sent (or handed off) in
+        time; `num_handed_off`: the answers that moved to other replicas."""
+        async with self._changed:
+            self._drained[replica] = drained
+            self._num_handed_off[replica] = num_handed_off
+            self._changed.notify_all()
 
     async def drained(self) -> dict[str, bool]:
         """The replicas that finished their drain so far."""
         return dict(self._drained)
+
+    async def wait_done(self, replica: str, timeout_s: float) -> DrainOutcome | None:
+        """Block until `replica` finished its drain, for at most `timeout_s`: what it told
+        `done`; None when it did not finish in time."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: replica in self._drained), timeout_s
+                )
+            except TimeoutError:
+                return None
+            return DrainOutcome(self._drained[replica], self._num_handed_off[replica])
 
 
 class EngineReplica:
@@ -114,9 +163,11 @@ class EngineReplica:
         self.config = ServerConfig.from_namespace(args)
         self.engine = AsyncEngine(engine_args, True, executor_factory(engine_args.executor))
         self.drain_state = Drain()
-        self.app = build_app(self.engine, self.config, self.drain_state)
+        self.moves = MoveBook()
+        self.app = build_app(self.engine, self.config, self.drain_state, self.moves)
         self.name = ray.get_runtime_context().get_actor_name() or f"pid-{os.getpid()}"
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.num_handed_off = 0  # answers its drain handed to other replicas
         self._period_s = report_period_s
         self._report: LoadReport = self._measure()
         self._reported_s = time.monotonic()
@@ -149,10 +200,41 @@ class EngineReplica:
         path: str,
         headers: list[tuple[str, str]],
         body: bytes,
-    ) -> AsyncIterator[dict[str, object] | bytes]:
+    ) -> AsyncIterator[dict[str, object] | bytes | StreamHandoff]:
         """Serve one HTTP request: first {status, headers, replica, replica_id}, then the body's
         chunks.  `route` (the routing facts) is for the request router, which reads the first
-        argument.  Cancelling the call tells the app the client left (`stream_asgi`)."""
+        argument.  Cancelling the call tells the app the client left (`stream_asgi`).  An answer
+        this replica hands off (`drain` with moves) ends without [DONE], and its
+        `StreamHandoff` follows as the last item: the ingress continues it elsewhere."""
+        async for item in self._serve_app(method, path, headers, body):
+            yield item
+
+    async def resume_http(
+        self,
+        route: dict[str, object],
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        handoff: StreamHandoff,
+    ) -> AsyncIterator[dict[str, object] | bytes | StreamHandoff]:
+        """Serve the request (`body` and ticket as first forwarded) as the continuation of
+        `handoff`, an answer another replica handed off: its engine request is imported here
+        and the body holds only the chunks after those its client has, with the same `id` and
+        `created`, then the usage over every token and [DONE].  Items as `serve_http`."""
+        ticket = _header(headers, MOVE_HEADER)
+        if ticket is None:
+            raise ValueError(f"a continuation needs the ingress's {MOVE_HEADER} header")
+        self.moves.expect_resume(ticket, handoff)
+        try:
+            async for item in self._serve_app(method, path, headers, body):
+                yield item
+        finally:
+            self.moves.take_resume(ticket)  # (left there when the app refused the request)
+
+    async def _serve_app(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> AsyncIterator[dict[str, object] | bytes | StreamHandoff]:
         async for item in stream_asgi(self.app, method, path, headers, body):
             if isinstance(item, ResponseStart):
                 yield {
@@ -163,6 +245,10 @@ class EngineReplica:
                 }
             else:
                 yield item
+        ticket = _header(headers, MOVE_HEADER)
+        handoff = self.moves.take_handoff(ticket) if ticket is not None else None
+        if handoff is not None:
+            yield handoff
 
     def check_health(self) -> None:
         """Ray Serve's health check (every `health_check_period_s`; a replica that fails it is
@@ -175,26 +261,45 @@ class EngineReplica:
         if problem is not None:
             raise RuntimeError(problem)
 
-    def drain(self) -> bool:
+    def drain(self, move_streams: bool = False) -> bool:
         """Drain as `tokenflow serve` does on SIGTERM: from now on /health and every /v1
         request answer 503 with Retry-After (the ingress offers the request to another
         replica), the answers in flight go on for --drain-timeout-s, then the engine loop stops
-        (a stream still open then ends with an error frame and [DONE]).  Blocks; True when
-        every answer was sent in time."""
+        (a stream still open then ends with an error frame and [DONE]).  With `move_streams`
+        (this replica leaves, the others serve on), its movable answers are first exported from
+        its engine and handed to the ingress, which continues each on another replica: the
+        drain then waits only for the rest.  Blocks; True when every answer was sent or handed
+        off in time."""
         self.drain_state.begin()
+        if move_streams:
+            self.num_handed_off = self._hand_off_streams()
         drained = self.drain_state.wait_drained(self.config.drain_timeout_s)
         self.engine.stop()
         return drained
+
+    def _hand_off_streams(self) -> int:
+        """Export every movable answer's engine request, between two steps; each answer's body
+        then ends, and `serve_http` yields its handoff.  How many were exported."""
+        request_ids = self.moves.movable_request_ids()
+        try:
+            exported = self.engine.export_streams(request_ids)
+            states = exported.result(timeout=self.config.drain_timeout_s)
+        except Exception as err:  # noqa: BLE001 - they finish here instead, as without moves
+            logger.warning("the streams could not be exported: %s", err)
+            return 0
+        logger.info("handing off %d of %d movable streams", len(states), len(request_ids))
+        return len(states)
 
     def _drain_when_signalled(self, drain_signal: ActorHandle) -> None:
         """(Its own thread, from the start.)  Drain once the launcher says so; tell it when
         done."""
         try:
-            ray.get(drain_signal.wait_begun.remote())
+            move_streams = ray.get(drain_signal.wait_begun.remote(self.name))
         except ray.exceptions.RayError:
             return  # the launcher, which holds the signal, is gone: nobody will ask
         logger.info("draining %d requests in flight", self.drain_state.num_in_flight)
-        drain_signal.done.remote(self.name, self.drain())
+        drained = self.drain(move_streams)
+        drain_signal.done.remote(self.name, drained, self.num_handed_off)
 
     def __del__(self) -> None:
         """Serve's shutdown hook (scale-down, redeploy, `serve.shutdown`).  Serve calls it once
@@ -237,10 +342,13 @@ class Forwarder:
             return error_response(err)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_STATUS)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED]
+        if request.method == "POST":  # the answer may move (serving/moves.py): its ticket
+            headers.append((MOVE_HEADER, uuid.uuid4().hex))
         route = route_facts(parsed, request.headers, self._default_rate_tps)
         target = f"/{path}" + (f"?{request.url.query}" if request.url.query else "")
-        opened = await self._open(route, request.method, target, headers, body)
+        call = ReplicaCall(route, request.method, target, headers, body)
+        opened = await self._open(call)
         if isinstance(opened, Response):
             return opened
         start, stream = opened
@@ -251,28 +359,45 @@ class Forwarder:
         response_headers[REPLICA_HEADER] = replica
         if status in RETRY_STATUSES and "retry-after" not in map(str.lower, response_headers):
             response_headers["Retry-After"] = str(DRAIN_RETRY_AFTER_S)
-        return _Relay(stream, status, response_headers)
+        replica_id = str(start["replica_id"])
+
+        async def resume(handoff: StreamHandoff, left: list[str]) -> Opened | None:
+            return await self._resume(call, handoff, left)
+
+        return Relay(stream, status, response_headers, replica_id, resume)
+
+    async def _resume(
+        self, call: ReplicaCall, handoff: StreamHandoff, left: list[str]
+    ) -> Opened | None:
+        """The continuation of an answer handed off by the replicas in `left` (never offered to
+        them), with its first item; None when no other replica took it."""
+        opened = await self._open(call, left, handoff)
+        if isinstance(opened, Response):
+            return None
+        start, stream = opened
+        if int(start["status"]) != 200:
+            logger.warning("no replica took a moved stream: %s", start["status"])
+            stream.cancel()
+            return None
+        return start, stream
 
     async def _open(
         self,
-        route: dict[str, object],
-        method: str,
-        target: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-    ) -> tuple[dict[str, object], DeploymentResponseGenerator] | Response:
-        """The replica call that answers the request, with its first item: the first whose
-        status is not a refusal another replica could take back (`guards.should_retry`), else
-        the last refusal; a 503 when no replica answered at all.  A refused request is offered
-        to the replicas that have not refused it (`reports.with_avoided`), and each refused
-        call is cancelled at once; so is the call in hand when the client leaves meanwhile."""
-        refused_by: list[str] = []
+        call: ReplicaCall,
+        avoid: list[str] | None = None,
+        handoff: StreamHandoff | None = None,
+    ) -> Opened | Response:
+        """The replica call that answers the request (or continues `handoff`), with its first
+        item: the first whose status is not a refusal another replica could take back
+        (`guards.should_retry`), else the last refusal; a 503 when no replica answered at all.
+        A refused request is offered to the replicas that have not refused it and are not in
+        `avoid` (`reports.with_avoided`), and each refused call is cancelled at once; so is the
+        call in hand when the client leaves meanwhile."""
+        refused_by: list[str] = list(avoid or [])
         num_tries = 0
         while True:
             num_tries += 1
-            stream = self._engine.options(stream=True).serve_http.remote(
-                with_avoided(route, refused_by), method, target, headers, body
-            )
+            stream = call_replica(self._engine, call, with_avoided(call.route, refused_by), handoff)
             try:
                 start = await stream.__anext__()
             except asyncio.CancelledError:
@@ -287,44 +412,6 @@ class Forwarder:
                 return start, stream
             stream.cancel()
             refused_by.append(str(start["replica_id"]))
-
-
-class _Relay(StreamingResponse):
-    """A replica's answer, streamed to the client.  When the answer ends before the replica's
-    last chunk (the client disconnected, or the ingress stopped), the replica call is cancelled
-    there and then, so the replica aborts the request in its engine and frees its KV at once,
-    not whenever Ray notices that the caller is gone."""
-
-    def __init__(
-        self, stream: DeploymentResponseGenerator, status_code: int, headers: dict[str, str]
-    ) -> None:
-        self._stream = stream
-        self._is_finished = False
-        super().__init__(self._chunks(), status_code=status_code, headers=headers)
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        """The body; if the replica dies meanwhile, an SSE error frame and [DONE] end it."""
-        try:
-            async for chunk in self._stream:
-                yield chunk
-        except Exception as err:  # noqa: BLE001 - the replica (or its actor) died mid-stream
-            logger.warning("a replica failed mid-stream: %s", err)
-            error = {
-                "error": {
-                    "message": f"the replica failed: {type(err).__name__}",
-                    "type": "server_error",
-                    "code": 503,
-                }
-            }
-            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        self._is_finished = True
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self._is_finished:
-                self._stream.cancel()
 
 
 def ingress_class(config: ServerConfig | None = None) -> type:
@@ -350,6 +437,11 @@ def ingress_class(config: ServerConfig | None = None) -> type:
 
 def _uncounted(status: int) -> None:
     """(The ingress keeps no error metrics: the replicas' /metrics count what they answer.)"""
+
+
+def _header(headers: list[tuple[str, str]], name: str) -> str | None:
+    """The value of header `name` among `headers` (None when absent)."""
+    return next((v for k, v in headers if k.lower() == name.lower()), None)
 
 
 def _unavailable(err: BaseException) -> JSONResponse:

@@ -10,7 +10,8 @@ listens where --host says (127.0.0.1 by default).
 
 SIGTERM or SIGINT drain the fleet as `tokenflow serve` drains itself: every replica answers new
 requests 503 with Retry-After, the streams in flight go on for --drain-timeout-s (a replica
-option, after `--`), then Serve and Ray stop; a second signal cuts the wait short.
+option, after `--`), then Serve and Ray stop; a second signal cuts the wait short.  `leave`
+drains one replica while the others serve on: its streams move to them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 from ray import serve
@@ -163,6 +165,30 @@ def drain(
             return all(drained.values())
         time.sleep(0.2)
     return False
+
+
+@dataclass(frozen=True)
+class Departure:
+    """How one replica's leave went."""
+
+    is_drained: bool  # every answer was sent or handed off within its --drain-timeout-s
+    num_handed_off: int  # answers that moved to the other replicas
+    elapsed_s: float  # from the request to leave until the replica reported its drain done
+
+
+def leave(drain_signal: ActorHandle, replica: str, timeout_s: float) -> Departure:
+    """Drain the one engine replica `replica` (its actor name, as X-TokenFlow-Replica names it)
+    while the others serve on (a scale-in, one step of a rolling restart): it refuses new
+    requests, its movable answers move to the others (`EngineReplica.drain`), the rest finish
+    within `timeout_s` (its --drain-timeout-s), then its engine stops.  Waits until it is
+    done, or `timeout_s` and a little more passed (then `is_drained` is False)."""
+    started_s = time.monotonic()
+    ray.get(drain_signal.leave.remote(replica))
+    done = ray.get(drain_signal.wait_done.remote(replica, timeout_s + _SHUTDOWN_SLACK_S))
+    elapsed_s = time.monotonic() - started_s
+    if done is None:
+        return Departure(False, 0, elapsed_s)
+    return Departure(done.is_drained, done.num_handed_off, elapsed_s)
 
 
 def _is_loopback(host: str) -> bool:

@@ -39,6 +39,7 @@ from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.dashboard import dashboard_router
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, CountInFlight, Drain
 from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.moves import MOVE_HEADER, MoveBook, MoveTicket
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,10 +84,15 @@ ClassHeader = Annotated[str | None, Header(alias=STREAM_CLASS_HEADER, max_length
 
 
 def build_app(
-    engine: EngineClient, config: ServerConfig | None = None, drain: Drain | None = None
+    engine: EngineClient,
+    config: ServerConfig | None = None,
+    drain: Drain | None = None,
+    moves: MoveBook | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible streaming server over `engine` (`config.allowed_keys` guard /v1);
-    `drain` is begun by whoever stops the server (`tokenflow serve` on SIGTERM/SIGINT)."""
+    `drain` is begun by whoever stops the server (`tokenflow serve` on SIGTERM/SIGINT);
+    `moves`, a fleet replica's book of streams that move (serving/moves.py), makes the
+    requests its ingress marks movable (without it the mark is ignored)."""
     config = config or ServerConfig()
     drain = drain or Drain()
     # No /docs or /redoc: their pages load JavaScript from a CDN; /openapi.json stays.
@@ -101,6 +107,7 @@ def build_app(
     app.state.config = config
     app.state.metrics = metrics
     app.state.drain = drain
+    app.state.moves = moves
     app.state.serving = OpenAIServing(
         engine,
         metrics,
@@ -144,6 +151,13 @@ def _stated(request: Request, rate_tps: float | None, stream_class: str | None) 
     return Stated(rate_tps, stream_class, api_key)
 
 
+def _move_ticket(request: Request) -> MoveTicket | None:
+    """The fleet ingress's ticket for this answer, where this app keeps a book of moves."""
+    book: MoveBook | None = request.app.state.moves
+    ticket = request.headers.get(MOVE_HEADER)
+    return None if book is None or not ticket else MoveTicket(ticket, book)
+
+
 def _v1_guards() -> list[Any]:
     """What every /v1 route checks first: not draining (the API key was checked before the
     body was read: `auth.RequireApiKey`)."""
@@ -164,9 +178,8 @@ def _openai_router() -> APIRouter:
         `stream_class` (or X-Stream-Class) its class (serving/classes.py)."""
         serving: OpenAIServing = request.app.state.serving
         stated = _stated(request, x_stream_rate, x_stream_class)
-        result = await _or_disconnected(
-            serving.create_completion(body, stated, _disconnect_waiter(request))
-        )
+        wait, ticket = _disconnect_waiter(request), _move_ticket(request)
+        result = await _or_disconnected(serving.create_completion(body, stated, wait, ticket))
         return _to_response(result, request.app.state.config)
 
     @router.post("/chat/completions")
@@ -179,9 +192,8 @@ def _openai_router() -> APIRouter:
         """OpenAI chat completions; the class and rate as for completions."""
         serving: OpenAIServing = request.app.state.serving
         stated = _stated(request, x_stream_rate, x_stream_class)
-        result = await _or_disconnected(
-            serving.create_chat_completion(body, stated, _disconnect_waiter(request))
-        )
+        wait, ticket = _disconnect_waiter(request), _move_ticket(request)
+        result = await _or_disconnected(serving.create_chat_completion(body, stated, wait, ticket))
         return _to_response(result, request.app.state.config)
 
     @router.get("/models")

@@ -76,6 +76,7 @@ class Progress:
     finish_reason: str | None = None
     last_delta_s: float | None = None
     has_failed: bool = False  # the engine raised mid-stream
+    has_moved: bool = False  # exported mid-stream: another replica goes on (serving/moves.py)
     num_sent_chars: int = 0  # of the text streamed so far (the next chunk's text offset)
 
 

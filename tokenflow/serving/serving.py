@@ -36,6 +36,7 @@ from tokenflow.engine.client import (
     EngineOverloaded,
     EngineRequestError,
     GenerationDelta,
+    StreamMoved,
 )
 from tokenflow.serving.choices import EventStream, Submitted, merged_deltas
 from tokenflow.serving.classes import ClassRules, Stated
@@ -50,6 +51,14 @@ from tokenflow.serving.formatting import (
 )
 from tokenflow.serving.logprobs import TokenTexts
 from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.moves import (
+    MoveTicket,
+    StreamHandoff,
+    handoff_of,
+    is_movable,
+    resumed_progress,
+    resumed_request,
+)
 from tokenflow.serving.pieces import delta_piece, record_scores, whole_piece
 from tokenflow.serving.prepared import PreparedChoice, PreparedRequest, Progress, usage_of
 from tokenflow.serving.protocol import (
@@ -144,8 +153,10 @@ class OpenAIServing:
         body: CompletionRequest,
         stated: Stated,
         wait_for_disconnect: WaitForDisconnect,
+        ticket: MoveTicket | None = None,
     ) -> ServeResult:
-        """Serve /v1/completions: a response model, or an async iterator of SSE frames."""
+        """Serve /v1/completions: a response model, or an async iterator of SSE frames;
+        `ticket` (a fleet's request) makes a stream movable, or continues a moved one."""
         check_completion_support(body)
         model = self._check_model(body.model)
         structured = structured_output_of(body)
@@ -154,15 +165,18 @@ class OpenAIServing:
         prepared = self.prepare(
             body, model, prompts, "cmpl-", stated, body.max_tokens, wants, structured
         )
-        return await self._serve(prepared, CompletionFormat(self.token_texts), wait_for_disconnect)
+        fmt = CompletionFormat(self.token_texts)
+        return await self._serve(prepared, fmt, wait_for_disconnect, ticket)
 
     async def create_chat_completion(
         self,
         body: ChatCompletionRequest,
         stated: Stated,
         wait_for_disconnect: WaitForDisconnect,
+        ticket: MoveTicket | None = None,
     ) -> ServeResult:
-        """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames."""
+        """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames;
+        `ticket` as for completions."""
         check_chat_support(body)
         model = self._check_model(body.model)
         renders_tools = self.engine.tokenizer.renders_tools
@@ -186,7 +200,9 @@ class OpenAIServing:
             fmt = AutoToolCallFormat(self.token_texts, self._new_call_id)
         else:
             fmt = ChatFormat(self.token_texts)
-        return await self._serve(prepared, fmt, wait_for_disconnect)
+        # Under tool_choice "auto" the format reads the text for tool calls as it streams: its
+        # parser's state does not move, so neither does the answer.
+        return await self._serve(prepared, fmt, wait_for_disconnect, None if is_auto else ticket)
 
     def _new_call_id(self) -> str:
         return "call_" + self._new_id()
@@ -319,12 +335,24 @@ class OpenAIServing:
 
     # -- running --------------------------------------------------------------------------------
     async def _serve(
-        self, prepared: PreparedRequest, fmt: ResponseFormat, wait_for_disconnect: WaitForDisconnect
+        self,
+        prepared: PreparedRequest,
+        fmt: ResponseFormat,
+        wait_for_disconnect: WaitForDisconnect,
+        ticket: MoveTicket | None,
     ) -> ServeResult:
+        resume = ticket.book.take_resume(ticket.ticket) if ticket is not None else None
+        movable = ticket if ticket is not None and is_movable(prepared) else None
+        if resume is not None:
+            if movable is None:
+                raise ApiError(400, "only a streamed answer with one choice can move")
+            prepared = resumed_request(prepared, resume)
         progresses = [Progress() for _ in prepared.choices]
-        submitted = await self._start(prepared, progresses)
+        if resume is not None:
+            progresses = [resumed_progress(resume, self._clock())]
+        submitted = await self._start(prepared, progresses, resume)
         if prepared.stream:
-            events = self._events(prepared, fmt, submitted, progresses)
+            events = self._events(prepared, fmt, submitted, progresses, movable)
             return EventStream(events, lambda: self._release_all(submitted, progresses))
         try:
             collect = self._collect(prepared, submitted, progresses)
@@ -336,16 +364,21 @@ class OpenAIServing:
         return fmt.response(prepared, pieces, usage_of(prepared, progresses))
 
     async def _start(
-        self, prepared: PreparedRequest, progresses: list[Progress]
+        self,
+        prepared: PreparedRequest,
+        progresses: list[Progress],
+        resume: StreamHandoff | None = None,
     ) -> list[Submitted]:
-        """Submit every choice, and wait `_ADMISSION_GRACE_S` for their first deltas: a refusal
-        or an early failure of any is raised here, before any byte is sent (and the others are
-        aborted)."""
+        """Submit every choice (or go on with the one `resume` hands over), and wait
+        `_ADMISSION_GRACE_S` for their first deltas: a refusal or an early failure of any is
+        raised here, before any byte is sent (and the others are aborted)."""
         submitted: list[Submitted] = []
         try:
             for choice in prepared.choices:
                 deltas = aiter(
-                    self.engine.generate(
+                    self.engine.resume(resume.state)
+                    if resume is not None
+                    else self.engine.generate(
                         choice.engine_request_id,
                         choice.prompt_token_ids,
                         choice.sampling_params,
@@ -404,7 +437,7 @@ class OpenAIServing:
                     continue
                 sub.is_released = True
                 await sub.close()
-                if progress.finish_reason is None:
+                if progress.finish_reason is None and not progress.has_moved:
                     if not progress.has_failed:
                         self.metrics.count_finished("abort")
                     await self.engine.abort(sub.request_id)
@@ -475,15 +508,26 @@ class OpenAIServing:
         fmt: ResponseFormat,
         submitted: list[Submitted],
         progresses: list[Progress],
+        movable: MoveTicket | None = None,
     ) -> AsyncGenerator[str]:
         """The data of each SSE event: a choice's opening chunks with its first delta's (as
         vLLM sends them, so that a client's time to first chunk is its TTFT), one chunk per
         delta, the usage chunk, then `[DONE]`; an engine failure becomes one `{"error": ...}`
-        event before `[DONE]`.  Releases the engine requests however the iteration ends."""
+        event before `[DONE]`.  A `movable` answer whose engine request is exported meanwhile
+        ends at once, without `[DONE]`: its book holds the handoff (serving/moves.py).
+        Releases the engine requests however the iteration ends."""
         failed = False
+        if movable is not None:
+            movable.book.register(movable.ticket, prepared.choices[0].engine_request_id)
         try:
             async for position, item in merged_deltas(submitted):
                 progress, choice = progresses[position], prepared.choices[position]
+                if isinstance(item, StreamMoved) and movable is not None:
+                    progress.has_moved = True
+                    movable.book.handed_off(
+                        movable.ticket, handoff_of(prepared, progress, item.state)
+                    )
+                    return  # (another replica sends the rest, and the [DONE])
                 if isinstance(item, BaseException):
                     progress.has_failed = failed = True
                     yield ErrorResponse(error=self._on_failure(item)).model_dump_json()
@@ -498,6 +542,8 @@ class OpenAIServing:
             if prepared.include_usage and not failed:
                 yield fmt.usage_chunk(prepared, usage_of(prepared, progresses)).model_dump_json()
         finally:
+            if movable is not None:
+                movable.book.forget(movable.ticket)
             await self._release_all(submitted, progresses)
         yield DONE
 
