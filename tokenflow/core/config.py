@@ -39,6 +39,12 @@ class SchedulerConfig:
     initial_decode_seq_s: float | None = None
     initial_decode_token_s: float = 0.0  # what each context token adds (attention), until measured
 
+    def decayed_new_token_ratio(self, ratio: float, init_ratio: float) -> float:
+        """The admission reserve's ratio one step later: down from `init_ratio` to the minimum
+        in `new_token_ratio_decay_steps` even steps (SGLang's schedule)."""
+        step = (init_ratio - self.min_new_token_ratio) / self.new_token_ratio_decay_steps
+        return max(self.min_new_token_ratio, ratio - step)
+
     def __post_init__(self) -> None:
         priors = ("initial_decode_seq_s", "initial_decode_token_s")
         _check_positive(self, *(f.name for f in fields(self) if f.name not in priors))

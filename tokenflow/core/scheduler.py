@@ -30,6 +30,12 @@ from tokenflow.core.step_budget import StepBudget
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
 
 
+def reserved_blocks(kv: KVTierManager, remaining_output_tokens: int, ratio: float) -> int:
+    """Device blocks admission keeps free for the residents' growth: `ratio` of the output
+    they may still generate (the new-token ratio, `SchedulerConfig.decayed_new_token_ratio`)."""
+    return kv.blocks_for(int(remaining_output_tokens * ratio))
+
+
 class Scheduler:
     """Owns the requests, the KV tier manager and a policy; knows nothing of models or clocks."""
 
@@ -156,8 +162,8 @@ class Scheduler:
             estimator=self.estimator,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
-            num_reserved_blocks=self.kv.blocks_for(
-                int(self.queues.remaining_output_tokens * self.new_token_ratio)
+            num_reserved_blocks=reserved_blocks(
+                self.kv, self.queues.remaining_output_tokens, self.new_token_ratio
             ),
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
@@ -359,6 +365,6 @@ class Scheduler:
         return outputs
 
     def _decay_new_token_ratio(self) -> None:
-        cfg = self.config
-        step = (self._init_ratio - cfg.min_new_token_ratio) / cfg.new_token_ratio_decay_steps
-        self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)
+        self.new_token_ratio = self.config.decayed_new_token_ratio(
+            self.new_token_ratio, self._init_ratio
+        )

@@ -41,6 +41,7 @@ from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies import Moves, Policy, SchedulingView
 from tokenflow.core.request import Request, RequestState, SamplingParams, is_reader_rate
+from tokenflow.core.scheduler import reserved_blocks
 
 _PREEMPTED = RequestState.PREEMPTED
 OTHER_OWNER = "__vllm_unmirrored__"  # mirror blocks standing for KV the policy does not manage
@@ -203,7 +204,7 @@ class PolicyBridge:
             estimator=self.estimator,
             config=self.config,
             new_token_ratio=self.new_token_ratio,
-            num_reserved_blocks=self.kv.blocks_for(int(remaining * self.new_token_ratio)),
+            num_reserved_blocks=reserved_blocks(self.kv, remaining, self.new_token_ratio),
             num_preemptions_total=self.num_preemptions_total,
             num_requests_seen=self._num_seen,
         )
@@ -211,10 +212,9 @@ class PolicyBridge:
     def plan(self, view: SchedulingView) -> Moves:
         """The core policy's moves for this step (and the new-token ratio's decay)."""
         moves = self.policy.plan_moves(view)
-        cfg = self.config
-        span = self._init_ratio - cfg.min_new_token_ratio
-        step = span / cfg.new_token_ratio_decay_steps
-        self.new_token_ratio = max(cfg.min_new_token_ratio, self.new_token_ratio - step)
+        self.new_token_ratio = self.config.decayed_new_token_ratio(
+            self.new_token_ratio, self._init_ratio
+        )
         return moves
 
     def preempted(self, request_id: str, num_offloaded_tokens: int = 0) -> None:
