@@ -8,10 +8,12 @@ from collections.abc import Callable
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
+from tokenflow.serving.choices import EventStream
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.protocol import CompletionRequest
-from tokenflow.serving.serving import ClientDisconnected, EventStream, OpenAIServing
+from tokenflow.serving.responder import ClientDisconnected
+from tokenflow.serving.serving import OpenAIServing
 
 pytestmark = pytest.mark.anyio
 

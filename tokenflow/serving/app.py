@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenflow.engine.client import EngineClient
 from tokenflow.serving.auth import ApiKeys, LimitPerKey, RequireApiKey, bearer_token
+from tokenflow.serving.choices import EventStream
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.dashboard import dashboard_router
@@ -55,15 +56,8 @@ from tokenflow.serving.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from tokenflow.serving.serving import (
-    STREAM_CLASS_HEADER,
-    STREAM_RATE_HEADER,
-    ClientDisconnected,
-    EventStream,
-    OpenAIServing,
-    ServeResult,
-    WaitForDisconnect,
-)
+from tokenflow.serving.responder import ClientDisconnected, ServeResult, WaitForDisconnect
+from tokenflow.serving.serving import STREAM_CLASS_HEADER, STREAM_RATE_HEADER, OpenAIServing
 from tokenflow.serving.streams import StreamsWatch, streams_router
 from tokenflow.serving.validation import ApiError, check_token_ids
 
