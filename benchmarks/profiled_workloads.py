@@ -39,11 +39,10 @@ from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.compare import local_server
 from tokenflow.eval.fidelity import Workload
-from tokenflow.eval.metrics import summarize, summarize_by_class
 from tokenflow.eval.report import aggregate, check_targets, format_targets_table
 from tokenflow.eval.rounds import run_rounds
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
-from tokenflow.sim.suite import SUITE, run_suite_workload, suite_workload
+from tokenflow.sim.suite import SUITE, run_suite_workload, suite_score, suite_workload
 
 POLICIES = ("fcfs", "tokenflow")
 HEADING = """## TokenFlow against FCFS on the profiled CPU engine
@@ -103,8 +102,8 @@ def real_workload(name: str) -> Workload:
 
 
 def run_real_once(workload: Workload, policy: str) -> dict:
-    """One run of `workload` (seed 0) on a fresh real server: the readers' summary, with the
-    whole run's raw throughput and preemptions (as `run_suite_workload` scores a simulated one)."""
+    """One run of `workload` (seed 0) on a fresh real server, scored as a simulated one
+    (`suite_score`)."""
     requests = generate(replace(workload.spec, seed=0))
     serve_args = ["--device-kv-tokens", str(workload.device_kv_tokens)]
     with local_server(policy, serve_args) as url:
@@ -112,10 +111,7 @@ def run_real_once(workload: Workload, policy: str) -> dict:
         run = asyncio.run(run_workload(requests, config, name=policy))
     if run.num_failed:
         raise SystemExit(f"{workload.name} {policy}: {run.num_failed} requests failed")
-    whole = summarize(run.traces).to_dict()
-    readers = summarize_by_class(run.traces)["reader"].to_dict()
-    return {**readers, "throughput_tps": whole["throughput_tps"],
-            "num_preemptions": whole["num_preemptions"]}  # fmt: skip
+    return suite_score(run.traces)
 
 
 def run_real(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:

@@ -8,11 +8,12 @@ QoE, as `benchmarks/class_mix.py` scores them), and on all its tokens for raw th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from tokenflow.calibrate.profile_file import Profile
 from tokenflow.eval.fidelity import WORKLOADS, Workload
-from tokenflow.eval.metrics import summarize, summarize_by_class
+from tokenflow.eval.metrics import RequestTrace, summarize, summarize_by_class
 from tokenflow.eval.workload import ClassMix, LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, run_engine
@@ -59,13 +60,18 @@ def suite_workload(name: str) -> Workload:
 
 
 def run_suite_workload(profile: Profile, workload: Workload, policy: str, seed: int) -> dict:
-    """One run: the readers' summary, with the whole run's raw throughput and preemptions."""
+    """One simulated run, scored by `suite_score`."""
     requests = generate(replace(workload.spec, seed=seed))
     deployment = ProfiledDeployment(profile, device_kv_tokens=workload.device_kv_tokens)
     engine = build_profiled_engine(deployment, policy)
-    result = run_engine(requests, policy, engine, SimConfig())
-    readers = summarize_by_class(result.traces)["reader"].to_dict()
-    whole = summarize(result.traces).to_dict()
+    return suite_score(run_engine(requests, policy, engine, SimConfig()).traces)
+
+
+def suite_score(traces: Sequence[RequestTrace]) -> dict:
+    """How the suite scores a run, simulated or real: the readers' summary, with the whole
+    run's raw throughput and preemptions."""
+    readers = summarize_by_class(traces)["reader"].to_dict()
+    whole = summarize(traces).to_dict()
     return {
         **readers,
         "throughput_tps": whole["throughput_tps"],
