@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from tests_ray.fakes import CHUNKS, FAKE, NAMESPACE, RECORDER, STREAM_ID, FakeReplica, Recorder
+from tokenflow.eval.compare import free_port
 from tokenflow.replicas.deployments import REPLICA_HEADER
 from tokenflow.replicas.guards import MAX_TRIES
 from tokenflow.replicas.launch import APP_NAME, build_application, start_serve
@@ -22,15 +23,9 @@ LIMIT = 8192  # --max-body-bytes
 GOOD = {"prompt": "hi", "max_tokens": 4, "stream": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def port():
-    port = _free_port()
+    port = free_port()
     start_serve("127.0.0.1", port, num_cpus=2, object_store_mib=128)
     recorder = Recorder.options(name=RECORDER, namespace=NAMESPACE).remote()
     ray.get(recorder.state.remote())  # (up, and held here: an actor nobody holds is collected)

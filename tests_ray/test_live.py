@@ -3,19 +3,17 @@ every request completes through Serve's HTTP proxy, the router spreads a burst, 
 that dies loses only its own requests, each with an error frame, and on shutdown the replicas
 drain as `tokenflow serve` does (the last test: the engines stop)."""
 
-import argparse
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 import ray
-from ray import serve
 
+from tests_ray.fleet import running_fleet
 from tokenflow.replicas.deployments import REPLICA_HEADER
-from tokenflow.replicas.launch import drain, start
+from tokenflow.replicas.launch import drain
 
 KEY = "live-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -23,30 +21,11 @@ SERVE_ARGV = ["--num-threads", "1", "--device-kv-tokens", "1024", "--host-kv-tok
 SERVE_ARGV += ["--api-key", KEY, "--drain-timeout-s", "60"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fleet():
     """The application's URL and the signal that drains its replicas."""
-    port = _free_port()
-    args = argparse.Namespace(
-        replicas=2,
-        router="tokenflow",
-        host="127.0.0.1",
-        port=port,
-        report_period_s=0.5,
-        default_rate=4.0,
-        num_cpus=2,
-        object_store_mib=128,
-    )
-    drain_signal = start(args, SERVE_ARGV)
-    yield f"http://127.0.0.1:{port}", drain_signal
-    serve.shutdown()
-    ray.shutdown()
+    with running_fleet(SERVE_ARGV) as running:
+        yield running
 
 
 @pytest.fixture

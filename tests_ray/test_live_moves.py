@@ -4,20 +4,17 @@ other replica in the response their clients hold, each the very text of an undis
 one id, one usage over every token, one [DONE]; the drain takes the time of the exports, not
 of the answers."""
 
-import argparse
 import itertools
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
+from tests_ray.fleet import running_fleet
 from tokenflow.replicas.deployments import REPLICA_HEADER
-from tokenflow.replicas.launch import leave, start
+from tokenflow.replicas.launch import leave
 
 KEY = "live-moves-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -45,30 +42,11 @@ ANSWERS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fleet():
     """The application's URL and the signal that drains its replicas."""
-    port = _free_port()
-    args = argparse.Namespace(
-        replicas=2,
-        router="tokenflow",
-        host="127.0.0.1",
-        port=port,
-        report_period_s=0.5,
-        default_rate=4.0,
-        num_cpus=2,
-        object_store_mib=128,
-    )
-    drain_signal = start(args, SERVE_ARGV)
-    yield f"http://127.0.0.1:{port}", drain_signal
-    serve.shutdown()
-    ray.shutdown()
+    with running_fleet(SERVE_ARGV) as running:
+        yield running
 
 
 def _answer(url: str, path: str, body: dict, rate: float, out: dict, first: threading.Event):
