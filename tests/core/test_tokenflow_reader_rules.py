@@ -19,7 +19,12 @@ from tokenflow.core.policies.admission import (
 )
 from tokenflow.core.policies.balance import select
 from tokenflow.core.policies.capacity import paced_batch
-from tokenflow.core.policies.pricing import Member, prefill_hold_s, prefill_price_s
+from tokenflow.core.policies.pricing import (
+    Member,
+    prefill_added_stall_s,
+    prefill_hold_s,
+    prefill_price_s,
+)
 from tokenflow.core.policies.tokenflow import Decision, TokenFlowPolicy
 from tokenflow.core.request import Consumption, PreemptMode, RequestState
 
@@ -53,7 +58,71 @@ def test_the_prefill_hold_counts_steps_of_the_recent_chunk_and_the_prompts_ahead
     assert prefill_hold_s(busy, 1000) > prefill_hold_s(replace(busy, running=()), 1000)
 
 
+def _decoding(name: str, rate: float, buffered_tokens: int = 1, **kw: object):
+    """A resident stream decoding at time 0 whose reader holds `buffered_tokens` tokens."""
+    request = make_request(name, rate=rate, **kw)
+    for _ in range(buffered_tokens):
+        request.append_token(7, 0.0)
+    request.state = RequestState.RUNNING
+    request.num_computed_tokens = request.num_tokens - 1
+    return request
+
+
+def _steady_view(*running):
+    """Decode steps of 0.1 s whatever the batch, prefill 1 ms a token in one step, at time 0."""
+    estimator = StepTimeEstimator(0.1, 1e-3, per_seq_s=0.0)
+    return replace(empty_view(400), estimator=estimator, running=running, now_s=0.0)
+
+
+def test_the_stall_a_prefill_adds_is_what_its_hold_takes_beyond_the_readers_slack():
+    # 900 prompt tokens: one step of 0.1 + 0.9 s.  A 4 tok/s reader with one token (0.25 s of
+    # slack) gets one token meanwhile (0.25 s more), where decodes alone would give it ten.
+    reader = _decoding("r", rate=4.0)
+    assert prefill_hold_s(_steady_view(reader), 900) == pytest.approx(1.0)
+    assert prefill_added_stall_s(_steady_view(reader), 900) == pytest.approx(0.5)
+    # a reader faster than the decodes (20 tok/s, 0.05 s of slack) stalls 0.45 s without the
+    # prefill: only the other 0.45 s is the prefill's
+    fast = _decoding("fast", rate=20.0)
+    assert prefill_added_stall_s(_steady_view(fast), 900) == pytest.approx(0.45)
+    # the worst resident counts; buffers that outlast the hold, eager streams and prompts
+    # still prefilling add nothing
+    assert prefill_added_stall_s(_steady_view(fast, reader), 900) == pytest.approx(0.5)
+    buffered = _decoding("buffered", rate=1.0, buffered_tokens=5)  # 5 s of reading
+    eager = _decoding("eager", rate=math.inf, consumption=Consumption.EAGER)
+    unstarted = make_request("unstarted", num_prompt=40)
+    unstarted.state = RequestState.RUNNING
+    assert prefill_added_stall_s(_steady_view(buffered, eager, unstarted), 900) == 0.0
+    # ... though a prompt ahead lengthens the hold of the tokens behind it
+    ahead = _steady_view(reader, unstarted)
+    assert prefill_added_stall_s(ahead, 900) == pytest.approx(0.54)
+
+
 # -- admission ------------------------------------------------------------------------------------
+
+
+def test_a_newcomer_waits_while_its_prefill_would_stall_a_resident_reader_too_long():
+    reader = _decoding("r", rate=4.0)
+    view = _steady_view(reader)
+    resident = member("r", 0.0, 1, pinned=True)
+    newcomer = make_request("new", num_prompt=899, max_tokens=1)  # prefill stalls r 0.5 s
+
+    def admitted(limit_s: float) -> list[str]:
+        admission = admit(
+            replace(view, waiting=(newcomer,)), [resident], 100, 1e9, _rate, 10.0, 0.0, limit_s
+        )
+        return [r.request_id for r in admission.requests]
+
+    def between_decisions(limit_s: float) -> list[str]:
+        started = waiting_within_budget(
+            replace(view, waiting=(newcomer,)), 1e9, 10.0, _rate, True, limit_s
+        )
+        return [r.request_id for r in started]
+
+    assert admitted(0.25) == [] and between_decisions(0.25) == []
+    assert admitted(0.6) == ["new"] and between_decisions(0.6) == ["new"]
+    assert admitted(math.inf) == ["new"] and between_decisions(math.inf) == ["new"]
+    short = make_request("short", num_prompt=399, max_tokens=1)  # one token's time: no stall
+    assert waiting_within_budget(replace(view, waiting=(short,)), 1e9, 10.0, _rate, True, 0.0)
 
 
 def test_a_stream_is_paused_for_a_newcomer_only_if_its_buffer_outlasts_the_prefill():

@@ -1,6 +1,7 @@
 """`tokenflow serve` options reach the engine's configuration."""
 
 import argparse
+import math
 
 import pytest
 
@@ -44,6 +45,9 @@ def test_serve_runs_the_devices_defaults_of_the_policy_and_options_override_them
     assert (one.buffer_conservativeness, one.critical_slack_s) == (3.0, 1.0)
     with pytest.raises(ValueError, match="queue_headroom"):
         parse("--queue-headroom", "0")
+    assert parse("--prefill-stall-s", "inf").tokenflow_for("cpu").prefill_stall_s == math.inf
+    with pytest.raises(ValueError, match="prefill_stall_s"):
+        parse("--prefill-stall-s", "-1")
 
 
 def test_executor_and_its_weight_formats():

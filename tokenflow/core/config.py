@@ -78,6 +78,9 @@ class TokenFlowConfig:
     queue_headroom: float = 1.0
     capacity_window_s: float = 1.0  # admission uses the lower median Gamma of this window
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
+    # A newcomer starts only while its prefill adds at most this stall to every resident reader
+    # (`pricing.prefill_added_stall_s`): a prefill step stalls each reader with a shorter buffer
+    prefill_stall_s: float = 0.25
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
     # Admission's reserve for the residents' future tokens starts at this share of their
     # remaining output, or the scheduler's init_new_token_ratio if lower.  SGLang's 0.7 by
@@ -94,10 +97,12 @@ class TokenFlowConfig:
             raise ValueError("working_set_smoothing (lambda) must be in [0, 1]")
         if self.critical_slack_s < 0 or self.stall_penalty < 0 or self.switch_penalty < 0:
             raise ValueError("critical_slack_s, stall_penalty and switch_penalty must be >= 0")
-        if self.working_set_host_share < 0 or self.max_stall_s < 0 or self.capacity_window_s < 0:
+        if min(self.working_set_host_share, self.max_stall_s, self.capacity_window_s) < 0:
             raise ValueError(
                 "working_set_host_share, max_stall_s and capacity_window_s must be >= 0"
             )
+        if not self.prefill_stall_s >= 0:  # (inf: no limit)
+            raise ValueError("prefill_stall_s must be >= 0")
         if not 0.0 < self.capacity_headroom <= 2.0:
             raise ValueError("capacity_headroom must be in (0, 2]")
         if not 0.0 < self.queue_headroom <= 2.0:
@@ -153,6 +158,10 @@ POLICY_KNOBS: Mapping[str, PolicyKnob] = MappingProxyType(
         ),
         "max_stall_s": PolicyKnob(
             "max_stall_s", "a stream stalled this long goes on the device first"
+        ),
+        "prefill_stall_s": PolicyKnob(
+            "prefill_stall_s",
+            "a newcomer starts while its prefill stalls no resident reader longer",
         ),
     }
 )

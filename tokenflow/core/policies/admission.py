@@ -3,7 +3,10 @@
 Strictly in arrival order (no later request passes an earlier one), a waiting request joins
 while the working set is below W_sched, its reader's rate fits in the capacity the members
 leave, its prefill fits in this interval's prefill budget (so Gamma is measured as the batch
-fills, not guessed), and it finds free device blocks or blocks that safe pauses free.
+fills, not guessed), its prefill stalls no resident reader longer than `prefill_stall_s`
+(beyond the paper: a prefill step stalls every reader with a shorter buffer, so a newcomer
+waits while the residents' buffers grow), and it finds free device blocks or blocks that safe
+pauses free.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.pricing import (
     Member,
     outlasts,
+    prefill_added_stall_s,
     prefill_hold_s,
     prefill_price_s,
     unsynced_blocks,
@@ -130,6 +134,7 @@ def admit(
     demand_of: DemandOf,
     prefill_budget_s: float,
     margin_s: float = 0.0,
+    prefill_stall_s: float = math.inf,
 ) -> Admission:
     """Waiting requests that join (see the module docstring).  An empty working set always
     takes the head, whatever its rate; the first newcomer always fits the prefill budget.
@@ -148,6 +153,8 @@ def admit(
         batch_tokens = tokens + request.num_tokens
         if admitted and prefill_price_s(view, batch_tokens) > prefill_budget_s:
             break
+        if stalls_residents(view, batch_tokens, prefill_stall_s):
+            break
         hold_s = prefill_hold_s(view, batch_tokens)
         need = view.start_blocks(request)
         free -= returns.blocks_due(hold_s)
@@ -162,17 +169,26 @@ def admit(
     return Admission(admitted, rate, unused_s)
 
 
+def stalls_residents(view: SchedulingView, num_new_tokens: int, prefill_stall_s: float) -> bool:
+    """Whether prefilling `num_new_tokens` more prompt tokens would stall some resident reader
+    longer than `prefill_stall_s` (`pricing.prefill_added_stall_s`)."""
+    if prefill_stall_s == math.inf:
+        return False
+    return prefill_added_stall_s(view, num_new_tokens) > prefill_stall_s
+
+
 def waiting_within_budget(
     view: SchedulingView,
     spare_rate_tps: float,
     prefill_budget_s: float,
     demand_of: DemandOf,
     has_other_work: bool,
+    prefill_stall_s: float = math.inf,
 ) -> list[Request]:
     """Between decisions: the head of the waiting queue that fits the rate and prefill budgets
     the last decision left (their prefills start together; the first fits any budget left, as
-    the first newcomer of a decision fits any budget).  An idle engine (no other work) always
-    takes the head."""
+    the first newcomer of a decision fits any budget) and stalls no resident reader longer
+    than `prefill_stall_s`.  An idle engine (no other work) always takes the head."""
     waiting: list[Request] = []
     tokens = 0
     for request in view.waiting:
@@ -181,6 +197,8 @@ def waiting_within_budget(
         if not idle and (demand_of(request) > spare_rate_tps or prefill_s > prefill_budget_s):
             break
         if not idle and not waiting and prefill_budget_s <= 0.0:
+            break
+        if stalls_residents(view, tokens + request.num_tokens, prefill_stall_s):
             break
         spare_rate_tps -= demand_of(request)
         tokens += request.num_tokens

@@ -81,6 +81,16 @@ def prefill_price_s(view: SchedulingView, num_tokens: int) -> float:
     return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
 
 
+def _prefill_chunking(view: SchedulingView, num_new_tokens: int) -> tuple[int, int]:
+    """(tokens, chunk): `num_new_tokens` more prompt tokens behind the residents' prompt tokens
+    still to compute, all of them, and the recent prefill chunk (at most max_prefill_tokens)
+    they are prefilled in."""
+    est = view.estimator
+    ahead = sum(r.num_tokens - r.num_computed_tokens for r in view.running if r.is_prefilling)
+    chunk = max(1, int(min(est.prefill_step_tokens or math.inf, view.config.max_prefill_tokens)))
+    return ahead + num_new_tokens, chunk
+
+
 def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
     """Wall time until `num_new_tokens` more prompt tokens are prefilled behind the residents'
     prompt tokens still to compute: steps of the recent prefill chunk (at most
@@ -88,13 +98,35 @@ def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
     chunks every prompt; pricing the tokens as one prefill would miss those steps.)"""
     if num_new_tokens <= 0:
         return 0.0
-    est, running = view.estimator, view.running
-    ahead = sum(r.num_tokens - r.num_computed_tokens for r in running if r.is_prefilling)
-    chunk = max(1, int(min(est.prefill_step_tokens or math.inf, view.config.max_prefill_tokens)))
-    tokens = ahead + num_new_tokens
+    est = view.estimator
+    tokens, chunk = _prefill_chunking(view, num_new_tokens)
+    decode_s = est.decode_time_s(len(view.running) or 1)
+    return -(-tokens // chunk) * decode_s + est.prefill_batch_time_s(tokens, chunk)
+
+
+def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
+    """The longest stall that prefilling `num_new_tokens` more prompt tokens adds to a started
+    resident reader.  Through the hold (`prefill_hold_s`) the reader gets one token a step,
+    where decode steps alone would have given it hold / decode step tokens; it runs dry when
+    the hold outlasts its slack plus the reading those tokens hold.  What the prefill adds is
+    the difference (a reader faster than the decodes stalls either way).  0 when none is
+    exposed."""
+    hold_s = prefill_hold_s(view, num_new_tokens)
+    if hold_s <= 0.0:
+        return 0.0
+    tokens, chunk = _prefill_chunking(view, num_new_tokens)
     num_steps = -(-tokens // chunk)
-    decode_s = est.decode_time_s(len(running) or 1)
-    return num_steps * decode_s + est.prefill_batch_time_s(tokens, chunk)
+    decodes = hold_s / view.estimator.decode_time_s(len(view.running) or 1)
+    now_s, worst_s = view.now_s, 0.0
+    for r in view.running:
+        if not (r.is_reader and r.output_token_ids):
+            continue
+        uncovered_s = hold_s - r.slack_s(now_s)
+        with_prefill_s = uncovered_s - num_steps / r.rate_tps
+        without_s = uncovered_s - decodes / r.rate_tps
+        added_s = max(with_prefill_s, 0.0) - max(without_s, 0.0)
+        worst_s = max(worst_s, added_s)
+    return worst_s
 
 
 def seconds_per_block(view: SchedulingView) -> float:

@@ -7,6 +7,10 @@ members' rates exceed it the decision degrades to arrival order), admission (`ad
 step 1), balancing (`balance.py`, step 2: who is on the device; resident members left out are
 paused by offload) and resume modes (`resume.py`, step 3: reload or recompute, the faster).
 
+A newcomer also waits while its prefill would stall a resident reader longer than
+`prefill_stall_s` (`pricing.prefill_added_stall_s`, beyond the paper): a prefill step outlasts
+the buffer of a reader paced close to its rate.
+
 Overload rule (beyond the paper): a waiting request starts only while the working set's reading
 rates fit the engine's capacity (the lower median of recent Gammas, `capacity.CapacityFloor`),
 also between decisions, so a burst that wants more tokens/s than the engine makes waits in
@@ -253,6 +257,7 @@ class TokenFlowPolicy(Policy):
             demand_of=demand_of,
             prefill_budget_s=budget_s,
             margin_s=cfg.critical_slack_s,
+            prefill_stall_s=cfg.prefill_stall_s,
         )
         return _Admitted(
             admission.requests,
@@ -286,7 +291,12 @@ class TokenFlowPolicy(Policy):
         preempted = sorted(view.preempted, key=lambda r: (r.dry_s, r.sort_key))
         has_other_work = bool(view.running or preempted)
         waiting = waiting_within_budget(
-            view, last.spare_rate_tps, last.prefill_budget_s, last.demand_tps, has_other_work
+            view,
+            last.spare_rate_tps,
+            last.prefill_budget_s,
+            last.demand_tps,
+            has_other_work,
+            self.config.prefill_stall_s,
         )
         starts = fcfs_starts(view, candidates=preempted + waiting, max_num_seqs=last.max_batch)
         new = waiting[: max(len(starts) - len(preempted), 0)]
