@@ -6,7 +6,8 @@ the simulator on a profile of the real engine (`tokenflow simulate --profile`), 
         [--workloads burst-40,long-prompts-20] [--slowdown 1.5] [--json out.json]
         [--markdown docs/results.md]
     python -m benchmarks.profiled_workloads --real [--rounds 2]
-        [--workloads long-prompts-20,class-mix-40,readme-burst] [--json out.json]
+        [--workloads long-prompts-20,class-mix-40,readme-burst] [--serve-args '--num-threads 1']
+        [--json out.json]
 
 Prints per workload the readers' mean stall, P99 TTFT and QoE of both policies (medians over
 the seeds), then the targets (`tokenflow.eval.report.check_targets`, runs paired by seed):
@@ -20,7 +21,8 @@ docs/results.md reports is docs/results/cpu-profile.json (the 2-core development
 `--real` plays each workload's seed-0 requests on the embedded model, both policies per round
 in the order A B B A (`tokenflow.eval.rounds`), with the workload's device KV tier, and pairs
 the runs by round for the same targets.  Besides the suite it knows `readme-burst`, the
-README's overload burst.
+README's overload burst.  `--serve-args` passes more options to both servers: '--num-threads 1'
+runs the engine on one core, a CPU about half as fast, where the slowed profile's cases show.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -101,11 +105,11 @@ def real_workload(name: str) -> Workload:
     return README_BURST if name == README_BURST.name else suite_workload(name)
 
 
-def run_real_once(workload: Workload, policy: str) -> dict:
-    """One run of `workload` (seed 0) on a fresh real server, scored as a simulated one
-    (`suite_score`)."""
+def run_real_once(workload: Workload, policy: str, extra_serve_args: Sequence[str] = ()) -> dict:
+    """One run of `workload` (seed 0) on a fresh real server (`tokenflow serve` with
+    `extra_serve_args` too), scored as a simulated one (`suite_score`)."""
     requests = generate(replace(workload.spec, seed=0))
-    serve_args = ["--device-kv-tokens", str(workload.device_kv_tokens)]
+    serve_args = ["--device-kv-tokens", str(workload.device_kv_tokens), *extra_serve_args]
     with local_server(policy, serve_args) as url:
         config = ClientConfig(url=url, show_progress=False, timeout_s=1800.0)
         run = asyncio.run(run_workload(requests, config, name=policy))
@@ -122,7 +126,7 @@ def run_real(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
 
         def measure(round_index: int, policy: str, workload: Workload = workload) -> dict:
             started = time.perf_counter()
-            s = run_real_once(workload, policy)
+            s = run_real_once(workload, policy, shlex.split(args.serve_args))
             took_s = time.perf_counter() - started
             print(f"{workload.name} round {round_index} {policy}: stall "
                   f"{s['rebuffer_mean_s']:.3f} s, P99 TTFT {s['ttft_p99_s']:.2f} s, QoE "
@@ -181,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=None, help="comma-separated (default: the suite)")
     parser.add_argument(
         "--slowdown", type=float, default=1.0, help="scale the profile's step and copy times"
+    )
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="with --real: more `tokenflow serve` options for both servers (e.g. "
+        "'--num-threads 1': a CPU about half as fast)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--markdown", type=Path, default=None)

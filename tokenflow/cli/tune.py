@@ -46,6 +46,7 @@ KNOB_VALUES: dict[str, tuple[float, ...]] = {
     "capacity_headroom": (0.8, 0.9, 1.0, 1.1),
     "queue_headroom": (1.0, 1.15),
     "max_stall_s": (0.5, 1.0, 2.0),
+    "prefill_stall_s": (0.1, 0.25, 0.5, 1.0),
     "critical_slack": (0.5, 1.0, 2.0),
 }
 OBJECTIVES = ("qoe", "p99-ttft", "stall")
