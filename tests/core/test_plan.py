@@ -11,7 +11,16 @@ PARAMS = SamplingParams()
 
 
 def _chunk(rid: str, start: int, n: int, new: tuple[int, ...], at: int, outputs: int = 0):
-    return ScheduledChunk(rid, (5,) * n, start, new, at, True, PARAMS, outputs)
+    return ScheduledChunk(
+        request_id=rid,
+        token_ids=(5,) * n,
+        start_position=start,
+        new_block_ids=new,
+        block_table_start=at,
+        samples_token=True,
+        sampling_params=PARAMS,
+        num_output_tokens=outputs,
+    )
 
 
 def _plan(*chunks: ScheduledChunk, released: tuple[str, ...] = ()) -> StepPlan:

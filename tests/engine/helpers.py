@@ -109,14 +109,14 @@ def chunk(
     params: SamplingParams = GREEDY,
 ) -> ScheduledChunk:
     return ScheduledChunk(  # the whole table every time: a delta from index 0
-        request_id,
-        tuple(token_ids),
-        start,
-        tuple(blocks),
-        0,
-        samples_token,
-        params,
-        num_output_tokens,
+        request_id=request_id,
+        token_ids=tuple(token_ids),
+        start_position=start,
+        new_block_ids=tuple(blocks),
+        block_table_start=0,
+        samples_token=samples_token,
+        sampling_params=params,
+        num_output_tokens=num_output_tokens,
     )
 
 

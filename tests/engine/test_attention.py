@@ -56,7 +56,18 @@ def _case(seed: int, starts: list[int], lengths: list[int]):
         query = torch.randn(length, HEADS, DIM, generator=gen)
         key, value = (torch.randn(length, KV_HEADS, DIM, generator=gen) for _ in "kv")
         tokens = tuple(range(length))
-        chunks.append(ScheduledChunk(f"r{index}", tokens, start, tuple(table), 0, True, params, 1))
+        chunks.append(
+            ScheduledChunk(
+                request_id=f"r{index}",
+                token_ids=tokens,
+                start_position=start,
+                new_block_ids=tuple(table),
+                block_table_start=0,
+                samples_token=True,
+                sampling_params=params,
+                num_output_tokens=1,
+            )
+        )
         full_key, full_value = torch.cat((history[0], key)), torch.cat((history[1], value))
         expected.append(_dense_attention(query, full_key, full_value, start))
         queries.append(query)

@@ -12,7 +12,16 @@ from tokenflow.model.sampler import Sampler, SamplingRow, drop_below_min_p
 
 
 def chunk(tokens, start, num_output, samples, params) -> ScheduledChunk:
-    return ScheduledChunk("r", tuple(tokens), start, (), 0, samples, params, num_output)
+    return ScheduledChunk(
+        request_id="r",
+        token_ids=tuple(tokens),
+        start_position=start,
+        new_block_ids=(),
+        block_table_start=0,
+        samples_token=samples,
+        sampling_params=params,
+        num_output_tokens=num_output,
+    )
 
 
 def test_counts_come_from_the_chunks_and_survive_a_recompute() -> None:
