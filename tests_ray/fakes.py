@@ -56,7 +56,9 @@ class Recorder:
 class FakeReplica(EngineReplica):
     """An engine replica that answers from its request's headers (see the module docstring)."""
 
-    def __init__(self, serve_argv: list[str], report_period_s: float, drain_signal=None) -> None:
+    def __init__(
+        self, serve_argv: list[str], report_period_s: float, drain_signal=None, board=None
+    ) -> None:
         self.name = ray.get_runtime_context().get_actor_name()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         recorder = ray.get_actor(RECORDER, namespace=NAMESPACE)

@@ -1,5 +1,5 @@
-"""A live fleet for the tests that need one: two replicas of the embedded model on Ray Serve
-behind the TokenFlow router, started by the launcher's own `start`."""
+"""A live fleet for the tests that need one: replicas of the embedded model on Ray Serve behind
+the TokenFlow router, started by the launcher's own `start`."""
 
 import argparse
 import contextlib
@@ -7,30 +7,32 @@ from collections.abc import Iterator
 
 import ray
 from ray import serve
-from ray.actor import ActorHandle
 
 from tokenflow.eval.compare import free_port
-from tokenflow.replicas.launch import start
+from tokenflow.replicas.launch import Fleet, start
+
+REPORT_PERIOD_S = 0.5
 
 
 @contextlib.contextmanager
-def running_fleet(serve_argv: list[str]) -> Iterator[tuple[str, ActorHandle]]:
-    """The application's URL and the signal that drains its replicas; Serve and Ray are shut
-    down on exit."""
+def running_fleet(serve_argv: list[str], num_replicas: int = 2) -> Iterator[tuple[str, Fleet]]:
+    """The application's URL and the actors its replicas listen to (the drain signal, the
+    board of moves); Serve and Ray are shut down on exit."""
     port = free_port()
     args = argparse.Namespace(
-        replicas=2,
+        replicas=num_replicas,
         router="tokenflow",
         host="127.0.0.1",
         port=port,
-        report_period_s=0.5,
+        report_period_s=REPORT_PERIOD_S,
         default_rate=4.0,
+        migrate="queued",
         num_cpus=2,
         object_store_mib=128,
     )
-    drain_signal = start(args, serve_argv)
+    fleet = start(args, serve_argv)
     try:
-        yield f"http://127.0.0.1:{port}", drain_signal
+        yield f"http://127.0.0.1:{port}", fleet
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -132,6 +132,7 @@ def _replica(health: EngineHealth, **config) -> EngineReplica:
     replica.engine = SimpleNamespace(health=lambda: health, stop=threading.Event().set)
     replica.config = ServerConfig(**config)
     replica.drain_state = Drain()
+    replica.rebalancer = None  # (no board)
     return replica
 
 

@@ -4,6 +4,8 @@ call is cancelled whenever the client leaves before the replica's last chunk; an
 replica hands off goes on from another replica in the same response."""
 
 import asyncio
+import json
+from dataclasses import replace
 
 from starlette.requests import Request
 
@@ -113,10 +115,13 @@ def _request(headers: tuple[tuple[bytes, bytes], ...] = ()) -> Request:
     return Request(scope, receive)
 
 
-async def _answer(handle: _Handle, request: Request | None = None):
+async def _answer(
+    handle: _Handle, request: Request | None = None, forwarder: Forwarder | None = None
+):
     """The ingress's answer to one request: status, headers and body."""
     request = request or _request()
-    response = await Forwarder(handle, 4.0).forward(request, "v1/completions")
+    forwarder = forwarder or Forwarder(handle, 4.0)
+    response = await forwarder.forward(request, "v1/completions")
     messages: list[dict] = []
 
     async def send(message):
@@ -231,6 +236,16 @@ def test_an_answer_handed_off_mid_stream_reaches_the_client_whole_from_the_next_
     assert handle.routes[1]["avoid"] == ["id-a"]  # never offered back to the replica leaving
     assert _ticket(handle.headers[0]) == _ticket(handle.headers[1]) and _ticket(handle.headers[0])
     assert not leaving.cancelled and not taking.cancelled
+
+
+def test_a_continuation_planned_for_a_replica_asks_the_router_for_it():
+    planned = replace(_handoff(0), target_replica_id="id-b")  # a queued answer the board moved
+    handle = _Handle(_Stream(200, "a", [planned]), _Stream(200, "b", FRAMES))
+    forwarder = Forwarder(handle, 4.0)
+    assert asyncio.run(_answer(handle, forwarder=forwarder))[2] == b"".join(FRAMES)
+    assert "prefer" not in handle.routes[0]  # (a new request: the rule chooses)
+    assert handle.routes[1]["prefer"] == "id-b" and handle.routes[1]["avoid"] == ["id-a"]
+    assert json.loads(asyncio.run(forwarder.moves()).body) == {"b": 1}  # (GET /replicas/moves)
 
 
 def test_an_answer_moves_again_when_its_next_replica_leaves_too():

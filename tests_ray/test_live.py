@@ -23,7 +23,7 @@ SERVE_ARGV += ["--api-key", KEY, "--drain-timeout-s", "60"]
 
 @pytest.fixture(scope="module")
 def fleet():
-    """The application's URL and the signal that drains its replicas."""
+    """The application's URL and the actors its replicas listen to."""
     with running_fleet(SERVE_ARGV) as running:
         yield running
 
@@ -111,14 +111,14 @@ def test_a_replica_that_dies_loses_only_its_own_requests(url):
 
 
 def test_on_shutdown_the_replicas_refuse_new_requests_and_finish_their_streams(fleet):
-    url, drain_signal = fleet
+    url, actors = fleet
     result: dict = {}
     first = threading.Event()
     stream = threading.Thread(target=_stream, args=(url, 160, 4.0, result, first))
     stream.start()
     assert first.wait(timeout=240), "the stream got no first token"
     drained: list[bool] = []
-    drainer = threading.Thread(target=lambda: drained.append(drain(drain_signal, 2, 60.0)))
+    drainer = threading.Thread(target=lambda: drained.append(drain(actors.drain_signal, 2, 60.0)))
     drainer.start()
     refused = _refused(url)
     was_in_flight = stream.is_alive()  # (160 tokens take seconds here; the 503 came in ms)

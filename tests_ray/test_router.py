@@ -1,11 +1,16 @@
-"""TokenFlowRequestRouter's choices follow the replicas' reports (no cluster: Ray Serve's
-router object on hand-made candidates)."""
+"""TokenFlowRequestRouter's choices follow the replicas' reports, and a moved request's planned
+replica (no cluster: Ray Serve's router object on hand-made candidates)."""
 
 from dataclasses import dataclass, replace
 
 from tokenflow.core.routing import CapacityPoint, LoadReport
 from tokenflow.replicas.guards import parse_body
-from tokenflow.replicas.reports import report_to_stats, route_facts, with_avoided
+from tokenflow.replicas.reports import (
+    report_to_stats,
+    route_facts,
+    with_avoided,
+    with_preferred,
+)
 from tokenflow.replicas.router import TokenFlowRequestRouter
 
 
@@ -51,11 +56,16 @@ def _router() -> TokenFlowRequestRouter:
 
 
 def _choose(
-    router, replicas, body=b'{"prompt": "hi", "max_tokens": 16, "stream_rate": 4}', avoid=()
+    router,
+    replicas,
+    body=b'{"prompt": "hi", "max_tokens": 16, "stream_rate": 4}',
+    avoid=(),
+    prefer=None,
 ):
     import asyncio
 
-    pending = _Pending((with_avoided(route_facts(parse_body(body), {}, 4.0), avoid),))
+    facts = with_avoided(route_facts(parse_body(body), {}, 4.0), avoid)
+    pending = _Pending((facts if prefer is None else with_preferred(facts, prefer),))
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
     return [rank[0].replica_id.unique_id for rank in ranks]
 
@@ -91,6 +101,24 @@ def test_a_replica_that_refused_the_request_is_left_out_while_another_is_up():
     assert _choose(_router(), [busy, idle]) == ["a", "b"]
     assert _choose(_router(), [busy, idle], avoid=["a"]) == ["b"]
     assert _choose(_router(), [busy, idle], avoid=["a", "b"]) == ["a", "b"]  # all refused
+
+
+def test_a_moved_request_goes_to_its_planned_replica_and_counts_there():
+    router = _router()
+    a = _Replica(_Id("a"), report_to_stats(_report(40.0)))  # readers at 4 tok/s: 4% each
+    b = _Replica(_Id("b"), report_to_stats(_report(50.0)))
+    assert _choose(router, [a, b], prefer="b") == ["b", "a"]  # (the rule would pick "a")
+    for _ in range(4):
+        assert _choose(router, [a, b], prefer="a")[0] == "a"
+    # "a" holds 56% once they land, "b" 54%: the rule counts the moves where they went
+    assert _choose(router, [a, b])[0] == "b"
+
+
+def test_a_planned_replica_that_is_not_a_candidate_leaves_the_choice_to_the_rule():
+    busy = _Replica(_Id("a"), report_to_stats(_report(90.0)))
+    idle = _Replica(_Id("b"), report_to_stats(_report(10.0)))
+    assert _choose(_router(), [busy, idle], prefer="gone") == ["b", "a"]  # (not up yet, or died)
+    assert _choose(_router(), [busy, idle], avoid=["a"], prefer="a") == ["b"]  # it refused
 
 
 def test_route_facts_read_the_rate_as_the_server_does():

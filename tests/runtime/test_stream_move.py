@@ -201,6 +201,16 @@ def test_export_ends_the_deltas_with_stream_moved_and_resume_goes_on_exactly(ser
     assert "".join(d.text for d in before + after) == "".join(d.text for d in undisturbed)
 
 
+def test_between_steps_reads_the_engine_on_its_thread_and_hands_back_what_it_raised(servers):
+    engine = servers[1].engine
+    read = engine.between_steps(lambda llm: (threading.current_thread().name, llm.has_work))
+    assert read.result(timeout=60) == ("tokenflow-engine", False)  # (while it idles)
+    failed = engine.between_steps(lambda llm: llm.scheduler.requests["unknown"])
+    with pytest.raises(KeyError):
+        failed.result(timeout=60)
+    assert engine.health().is_alive  # the loop went on
+
+
 def test_a_stream_held_to_a_grammar_stays_and_finishes_where_it_is(servers):
     source = servers[0]
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -237,8 +247,10 @@ def test_a_request_still_queued_moves_and_starts_on_the_other_engine(servers, ti
     reached, release = threading.Event(), threading.Event()
 
     def after_step() -> None:  # hold the engine once "queued" waits behind "first"
+        if reached.is_set():
+            return
         states = {s.request_id: s.state for s in source.engine.streams(8).streams}
-        if not reached.is_set() and states.get("queued") == "waiting" and "first" in states:
+        if states.get("queued") == "waiting" and states.get("first") == "running":
             reached.set()
             release.wait(timeout=120)
 
@@ -260,16 +272,72 @@ def test_a_request_still_queued_moves_and_starts_on_the_other_engine(servers, ti
     runner.start()
     try:
         assert reached.wait(timeout=120)
-        exported = source.export_streams(["queued"])
+        exported = source.export_streams(["first", "queued"], waiting_only=True)
     finally:
         release.set()
     (state,) = exported.result(timeout=60)
     runner.join(timeout=120)
     source.close()
-    assert not state.is_started and isinstance(outcomes["queued"], StreamMoved)
+    assert state.request_id == "queued" and not state.is_started
+    assert isinstance(outcomes["queued"], StreamMoved)
+    assert outcomes["first"][-1].finish_reason == "length"  # (started: it stayed)
 
     async def resumed() -> list:
         return [d async for d in target.engine.resume(state)]
 
     after = asyncio.run(resumed())
     assert _tokens(after) == _tokens(outcomes["first"])  # the same prompt, greedy: the same answer
+
+
+def test_an_answer_still_queued_moves_whole_to_the_other_server(servers, tiny_model_dir):
+    """Through two apps: a queued answer is listed as movable once its response opened; its
+    body ends with no event at all, and the other server sends the whole answer, opening
+    chunk included."""
+    target, path = servers[1], "/v1/chat/completions"
+    body = {**BODIES[path], "max_tokens": 160}  # (long: the other is listed while one runs)
+    undisturbed = post(target.url + path, body)
+    args = EngineArgs(
+        model=tiny_model_dir, device="cpu", max_model_len=256, max_num_seqs=1, policy="fcfs"
+    )
+    engine, book = AsyncEngine(args), MoveBook()  # one stream at a time: the second one queues
+    reached, release = threading.Event(), threading.Event()
+
+    def after_step() -> None:  # hold the engine once a listed answer waits behind the other
+        if reached.is_set():
+            return
+        states = {s.request_id: s.state for s in engine.engine.streams(8).streams}
+        listed = sorted(str(states.get(i)) for i in book.movable_request_ids())
+        if listed == ["running", "waiting"]:
+            reached.set()
+            release.wait(timeout=120)
+
+    engine.after_step = after_step
+    bodies: dict[str, list[str]] = {}
+    with serve_in_thread(build_app(engine, moves=book)) as url:
+
+        def read(ticket: str) -> None:
+            bodies[ticket] = post(url + path, body, ticket)
+
+        readers = [threading.Thread(target=read, args=(t,)) for t in ("ticket-a", "ticket-b")]
+        for reader in readers:
+            reader.start()
+        try:
+            assert reached.wait(timeout=120), "no answer queued behind the other"
+            exported = engine.export_streams(book.movable_request_ids(), waiting_only=True)
+        finally:
+            release.set()
+        (state,) = exported.result(timeout=60)
+        for reader in readers:
+            reader.join(timeout=120)
+    engine.close()
+    handoffs = {t: book.take_handoff(t) for t in ("ticket-a", "ticket-b")}
+    (ticket,) = [t for t, h in handoffs.items() if h is not None]
+    handoff = handoffs[ticket]
+    assert handoff.state == state and not state.is_started
+    assert (handoff.num_sent_tokens, handoff.num_sent_chars, handoff.num_sent_deltas) == (0, 0, 0)
+    assert bodies[ticket] == []  # (not even the role chunk: the continuation sends it)
+    target.book.expect_resume(ticket, handoff)
+    rest = post(target.url + path, body, ticket)
+    assert text_of(rest) == text_of(undisturbed) and roles(rest) == ["assistant"]
+    assert usages(rest) == usages(undisturbed) and rest.count("[DONE]") == 1
+    assert {c["id"] for c in chunks(rest)} == {handoff.response_id}

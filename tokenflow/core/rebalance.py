@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenflow.core.migration import MOVE_LATENCY_S
+from tokenflow.core.request import Request
 from tokenflow.core.routing import LoadReport, Projection, RouteRequest, project
 
 
@@ -81,6 +82,20 @@ class Movable:
     @property
     def request_id(self) -> str:
         return self.route.request_id
+
+
+def movable_of(request: Request, kind: StreamKind, now_s: float, reached_s: float) -> Movable:
+    """What the rule knows of `request`, a `kind` stream on its replica at `now_s`, which it
+    reached at `reached_s` (its arrival, or the landing of its move there)."""
+    return Movable(
+        route=RouteRequest.of(request),
+        kind=kind,
+        num_context_tokens=request.num_tokens,
+        num_left_tokens=request.num_remaining_output_tokens,
+        slack_s=request.slack_s(now_s) if kind is not StreamKind.QUEUED else 0.0,
+        arrival_s=request.arrival_s,
+        queued_s=now_s - reached_s,
+    )
 
 
 @dataclass(frozen=True)

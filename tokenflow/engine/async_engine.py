@@ -1,10 +1,10 @@
 """The serving engine: an `LLMEngine` stepped by one thread, behind `EngineClient`.
 
-Requests, aborts, snapshot requests (`streams()`) and streams moving in and out (`resume()`,
-`export_streams()`) go to the thread through a command queue, applied between two steps;
-deltas (and snapshots, exported states) come back to each asker via
-`loop.call_soon_threadsafe`, deltas through the request's `_DeltaSink`.  What can go wrong, and
-who hears of it:
+Requests, aborts, snapshot requests (`streams()`), streams moving in and out (`resume()`,
+`export_streams()`) and readings of engine state (`between_steps()`) go to the thread through a
+command queue, applied between two steps; deltas, snapshots, exported states and readings come
+back to each asker via `loop.call_soon_threadsafe` (deltas through the request's `_DeltaSink`)
+or a thread-safe future.  What can go wrong, and who hears of it:
 
 - one request fails (its sampling row, its text, its add): only that request gets an error;
 - a step's plan fails: only the plan's requests get an error (see `LLMEngine.step`);
@@ -25,9 +25,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from tokenflow.core.migration import StreamState
-from tokenflow.core.request import Consumption, SamplingParams
+from tokenflow.core.request import Consumption, RequestState, SamplingParams
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import (
     EngineDead,
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # how long the thread blocks on its queue when there is nothing to run
 _NOTHING_RAN_WAIT_S = 0.002  # pause after a step in which nothing could run
 _MAX_UNATTRIBUTED_FAILURES = 3  # scheduler failures in a row before the engine is dead
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -128,13 +130,13 @@ class _Snapshot:
 
 
 @dataclass(frozen=True)
-class _Export:
-    request_ids: tuple[str, ...]
-    future: Future[list[StreamState]]  # thread-safe: settled on the engine thread
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]  # thread-safe: settled on the engine thread
 
 
 _Submission = _Add | _Import  # a request that gets deltas through its sink
-_Command = _Add | _Import | _Abort | _Snapshot | _Export
+_Command = _Add | _Import | _Abort | _Snapshot | _Call
 
 
 class AsyncEngine:
@@ -212,18 +214,28 @@ class AsyncEngine:
         async for delta in self._deltas(state.request_id, sink):
             yield delta
 
-    def export_streams(self, request_ids: Sequence[str]) -> Future[list[StreamState]]:
-        """Take the unfinished requests among `request_ids` out of this engine before its next
-        step (queued by the time this returns); the future holds their states (times relative
-        to the export).  Each one's delta iterator then raises `StreamMoved` after the deltas
-        produced before.  A request that finished meanwhile, or that cannot move (held to a
-        grammar), is left as it is.  A future, not a coroutine: a replica's drain thread, which
-        has no event loop, waits on it."""
-        future: Future[list[StreamState]] = Future()
+    def export_streams(
+        self, request_ids: Sequence[str], waiting_only: bool = False
+    ) -> Future[list[StreamState]]:
+        """Take the unfinished requests among `request_ids` (`waiting_only`: those that have
+        not started) out of this engine before its next step (queued by the time this
+        returns); the future holds their states (times relative to the export).  Each one's
+        delta iterator then raises `StreamMoved` after the deltas produced before.  A request
+        that finished meanwhile, or that cannot move (held to a grammar), is left as it is.  A
+        future, not a coroutine: a replica's drain thread, which has no event loop, waits on
+        it."""
+        ids = tuple(request_ids)
+        return self.between_steps(lambda _: self._export(ids, waiting_only))
+
+    def between_steps(self, fn: Callable[[LLMEngine], _T]) -> Future[_T]:
+        """Call `fn(engine)` on the engine thread before its next step (or at once while it
+        idles): the one safe way for another thread to read engine state.  The future holds
+        what it returns, or what it raised.  The step waits for it: keep it quick."""
+        future: Future[_T] = Future()
         with self._lock:  # (a command queued before the loop died is answered by `_die`)
             if self._death is not None:
                 raise EngineDead(self._death)
-            self._commands.put(_Export(tuple(request_ids), future))
+            self._commands.put(_Call(fn, future))
         return future
 
     def _submit(self, command: _Submission) -> None:
@@ -358,7 +370,7 @@ class AsyncEngine:
                 self._send(command, error)
             elif isinstance(command, _Snapshot):
                 _settle(command, error)
-            elif isinstance(command, _Export):
+            elif isinstance(command, _Call):
                 command.future.set_exception(error)
         self._fail_all(error)
 
@@ -387,8 +399,11 @@ class AsyncEngine:
                 logger.exception("the streams snapshot failed")
                 _settle(command, err)
             return
-        if isinstance(command, _Export):
-            command.future.set_result(self._export(command.request_ids))
+        if isinstance(command, _Call):
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as err:  # noqa: BLE001 - its caller hears of it; the loop goes on
+                command.future.set_exception(err)
             return
         if isinstance(command, _Abort):
             delta = self.engine.abort(command.request_id)
@@ -419,14 +434,18 @@ class AsyncEngine:
         self._sinks[command.request_id] = command
         self._stats = self.engine.stats()
 
-    def _export(self, request_ids: Sequence[str]) -> list[StreamState]:
-        """Export each live request of `request_ids`; its sink hears `StreamMoved` after the
-        deltas already sent to it (the same thread sent them, in order)."""
+    def _export(self, request_ids: Sequence[str], waiting_only: bool) -> list[StreamState]:
+        """Export each live request of `request_ids` (`waiting_only`: each still waiting); its
+        sink hears `StreamMoved` after the deltas already sent to it (the same thread sent
+        them, in order)."""
         states = []
         for request_id in request_ids:
             submission = self._sinks.get(request_id)
             if submission is None:
                 continue  # finished, failed or aborted meanwhile
+            request = self.engine.scheduler.requests.get(request_id)
+            if waiting_only and (request is None or request.state is not RequestState.WAITING):
+                continue  # it started meanwhile: it stays
             try:
                 state = self.engine.export_stream(request_id)
             except ValueError as err:  # e.g. held to a grammar: it finishes here

@@ -15,7 +15,10 @@ A replica drains as `tokenflow serve` does on SIGTERM when the launcher asks (`D
 it leaves alone (the others serve on), its streamed answers move first: the ingress marks each
 request it forwards with a ticket (`serving.moves.MOVE_HEADER`), the replica exports the
 movable ones from its engine and ends their bodies with their `StreamHandoff`, and the ingress
-continues each on another replica (`resume_http`) in the response its client holds.
+continues each on another replica (`resume_http`) in the response its client holds.  Queued
+requests move the same way while every replica serves on: each replica posts its load to the
+fleet's board once a period (`rebalancing.Rebalancer`, `board.MoveBoard`), and those the board
+sends to a replica with room (one that just joined) continue there.
 """
 
 # No `from __future__ import annotations`: Ray pickles the ingress class by value, and FastAPI
@@ -28,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from fastapi import FastAPI, Request
@@ -49,8 +52,9 @@ from tokenflow.replicas.guards import (
     read_body,
     should_retry,
 )
+from tokenflow.replicas.rebalancing import Rebalancer, RemoteBoard
 from tokenflow.replicas.relay import Opened, Relay, ReplicaCall, call_replica
-from tokenflow.replicas.reports import report_to_stats, route_facts, with_avoided
+from tokenflow.replicas.reports import report_to_stats, route_facts, with_avoided, with_preferred
 from tokenflow.serving.auth import ApiKeys, RequireApiKey
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, Drain
@@ -149,6 +153,7 @@ class EngineReplica:
         serve_argv: list[str],
         report_period_s: float,
         drain_signal: ActorHandle | None = None,
+        board: ActorHandle | None = None,
     ) -> None:
         from tokenflow.cli.serve import add_serve_arguments
         from tokenflow.engine.async_engine import AsyncEngine
@@ -172,6 +177,13 @@ class EngineReplica:
         self._report: LoadReport = self._measure()
         self._reported_s = time.monotonic()
         self.engine.after_step = self._after_step
+        self.rebalancer: Rebalancer | None = None  # (no board: nothing moves but at a leave)
+        if board is not None:
+            remote = RemoteBoard(board, self.config.drain_timeout_s)
+            self.rebalancer = Rebalancer(
+                self.engine, self.moves, remote, self.replica_id, report_period_s
+            )
+            self.rebalancer.start()
         if drain_signal is not None:
             threading.Thread(
                 target=self._drain_when_signalled,
@@ -190,7 +202,10 @@ class EngineReplica:
             self._report, self._reported_s = self._measure(), time.monotonic()
 
     def record_routing_stats(self) -> dict[str, object]:
-        """Ray Serve asks every `request_routing_stats_period_s`: the latest load report."""
+        """Ray Serve asks every `request_routing_stats_period_s`: the latest load report.  (The
+        first ask says Serve routes to this replica: its rebalancing starts.)"""
+        if self.rebalancer is not None:
+            self.rebalancer.routed()
         return report_to_stats(self._report)
 
     async def serve_http(
@@ -226,6 +241,8 @@ class EngineReplica:
         if ticket is None:
             raise ValueError(f"a continuation needs the ingress's {MOVE_HEADER} header")
         self.moves.expect_resume(ticket, handoff)
+        if self.rebalancer is not None:
+            self.rebalancer.landed(handoff.state.request_id)
         try:
             async for item in self._serve_app(method, path, headers, body):
                 yield item
@@ -247,6 +264,9 @@ class EngineReplica:
                 yield item
         ticket = _header(headers, MOVE_HEADER)
         handoff = self.moves.take_handoff(ticket) if ticket is not None else None
+        if handoff is not None and self.rebalancer is not None:
+            target = self.rebalancer.take_target(handoff.state.request_id)
+            handoff = replace(handoff, target_replica_id=target)
         if handoff is not None:
             yield handoff
 
@@ -271,6 +291,8 @@ class EngineReplica:
         drain then waits only for the rest.  Blocks; True when every answer was sent or handed
         off in time."""
         self.drain_state.begin()
+        if self.rebalancer is not None:
+            self.rebalancer.stop()
         if move_streams:
             self.num_handed_off = self._hand_off_streams()
         drained = self.drain_state.wait_drained(self.config.drain_timeout_s)
@@ -307,6 +329,9 @@ class EngineReplica:
         launcher sets from --drain-timeout-s) and refuses new ones: stop the engine loop."""
         if hasattr(self, "engine"):  # (not when __init__ failed before the engine started)
             self.drain_state.begin()
+            rebalancer = getattr(self, "rebalancer", None)
+            if rebalancer is not None:
+                rebalancer.stop()
             self.engine.stop()
 
 
@@ -326,10 +351,16 @@ class Forwarder:
         self._max_body_bytes = config.max_body_bytes
         self._max_tries = max_tries
         self._num_by_replica: dict[str, int] = {}
+        self._num_moved_to: dict[str, int] = {}
 
     async def replicas(self) -> JSONResponse:
         """Generation requests answered so far by each replica (by its actor name)."""
         return JSONResponse(dict(sorted(self._num_by_replica.items())))
+
+    async def moves(self) -> JSONResponse:
+        """Answers each replica (by its actor name) went on with after another handed them
+        off (a move of a queued request, or a replica that left)."""
+        return JSONResponse(dict(sorted(self._num_moved_to.items())))
 
     async def forward(self, request: Request, path: str) -> Response:
         """Any other path: to a replica, as it came.  Its API key was checked already (from
@@ -379,6 +410,8 @@ class Forwarder:
             logger.warning("no replica took a moved stream: %s", start["status"])
             stream.cancel()
             return None
+        replica = str(start["replica"])
+        self._num_moved_to[replica] = self._num_moved_to.get(replica, 0) + 1
         return start, stream
 
     async def _open(
@@ -392,12 +425,16 @@ class Forwarder:
         (`guards.should_retry`), else the last refusal; a 503 when no replica answered at all.
         A refused request is offered to the replicas that have not refused it and are not in
         `avoid` (`reports.with_avoided`), and each refused call is cancelled at once; so is the
-        call in hand when the client leaves meanwhile."""
+        call in hand when the client leaves meanwhile.  A continuation planned for a replica
+        (`StreamHandoff.target_replica_id`) is offered to that one first."""
         refused_by: list[str] = list(avoid or [])
+        route = call.route
+        if handoff is not None and handoff.target_replica_id is not None:
+            route = with_preferred(route, handoff.target_replica_id)
         num_tries = 0
         while True:
             num_tries += 1
-            stream = call_replica(self._engine, call, with_avoided(call.route, refused_by), handoff)
+            stream = call_replica(self._engine, call, with_avoided(route, refused_by), handoff)
             try:
                 start = await stream.__anext__()
             except asyncio.CancelledError:
@@ -427,6 +464,10 @@ def ingress_class(config: ServerConfig | None = None) -> type:
         @app.get("/replicas")
         async def replicas(self) -> JSONResponse:
             return await Forwarder.replicas(self)
+
+        @app.get("/replicas/moves")
+        async def moves(self) -> JSONResponse:
+            return await Forwarder.moves(self)
 
         @app.api_route("/{path:path}", methods=["GET", "POST"], response_model=None)
         async def forward(self, request: Request, path: str) -> Response:

@@ -11,7 +11,9 @@ listens where --host says (127.0.0.1 by default).
 SIGTERM or SIGINT drain the fleet as `tokenflow serve` drains itself: every replica answers new
 requests 503 with Retry-After, the streams in flight go on for --drain-timeout-s (a replica
 option, after `--`), then Serve and Ray stop; a second signal cuts the wait short.  `leave`
-drains one replica while the others serve on: its streams move to them.
+drains one replica while the others serve on: its streams move to them.  `scale` sets the number
+of engine replicas while they serve (Serve's external scaler); with `--migrate queued` (the
+default) a replica that joins takes requests queued on the others (`board.MoveBoard`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from ray import serve
 from ray.actor import ActorHandle
 from ray.serve.config import RequestRouterConfig
 
+from tokenflow.core.rebalance import MigrateMode
 from tokenflow.core.routing import ROUTER_NAMES
+from tokenflow.replicas.board import MoveBoard
 from tokenflow.replicas.deployments import (
     DrainSignal,
     EngineReplica,
@@ -44,6 +48,9 @@ logger = logging.getLogger(__name__)
 RAY_DEFAULT = "ray-default"  # Ray Serve's own router: power of two choices on queue lengths
 ROUTERS = (*ROUTER_NAMES, RAY_DEFAULT)
 APP_NAME = "tokenflow"
+ENGINE_DEPLOYMENT = "TokenFlowEngine"
+# What may move while every replica serves on (a leaving replica's answers always may).
+MIGRATE_MODES = (MigrateMode.OFF.value, MigrateMode.QUEUED.value)
 # One engine thread per replica; OpenMP workers wait passively (docs/design.md).
 _ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
 LOOPBACK = "127.0.0.1"
@@ -58,12 +65,14 @@ def build_application(
     report_period_s: float = 1.0,
     default_rate_tps: float = 4.0,
     drain_signal: ActorHandle | None = None,
+    board: ActorHandle | None = None,
     replica_class: type = EngineReplica,
 ) -> serve.Application:
     """The ingress bound to `num_replicas` engine replicas routed by `router` (one of
     `ROUTERS`); every replica runs `tokenflow serve` with `serve_argv`, and the ingress guards
     them with its server options (--api-key, --max-body-bytes).  `drain_signal` (a
-    `DrainSignal`) lets `drain` reach every replica; `replica_class` is for tests."""
+    `DrainSignal`) lets `drain` reach every replica; `board` (a `MoveBoard` actor) moves
+    queued requests between them; `replica_class` is for tests."""
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
     config = server_config(serve_argv)  # (ValueError before any replica starts)
@@ -77,7 +86,7 @@ def build_application(
         )
     engine = serve.deployment(
         replica_class,
-        name="TokenFlowEngine",
+        name=ENGINE_DEPLOYMENT,
         num_replicas=num_replicas,
         max_ongoing_requests=10_000,  # the engine queues and refuses (429) by itself
         request_router_config=routing,
@@ -93,7 +102,7 @@ def build_application(
         max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0},
     )
-    replicas = engine.bind(serve_argv, report_period_s, drain_signal)
+    replicas = engine.bind(serve_argv, report_period_s, drain_signal, board)
     return ingress.bind(replicas, default_rate_tps, config)
 
 
@@ -126,9 +135,17 @@ def start_serve(host: str, port: int, num_cpus: int | None, object_store_mib: in
     serve.start(http_options={"host": host, "port": port})
 
 
-def start(args: argparse.Namespace, serve_argv: list[str]) -> ActorHandle:
-    """Start Ray, Serve's HTTP proxy on --host/--port, and the application; the signal that
-    `drain` gives its replicas."""
+@dataclass(frozen=True)
+class Fleet:
+    """The actors a running application's replicas listen to."""
+
+    drain_signal: ActorHandle  # a `DrainSignal`: `drain`, `leave`
+    board: ActorHandle | None  # a `MoveBoard` (None with --migrate off)
+
+
+def start(args: argparse.Namespace, serve_argv: list[str]) -> Fleet:
+    """Start Ray, Serve's HTTP proxy on --host/--port, and the application; the actors that
+    `drain`, `leave` and the moves of queued requests go through."""
     config = server_config(serve_argv)
     if not _is_loopback(args.host) and not config.allowed_keys:
         logger.warning(
@@ -136,6 +153,9 @@ def start(args: argparse.Namespace, serve_argv: list[str]) -> ActorHandle:
         )
     start_serve(args.host, args.port, args.num_cpus, args.object_store_mib)
     drain_signal = DrainSignal.remote()
+    board = None
+    if args.migrate != MigrateMode.OFF.value:
+        board = ray.remote(num_cpus=0)(MoveBoard).remote(args.report_period_s)
     application = build_application(
         args.replicas,
         args.router,
@@ -143,9 +163,25 @@ def start(args: argparse.Namespace, serve_argv: list[str]) -> ActorHandle:
         args.report_period_s,
         args.default_rate,
         drain_signal=drain_signal,
+        board=board,
     )
-    serve.run(application, name=APP_NAME, route_prefix="/")
-    return drain_signal
+    serve.run(application, name=APP_NAME, route_prefix="/", external_scaler_enabled=True)
+    return Fleet(drain_signal, board)
+
+
+def scale(num_replicas: int) -> None:
+    """Set the number of engine replicas of the running application (Serve's external scaler,
+    which `start` enables): those running go on untouched.  New ones join and, with a board,
+    take requests queued on the others once they report; those Serve stops (scale-in) get no
+    refusal phase and move nothing (`leave` does, one replica at a time).  Returns at once."""
+    # Serve has no Python client for its scaling API (its dashboard's REST route calls the
+    # controller so): the controller, by its name in Serve's namespace.
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    deployment = DeploymentID(name=ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    ray.get(controller.update_deployment_replicas.remote(deployment, num_replicas))
 
 
 def drain(
@@ -212,6 +248,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--report-period-s", type=float, default=1.0, help="replicas report their load this often"
     )
     parser.add_argument("--default-rate", type=float, default=4.0, help="tok/s of a rateless body")
+    parser.add_argument(
+        "--migrate",
+        choices=MIGRATE_MODES,
+        default=MigrateMode.QUEUED.value,
+        help="queued: a replica over its capacity, or one holding a request it has not started "
+        "for a report period, moves its queued requests to replicas with room (one that "
+        "joined); off: a request stays where it was routed (a leaving replica's still move)",
+    )
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default: all)")
     parser.add_argument("--object-store-mib", type=int, default=256)
 
@@ -233,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         config = server_config(serve_argv)
     except ValueError as err:
         parser.error(str(err))
-    drain_signal = start(args, serve_argv)
+    fleet = start(args, serve_argv)
     print(
         f"serving {args.replicas} TokenFlow replicas ({args.router} router) on "
         f"http://{args.host}:{args.port}",
@@ -248,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     stop.wait()
     print(f"draining (at most {config.drain_timeout_s:g} s)", flush=True)
-    drained = drain(drain_signal, args.replicas, config.drain_timeout_s, cut_short)
+    drained = drain(fleet.drain_signal, args.replicas, config.drain_timeout_s, cut_short)
     print("drained" if drained else "stopping with requests still in flight", flush=True)
     serve.shutdown()
     ray.shutdown()

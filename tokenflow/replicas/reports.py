@@ -13,6 +13,7 @@ from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest, rout
 
 REPORT_KEY = "tokenflow_load_report"
 AVOID_KEY = "avoid"  # in routing facts: replicas that refused the request already
+PREFER_KEY = "prefer"  # in routing facts: the replica a move was planned to (board.py)
 DEFAULT_MAX_TOKENS = 256  # a body without max_tokens: what the router assumes it asks
 # Sizes past any context window: a body's numbers are clamped here before the router adds them.
 MAX_ROUTED_TOKENS = 1 << 24
@@ -67,6 +68,19 @@ def avoided_replicas(facts: object) -> frozenset[str]:
     """The replicas (by unique id) a handle call's routing facts ask the router not to pick."""
     avoid = facts.get(AVOID_KEY) if isinstance(facts, dict) else None
     return frozenset(str(i) for i in avoid) if isinstance(avoid, list) else frozenset()
+
+
+def with_preferred(facts: dict[str, object], replica_id: str) -> dict[str, object]:
+    """The facts of a request moved to the replica `replica_id` (by unique id): the router
+    picks that one while it is a candidate."""
+    return {**facts, PREFER_KEY: replica_id}
+
+
+def preferred_replica(facts: object) -> str | None:
+    """The replica (by unique id) a handle call's routing facts ask the router to pick; None:
+    the rule chooses."""
+    prefer = facts.get(PREFER_KEY) if isinstance(facts, dict) else None
+    return prefer if isinstance(prefer, str) else None
 
 
 def facts_to_route_request(facts: object) -> RouteRequest | None:

@@ -6,7 +6,9 @@ Ray Serve calls `choose_replicas` for every request to the engine deployment; ea
 is new, so the core router's count of what it routed since a replica's report stays right.
 The chosen replica ranks first; the others follow in case it refuses the request.  A request
 that replicas refused already (a 429 passed back to the ingress, which offers it again) names
-them in its facts (`reports.AVOID_KEY`), and they are left out while any other is up.
+them in its facts (`reports.AVOID_KEY`), and they are left out while any other is up.  A
+request moved to a replica with room (the fleet's `board.MoveBoard` planned it) names that
+replica (`reports.PREFER_KEY`): it goes there while it is a candidate, else the rule routes it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tokenflow.core.routing import Router, make_router
 from tokenflow.replicas.reports import (
     avoided_replicas,
     facts_to_route_request,
+    preferred_replica,
     report_from_stats,
 )
 
@@ -36,12 +39,14 @@ class TokenFlowRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        """The rule's replica first, then the others in id order; replicas the request
-        avoids only when no other is up."""
-        facts, avoid = None, frozenset[str]()
+        """The preferred replica (a move's target) if it is a candidate, else the rule's,
+        first; then the others in id order; replicas the request avoids only when no other is
+        up."""
+        facts, avoid, prefer = None, frozenset[str](), None
         if pending_request is not None and pending_request.args:
             facts = facts_to_route_request(pending_request.args[0])
             avoid = avoided_replicas(pending_request.args[0])
+            prefer = preferred_replica(pending_request.args[0])
         candidates = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
         candidates = candidates or candidate_replicas
         by_id = {r.replica_id.unique_id: r for r in candidates}
@@ -49,7 +54,11 @@ class TokenFlowRequestRouter(RequestRouter):
         if not ids or facts is None:
             return [candidates]
         router = self._synced(ids, by_id)
-        chosen = router.choose(facts, candidates=ids)
+        if prefer in by_id:
+            chosen = prefer
+            router.record(chosen, facts)  # (counted as routed there until its next report)
+        else:
+            chosen = router.choose(facts, candidates=ids)
         return [[by_id[chosen]], *([by_id[i]] for i in ids if i != chosen)]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

@@ -7,9 +7,10 @@ answer whichever replica serves it.
 
 - A streamed answer with one choice, not held to a grammar, whose request carries a ticket is
   *movable*: the app lists its engine request in the book while it streams.
-- When the replica leaves, it exports those requests from its engine (`StreamMoved`); each
-  answer's body then ends without `[DONE]`, and the book keeps a `StreamHandoff` under its
-  ticket: the engine's `StreamState` and what the client has been sent so far.
+- When the replica leaves, it exports those requests from its engine (`StreamMoved`); so it
+  does with a queued one the fleet moves to a replica with room.  Each answer's body then ends
+  without `[DONE]`, and the book keeps a `StreamHandoff` under its ticket: the engine's
+  `StreamState` and what the client has been sent so far (nothing, for a queued one).
 - The ingress opens the continuation on another replica, whose book is told to expect that
   ticket (`expect_resume`); the request, its body unchanged, is then served from the handoff:
   same `id` and `created`, no opening chunks again, and the usage counts every token.
@@ -37,6 +38,9 @@ class StreamHandoff:
     num_sent_tokens: int  # output tokens the client has been sent
     num_sent_chars: int  # characters of the choice's text sent (the next text offset)
     num_sent_deltas: int  # chunks with output sent (0: the opening chunks are still due)
+    # The replica the fleet chose for the continuation (a queued request moved to a replica
+    # with room); None: any replica but those it left.
+    target_replica_id: str | None = None
 
 
 def is_movable(prepared: PreparedRequest) -> bool:

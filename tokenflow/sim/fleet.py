@@ -27,7 +27,13 @@ from dataclasses import dataclass, field, replace
 from tokenflow.core.clock import SimClock
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.migration import MOVE_LATENCY_S, StreamState
-from tokenflow.core.rebalance import MigrateMode, Movable, ReplicaLoad, StreamKind, plan_moves
+from tokenflow.core.rebalance import (
+    MigrateMode,
+    ReplicaLoad,
+    StreamKind,
+    movable_of,
+    plan_moves,
+)
 from tokenflow.core.request import Request
 from tokenflow.core.routing import LoadReport, Router, RouteRequest, load_report, make_router
 from tokenflow.eval.metrics import MetricsConfig, Summary, summarize
@@ -287,7 +293,7 @@ class _Fleet:
             kinds.append((scheduler.running, StreamKind.RUNNING))
             drain_left_s = max(replica.drain_deadline_s - now_s, 0.0)
         movable = tuple(
-            _movable(r, kind, now, self.landed_s.get(r.request_id, r.arrival_s))
+            movable_of(r, kind, now, self.landed_s.get(r.request_id, r.arrival_s))
             for queue, kind in kinds
             for r in queue
         )
@@ -312,19 +318,6 @@ class _Fleet:
         """An idle replica's clock moves up to a request that reaches it at `at_s`."""
         if not replica.core.has_work:
             replica.clock.advance_to(max(replica.clock.now(), at_s))
-
-
-def _movable(request: Request, kind: StreamKind, now_s: float, reached_s: float) -> Movable:
-    """What the rule knows of `request`, which reached its replica at `reached_s`."""
-    return Movable(
-        route=RouteRequest.of(request),
-        kind=kind,
-        num_context_tokens=request.num_tokens,
-        num_left_tokens=request.num_remaining_output_tokens,
-        slack_s=request.slack_s(now_s) if kind is not StreamKind.QUEUED else 0.0,
-        arrival_s=request.arrival_s,
-        queued_s=now_s - reached_s,
-    )
 
 
 # -- presets ------------------------------------------------------------------------------------

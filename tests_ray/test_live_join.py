@@ -1,0 +1,99 @@
+"""A replica that joins mid-burst takes requests queued on the other (the embedded model on Ray
+Serve, one engine thread each, on this CPU): a burst queues on a fleet of one replica (two
+streams at a time), a second replica joins (`launch.scale`, which leaves the first running),
+and the fleet's board moves queued requests to it within a report period of its first report.
+Every answer reaches its client whole: one id, one usage over every token, one [DONE], the
+very text of an undisturbed run."""
+
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+import ray
+
+from tests_ray.answers import (
+    REPLICA_ARGV,
+    check_whole,
+    chunks_of,
+    greedy_answers,
+    read_all,
+    text_of,
+)
+from tests_ray.fleet import REPORT_PERIOD_S, running_fleet
+from tokenflow.replicas.launch import scale
+
+SERVE_ARGV = [*REPLICA_ARGV, "--device-kv-tokens", "1024", "--host-kv-tokens", "4096"]
+SERVE_ARGV += ["--max-num-seqs", "2", "--drain-timeout-s", "60"]
+MAX_TOKENS = 96
+ANSWERS = greedy_answers(MAX_TOKENS)
+NUM_COPIES = 4  # of each answer in the burst: 16 answers, 14 of them queued at first
+# What the first moved request's first token may take after the new replica's first report,
+# beyond the report period the source may take to post next: the source's post and the board's
+# answer (one Ray call), the export between two of its steps, the handoff to the ingress and
+# the continuation's call on the new replica (Ray calls), and the new replica's prefill of the
+# prompt and its first token, all on this busy 2-core CPU.
+MOVE_LATENCY_S = 1.0
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """A fleet of one replica: the application's URL and the actors its replicas listen to."""
+    with running_fleet(SERVE_ARGV, num_replicas=1) as running:
+        yield running
+
+
+def _until(read: Callable[[], object], what: str) -> object:
+    """What `read()` returns once it is truthy, polled for at most `TIMEOUT_S`."""
+    deadline_s = time.monotonic() + TIMEOUT_S
+    while not (value := read()):
+        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_a_replica_that_joins_mid_burst_serves_requests_queued_on_the_other(fleet):
+    url, actors = fleet
+    undisturbed, _, threads = read_all(url, ANSWERS, rate=1000.0)
+    for thread in threads:
+        thread.join(timeout=TIMEOUT_S)
+    for result in undisturbed:
+        check_whole(result, MAX_TOKENS)
+    (first_id,) = ray.get(actors.board.first_posted_s.remote())  # (the one replica so far)
+
+    burst = ANSWERS * NUM_COPIES
+    results, _, threads = read_all(url, burst, rate=1000.0)
+    _until(lambda: all(r.get("status") for r in results), "every answer of the burst to open")
+    scale(2)
+
+    def joined() -> dict[str, float]:
+        first_posts = ray.get(actors.board.first_posted_s.remote())
+        return {replica: s for replica, s in first_posts.items() if replica != first_id}
+
+    ((joined_id, joined_s),) = _until(joined, "the new replica's first report").items()
+    for thread in threads:
+        thread.join(timeout=TIMEOUT_S)
+    planned = [p for p in ray.get(actors.board.planned.remote()) if p.move.target_id == joined_id]
+    moved_ids = {p.move.request_id for p in planned}
+    moved = [r for r in results if any(c["id"] in moved_ids for c in chunks_of(r)[:1])]
+    continued = httpx.get(f"{url}/replicas/moves", timeout=30).json()
+    first_name = results[0]["replica"]
+    first_moved_s = min((r["times_s"][0] for r in moved), default=float("inf"))
+    if planned:
+        print(
+            f"\n{len(results)} answers on one replica; the second one's first report came "
+            f"{joined_s - min(r['times_s'][0] for r in results):.1f} s after the burst's first "
+            f"token; the board moved {len(planned)} queued answers to it (the ingress continued "
+            f"{sorted(continued.values())} by replica); the first move was planned "
+            f"{planned[0].planned_s - joined_s:.2f} s after that report (period "
+            f"{REPORT_PERIOD_S} s) and its first token came {first_moved_s - joined_s:.2f} s "
+            f"after it ({first_moved_s - planned[0].planned_s:.2f} s after the plan)"
+        )
+    for index, result in enumerate(results):
+        check_whole(result, MAX_TOKENS)
+        assert text_of(result) == text_of(undisturbed[index % len(ANSWERS)])
+        assert result["replica"] == first_name  # every answer began on the first replica
+    assert planned and moved and first_name not in continued
+    assert sum(continued.values()) >= 1  # ... and some went on from the one that joined
+    assert first_moved_s - joined_s <= REPORT_PERIOD_S + MOVE_LATENCY_S
