@@ -7,11 +7,12 @@ Gammas and rates are powers of two so every load is exact: 1024 tok/s of Gamma, 
 
 import pytest
 
+from tests.core.helpers import FLAT_GAMMA_TPS, flat_report
 from tokenflow.core.rebalance import Movable, ReplicaLoad, StreamKind
-from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest
+from tokenflow.core.routing import RouteRequest
 from tokenflow.replicas.board import STALE_PERIODS, MoveBoard
 
-GAMMA = 1024.0
+GAMMA = FLAT_GAMMA_TPS
 RATE = 8.0
 PERIOD_S = 1.0
 
@@ -24,25 +25,6 @@ class _Clock:
         return self.t
 
 
-def _report(demand_tps: float = 0.0, num_waiting: int = 0) -> LoadReport:
-    return LoadReport(
-        now_s=0.0,
-        gamma_tps=GAMMA,
-        working_demand_tps=demand_tps,
-        waiting_demand_tps=0.0,
-        num_running=10,
-        num_preempted=0,
-        num_waiting=num_waiting,
-        num_free_device_blocks=10_000,
-        num_free_host_blocks=0,
-        num_lifetime_blocks=100,
-        block_size=16,
-        capacity_points=(CapacityPoint(1e9, GAMMA, 64),),
-        num_device_blocks=10_000,
-        num_host_blocks=0,
-    )
-
-
 def _queued(index: int, queued_s: float = 0.0) -> Movable:
     route = RouteRequest(f"r{index}", RATE, lifetime_tokens=100, end_tokens=200)
     return Movable(route, StreamKind.QUEUED, 100, 100, 0.0, float(index), queued_s)
@@ -51,11 +33,11 @@ def _queued(index: int, queued_s: float = 0.0) -> Movable:
 def _overloaded(name: str, indexes: range, excess_tps: float = 32.0) -> ReplicaLoad:
     """A replica whose readers ask Gamma + `excess_tps`, with these queued requests."""
     queued = tuple(_queued(i) for i in indexes)
-    return ReplicaLoad(name, _report(GAMMA + excess_tps, len(queued)), queued)
+    return ReplicaLoad(name, flat_report(GAMMA + excess_tps, len(queued)), queued)
 
 
 def _idle(name: str, demand_tps: float = 0.0) -> ReplicaLoad:
-    return ReplicaLoad(name, _report(demand_tps))
+    return ReplicaLoad(name, flat_report(demand_tps))
 
 
 def _ids(moves) -> list[tuple[str, str, str]]:
@@ -75,7 +57,7 @@ def test_a_request_not_started_in_a_period_moves_even_where_the_load_reads_withi
     board = MoveBoard(PERIOD_S, clock=_Clock())
     board.post(_idle("b"))
     fresh, stuck = _queued(1, queued_s=0.5), _queued(2, queued_s=PERIOD_S)
-    within = ReplicaLoad("a", _report(GAMMA / 2, num_waiting=2), (fresh, stuck))
+    within = ReplicaLoad("a", flat_report(GAMMA / 2, num_waiting=2), (fresh, stuck))
     assert _ids(board.post(within)) == [("r2", "a", "b")]
 
 
@@ -91,7 +73,7 @@ def test_what_the_board_sent_a_target_counts_until_it_posts_again():
 
 def test_a_target_with_a_queue_of_its_own_takes_nothing():
     board = MoveBoard(PERIOD_S, clock=_Clock())
-    board.post(ReplicaLoad("b", _report(num_waiting=1)))
+    board.post(ReplicaLoad("b", flat_report(num_waiting=1)))
     assert board.post(_overloaded("a", range(2))) == []
 
 

@@ -8,6 +8,7 @@ from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import SampledToken, StepPlan, StepResult
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import Consumption, Request, SamplingParams
+from tokenflow.core.routing import CapacityPoint, LoadReport
 from tokenflow.core.scheduler import Scheduler
 
 
@@ -95,3 +96,30 @@ def run_to_completion(core: EngineCore, clock: ManualClock, max_steps: int = 20_
         steps += 1
         assert steps < max_steps, "the engine made no progress"
     return steps
+
+
+FLAT_GAMMA_TPS = 1024.0  # `flat_report`'s capacity at every footprint
+
+
+def flat_report(
+    demand_tps: float = 0.0, num_waiting: int = 0, prefill_token_s: float = 0.0
+) -> LoadReport:
+    """A replica's report with ten running streams, reading `demand_tps` of a capacity of
+    `FLAT_GAMMA_TPS` at every footprint, ample device blocks and no host tier."""
+    return LoadReport(
+        now_s=0.0,
+        gamma_tps=FLAT_GAMMA_TPS,
+        working_demand_tps=demand_tps,
+        waiting_demand_tps=0.0,
+        num_running=10,
+        num_preempted=0,
+        num_waiting=num_waiting,
+        num_free_device_blocks=10_000,
+        num_free_host_blocks=0,
+        num_lifetime_blocks=100,
+        block_size=16,
+        capacity_points=(CapacityPoint(1e9, FLAT_GAMMA_TPS, 64),),
+        num_device_blocks=10_000,
+        num_host_blocks=0,
+        prefill_token_s=prefill_token_s,
+    )

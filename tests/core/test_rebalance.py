@@ -5,6 +5,7 @@ at 8 tok/s (each 1/128 of it), one stream's share of Gamma 16 tok/s (64 streams)
 
 from __future__ import annotations
 
+from tests.core.helpers import FLAT_GAMMA_TPS, flat_report
 from tokenflow.core.rebalance import (
     MigrateMode,
     Movable,
@@ -12,30 +13,10 @@ from tokenflow.core.rebalance import (
     StreamKind,
     plan_moves,
 )
-from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest
+from tokenflow.core.routing import RouteRequest
 
-GAMMA = 1024.0
+GAMMA = FLAT_GAMMA_TPS
 RATE = 8.0
-
-
-def _report(demand_tps: float = 0.0, num_waiting: int = 0, prefill_token_s: float = 0.0):
-    return LoadReport(
-        now_s=0.0,
-        gamma_tps=GAMMA,
-        working_demand_tps=demand_tps,
-        waiting_demand_tps=0.0,
-        num_running=10,
-        num_preempted=0,
-        num_waiting=num_waiting,
-        num_free_device_blocks=10_000,
-        num_free_host_blocks=0,
-        num_lifetime_blocks=100,
-        block_size=16,
-        capacity_points=(CapacityPoint(1e9, GAMMA, 64),),
-        num_device_blocks=10_000,
-        num_host_blocks=0,
-        prefill_token_s=prefill_token_s,
-    )
 
 
 def _movable(
@@ -52,7 +33,7 @@ def _movable(
 
 def _overloaded(movable: list[Movable], excess_tps: float = 32.0) -> ReplicaLoad:
     """A replica whose readers ask Gamma + `excess_tps` (its movable requests included)."""
-    return ReplicaLoad("src", _report(GAMMA + excess_tps), tuple(movable))
+    return ReplicaLoad("src", flat_report(GAMMA + excess_tps), tuple(movable))
 
 
 def _ids(moves) -> list[tuple[str, str]]:
@@ -61,15 +42,15 @@ def _ids(moves) -> list[tuple[str, str]]:
 
 def test_nothing_moves_when_off_or_when_no_replica_is_over_its_capacity():
     queued = [_movable(i) for i in range(4)]
-    idle = ReplicaLoad("idle", _report())
+    idle = ReplicaLoad("idle", flat_report())
     assert plan_moves([_overloaded(queued), idle], MigrateMode.OFF) == []
-    at_capacity = ReplicaLoad("src", _report(GAMMA), tuple(queued))
+    at_capacity = ReplicaLoad("src", flat_report(GAMMA), tuple(queued))
     assert plan_moves([at_capacity, idle]) == []
 
 
 def test_the_oldest_queued_requests_move_until_the_source_is_back_at_capacity():
     queued = [_movable(i) for i in (5, 2, 7, 1, 3, 6)]
-    moves = plan_moves([_overloaded(queued), ReplicaLoad("idle", _report())])
+    moves = plan_moves([_overloaded(queued), ReplicaLoad("idle", flat_report())])
     # 32 tok/s over Gamma: four readers at 8 tok/s, the four that came first
     assert _ids(moves) == [("r1", "idle"), ("r2", "idle"), ("r3", "idle"), ("r5", "idle")]
     assert all(m.source_id == "src" and m.kind is StreamKind.QUEUED for m in moves)
@@ -79,29 +60,29 @@ def test_a_queued_request_its_replica_has_not_started_in_a_period_moves_whatever
     fresh = _movable(1, queued_s=0.4)
     stuck = _movable(2, queued_s=1.0)
     paused = _movable(3, StreamKind.PAUSED, slack_s=100.0)
-    within = ReplicaLoad("src", _report(GAMMA / 2), (fresh, stuck, paused))
-    moves = plan_moves([within, ReplicaLoad("idle", _report())], period_s=1.0)
+    within = ReplicaLoad("src", flat_report(GAMMA / 2), (fresh, stuck, paused))
+    moves = plan_moves([within, ReplicaLoad("idle", flat_report())], period_s=1.0)
     assert _ids(moves) == [("r2", "idle")]
 
 
 def test_a_target_takes_only_what_keeps_it_within_its_capacity():
     queued = [_movable(i) for i in range(4)]
-    nearly_full = ReplicaLoad("t", _report(GAMMA - 2 * RATE))
+    nearly_full = ReplicaLoad("t", flat_report(GAMMA - 2 * RATE))
     assert _ids(plan_moves([_overloaded(queued), nearly_full])) == [("r0", "t"), ("r1", "t")]
     routed = (RouteRequest("new", RATE, 100, 200),)  # what the router sent it since its report
-    busier = ReplicaLoad("t", _report(GAMMA - 2 * RATE), routed_since=routed)
+    busier = ReplicaLoad("t", flat_report(GAMMA - 2 * RATE), routed_since=routed)
     assert _ids(plan_moves([_overloaded(queued), busier])) == [("r0", "t")]
 
 
 def test_a_target_with_a_queue_of_its_own_takes_nothing():
     queued = [_movable(i) for i in range(2)]
-    queueing = ReplicaLoad("t", _report(num_waiting=1))
+    queueing = ReplicaLoad("t", flat_report(num_waiting=1))
     assert plan_moves([_overloaded(queued), queueing]) == []
 
 
 def test_a_paused_stream_moves_only_if_its_slack_covers_the_move_and_the_wait():
     # the target recomputes 1,000 tokens in 1 s; the move itself costs 0.05 s
-    target = ReplicaLoad("t", _report(prefill_token_s=1e-3))
+    target = ReplicaLoad("t", flat_report(prefill_token_s=1e-3))
     short = _movable(1, StreamKind.PAUSED, slack_s=1.0, context=1000)
     assert plan_moves([_overloaded([short]), target], move_latency_s=0.05) == []
     long = _movable(2, StreamKind.PAUSED, slack_s=2.5, context=1000)
@@ -120,14 +101,14 @@ def test_a_paused_stream_moves_only_if_its_slack_covers_the_move_and_the_wait():
 def test_queued_mode_leaves_paused_streams_and_running_streams_never_leave_a_serving_replica():
     paused = _movable(1, StreamKind.PAUSED, slack_s=100.0)
     running = _movable(2, StreamKind.RUNNING, slack_s=100.0)
-    idle = ReplicaLoad("idle", _report())
+    idle = ReplicaLoad("idle", flat_report())
     assert plan_moves([_overloaded([paused, running]), idle], MigrateMode.QUEUED) == []
     assert _ids(plan_moves([_overloaded([paused, running]), idle])) == [("r1", "idle")]
 
 
 def test_moves_spread_over_equal_targets_in_turn_ties_to_the_first_listed():
     queued = [_movable(i, context=1000) for i in range(4)]
-    targets = [ReplicaLoad(name, _report(prefill_token_s=1e-3)) for name in ("b", "a")]
+    targets = [ReplicaLoad(name, flat_report(prefill_token_s=1e-3)) for name in ("b", "a")]
     moves = plan_moves([_overloaded(queued), *targets])
     assert _ids(moves) == [("r0", "b"), ("r1", "a"), ("r2", "b"), ("r3", "a")]
     assert plan_moves([_overloaded(queued), *targets]) == moves  # deterministic
@@ -141,40 +122,40 @@ def _started(slack_s: float = 10.0) -> list[Movable]:
 
 def test_a_leaving_replica_moves_its_queue_at_once_and_its_late_streams_paced_over_the_drain():
     queued = [_movable(i) for i in range(3)]
-    leaving = ReplicaLoad("old", _report(), tuple(queued + _started()), drain_left_s=5.0)
-    moves = plan_moves([leaving, ReplicaLoad("new", _report())], period_s=1.0)
+    leaving = ReplicaLoad("old", flat_report(), tuple(queued + _started()), drain_left_s=5.0)
+    moves = plan_moves([leaving, ReplicaLoad("new", flat_report())], period_s=1.0)
     # 5 s at one stream's share of Gamma (16 tok/s) is 80 tokens: nine streams must leave, a
     # fifth of them (rounded up) each period, the most tokens left first; then the queue
     assert [m.request_id for m in moves] == ["r0", "r1", "r2", "r19", "r18"]
     assert {m.target_id for m in moves} == {"new"}
-    last = ReplicaLoad("old", _report(), tuple(_started()), drain_left_s=0.5)
-    moves = plan_moves([last, ReplicaLoad("new", _report())], period_s=1.0)
+    last = ReplicaLoad("old", flat_report(), tuple(_started()), drain_left_s=0.5)
+    moves = plan_moves([last, ReplicaLoad("new", flat_report())], period_s=1.0)
     assert sorted(m.request_id for m in moves) == [f"r{10 + i}" for i in range(1, 10)]
 
 
 def test_a_leaving_replica_keeps_the_streams_that_finish_before_its_deadline():
     # 30 s at 16 tok/s: 480 tokens; the five streams with more left must go, one a period
-    leaving = ReplicaLoad("old", _report(), tuple(_started()), drain_left_s=30.0)
-    assert _ids(plan_moves([leaving, ReplicaLoad("new", _report())])) == [("r19", "new")]
-    nearly_done = ReplicaLoad("old", _report(), tuple(_started()[:5]), drain_left_s=30.0)
-    assert plan_moves([nearly_done, ReplicaLoad("new", _report())]) == []
+    leaving = ReplicaLoad("old", flat_report(), tuple(_started()), drain_left_s=30.0)
+    assert _ids(plan_moves([leaving, ReplicaLoad("new", flat_report())])) == [("r19", "new")]
+    nearly_done = ReplicaLoad("old", flat_report(), tuple(_started()[:5]), drain_left_s=30.0)
+    assert plan_moves([nearly_done, ReplicaLoad("new", flat_report())]) == []
 
 
 def test_a_leaving_replica_s_stream_with_a_short_buffer_waits_for_it_until_the_last_period():
     started = _started()
     started[9] = _movable(19, StreamKind.RUNNING, slack_s=0.01, left=900)  # the move: 0.05 s
-    leaving = ReplicaLoad("old", _report(), tuple(started), drain_left_s=5.0)
-    moves = plan_moves([leaving, ReplicaLoad("new", _report())], move_latency_s=0.05)
+    leaving = ReplicaLoad("old", flat_report(), tuple(started), drain_left_s=5.0)
+    moves = plan_moves([leaving, ReplicaLoad("new", flat_report())], move_latency_s=0.05)
     assert [m.request_id for m in moves] == ["r18", "r17"]  # r19's buffer grows meanwhile
-    last = ReplicaLoad("old", _report(), tuple(started), drain_left_s=1.0)
-    moves = plan_moves([last, ReplicaLoad("new", _report())], move_latency_s=0.05)
+    last = ReplicaLoad("old", flat_report(), tuple(started), drain_left_s=1.0)
+    moves = plan_moves([last, ReplicaLoad("new", flat_report())], move_latency_s=0.05)
     assert "r19" in [m.request_id for m in moves]  # late beats cut
 
 
 def test_a_leaving_replica_s_streams_go_even_where_no_target_has_room():
     started = [_movable(i, StreamKind.RUNNING, slack_s=0.0) for i in range(2)]
-    leaving = ReplicaLoad("old", _report(), tuple(started), drain_left_s=0.0)
-    full = ReplicaLoad("full", _report(2 * GAMMA))
-    fuller = ReplicaLoad("fuller", _report(3 * GAMMA))
+    leaving = ReplicaLoad("old", flat_report(), tuple(started), drain_left_s=0.0)
+    full = ReplicaLoad("full", flat_report(2 * GAMMA))
+    fuller = ReplicaLoad("fuller", flat_report(3 * GAMMA))
     assert _ids(plan_moves([leaving, fuller, full])) == [("r0", "full"), ("r1", "full")]
     assert plan_moves([leaving, fuller, full], MigrateMode.QUEUED) == []  # they drain, or are cut
