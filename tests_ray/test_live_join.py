@@ -74,7 +74,11 @@ def test_a_replica_that_joins_mid_burst_serves_requests_queued_on_the_other(flee
     ((joined_id, joined_s),) = _until(joined, "the new replica's first report").items()
     for thread in threads:
         thread.join(timeout=TIMEOUT_S)
-    planned = [p for p in ray.get(actors.board.planned.remote()) if p.move.target_id == joined_id]
+    every_move = ray.get(actors.board.planned.remote())
+    planned = [p for p in every_move if p.move.target_id == joined_id]
+    # (once the first replica's own queue is done, requests still queued on the new one may
+    # move back to it: the rule gives a request that waited a period to a replica with room)
+    planned_back = [p for p in every_move if p.move.target_id == first_id]
     moved_ids = {p.move.request_id for p in planned}
     moved = [r for r in results if any(c["id"] in moved_ids for c in chunks_of(r)[:1])]
     continued = httpx.get(f"{url}/replicas/moves", timeout=30).json()
@@ -84,7 +88,8 @@ def test_a_replica_that_joins_mid_burst_serves_requests_queued_on_the_other(flee
         print(
             f"\n{len(results)} answers on one replica; the second one's first report came "
             f"{joined_s - min(r['times_s'][0] for r in results):.1f} s after the burst's first "
-            f"token; the board moved {len(planned)} queued answers to it (the ingress continued "
+            f"token; the board moved {len(planned)} queued answers to it and {len(planned_back)} "
+            f"back later (the ingress continued "
             f"{sorted(continued.values())} by replica); the first move was planned "
             f"{planned[0].planned_s - joined_s:.2f} s after that report (period "
             f"{REPORT_PERIOD_S} s) and its first token came {first_moved_s - joined_s:.2f} s "
@@ -94,6 +99,8 @@ def test_a_replica_that_joins_mid_burst_serves_requests_queued_on_the_other(flee
         check_whole(result, MAX_TOKENS)
         assert text_of(result) == text_of(undisturbed[index % len(ANSWERS)])
         assert result["replica"] == first_name  # every answer began on the first replica
-    assert planned and moved and first_name not in continued
-    assert sum(continued.values()) >= 1  # ... and some went on from the one that joined
+    assert planned and moved
+    # every continuation went where the board planned it: the moves back only to the first
+    assert continued.get(first_name, 0) <= len(planned_back)
+    assert sum(continued.values()) - continued.get(first_name, 0) >= 1  # ... some to the new
     assert first_moved_s - joined_s <= REPORT_PERIOD_S + MOVE_LATENCY_S
