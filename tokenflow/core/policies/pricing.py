@@ -81,14 +81,16 @@ def prefill_price_s(view: SchedulingView, num_tokens: int) -> float:
     return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
 
 
-def _prefill_chunking(view: SchedulingView, num_new_tokens: int) -> tuple[int, int]:
-    """(tokens, chunk): `num_new_tokens` more prompt tokens behind the residents' prompt tokens
-    still to compute, all of them, and the recent prefill chunk (at most max_prefill_tokens)
-    they are prefilled in."""
+def _prefill_hold(view: SchedulingView, num_new_tokens: int) -> tuple[float, int, float]:
+    """(hold, steps, decode step): `prefill_hold_s`, the steps it takes, and the residents'
+    decode time in each."""
     est = view.estimator
     ahead = sum(r.num_tokens - r.num_computed_tokens for r in view.running if r.is_prefilling)
     chunk = max(1, int(min(est.prefill_step_tokens or math.inf, view.config.max_prefill_tokens)))
-    return ahead + num_new_tokens, chunk
+    tokens = ahead + num_new_tokens
+    num_steps = -(-tokens // chunk)
+    decode_s = est.decode_time_s(len(view.running) or 1)
+    return num_steps * decode_s + est.prefill_batch_time_s(tokens, chunk), num_steps, decode_s
 
 
 def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
@@ -98,10 +100,7 @@ def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
     chunks every prompt; pricing the tokens as one prefill would miss those steps.)"""
     if num_new_tokens <= 0:
         return 0.0
-    est = view.estimator
-    tokens, chunk = _prefill_chunking(view, num_new_tokens)
-    decode_s = est.decode_time_s(len(view.running) or 1)
-    return -(-tokens // chunk) * decode_s + est.prefill_batch_time_s(tokens, chunk)
+    return _prefill_hold(view, num_new_tokens)[0]
 
 
 def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
@@ -111,12 +110,10 @@ def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
     the hold outlasts its slack plus the reading those tokens hold.  What the prefill adds is
     the difference (a reader faster than the decodes stalls either way).  0 when none is
     exposed."""
-    hold_s = prefill_hold_s(view, num_new_tokens)
-    if hold_s <= 0.0:
+    if num_new_tokens <= 0:
         return 0.0
-    tokens, chunk = _prefill_chunking(view, num_new_tokens)
-    num_steps = -(-tokens // chunk)
-    decodes = hold_s / view.estimator.decode_time_s(len(view.running) or 1)
+    hold_s, num_steps, decode_s = _prefill_hold(view, num_new_tokens)
+    decodes = hold_s / decode_s
     now_s, worst_s = view.now_s, 0.0
     for r in view.running:
         if not (r.is_reader and r.output_token_ids):
