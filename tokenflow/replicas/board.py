@@ -69,7 +69,7 @@ class MoveBoard:
         make (each from it, to the target the rule chose)."""
         now_s = self._clock()
         poster = load.replica_id
-        self._posts[poster] = _Post(load, now_s)
+        self._posts[poster] = _Post(load=load, posted_s=now_s)
         self._sent_since[poster] = []  # (what was moved to it is in its report now)
         self._first_posted_s.setdefault(poster, now_s)
         self._forget_stale(now_s)
@@ -81,7 +81,7 @@ class MoveBoard:
         routes = {m.request_id: m.route for m in load.movable}
         for move in moves:
             self._sent_since[move.target_id].append(routes[move.request_id])
-            self._planned.append(PlannedMove(move, now_s))
+            self._planned.append(PlannedMove(move=move, planned_s=now_s))
         return moves
 
     def withdraw(self, replica_id: str) -> None:

@@ -166,7 +166,7 @@ def start(args: argparse.Namespace, serve_argv: list[str]) -> Fleet:
         board=board,
     )
     serve.run(application, name=APP_NAME, route_prefix="/", external_scaler_enabled=True)
-    return Fleet(drain_signal, board)
+    return Fleet(drain_signal=drain_signal, board=board)
 
 
 def scale(num_replicas: int) -> None:

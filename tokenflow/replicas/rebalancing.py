@@ -157,7 +157,7 @@ class Rebalancer:
             for r in view.waiting
             if r.request_id in movable_ids
         )
-        return ReplicaLoad(self.replica_id, load_report(view), movable)
+        return ReplicaLoad(replica_id=self.replica_id, report=load_report(view), movable=movable)
 
     def _landings(self, now_s: float, unfinished: Collection[str]) -> dict[str, float]:
         """When each request that moved here landed, on the engine's clock (`now_s` now); the

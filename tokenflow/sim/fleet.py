@@ -298,7 +298,13 @@ class _Fleet:
             for r in queue
         )
         routed = tuple(self.router.routed_since.get(replica.replica_id, ()))
-        return ReplicaLoad(replica.replica_id, report, movable, routed, drain_left_s)
+        return ReplicaLoad(
+            replica_id=replica.replica_id,
+            report=report,
+            movable=movable,
+            routed_since=routed,
+            drain_left_s=drain_left_s,
+        )
 
     # -- replicas ---------------------------------------------------------------------------
     def _new_replica(self, config: SimConfig) -> _Replica:
