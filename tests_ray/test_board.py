@@ -103,6 +103,23 @@ def test_the_board_tells_when_each_replica_joined_and_which_moves_it_planned():
     assert [(p.move, p.planned_s) for p in board.planned()] == [(moves[0], 100.75)]
 
 
+def test_a_landing_completes_the_latest_planned_move_of_its_request_only():
+    clock = _Clock()
+    board = MoveBoard(PERIOD_S, clock=clock)
+    board.post(_idle("b"))
+    board.post(_overloaded("a", range(1)))  # r0 to b, planned at 100.0
+    board.landed("r7", 100.1, 100.2)  # (a move the board did not plan: a drain's)
+    board.landed("r0", 100.3, 100.4)
+    clock.t += 2.0
+    board.post(_idle("a"))
+    board.post(_overloaded("b", range(1)))  # r0 back to a, planned at 102.0
+    board.landed("r0", 102.3, 102.5)
+    first, second = board.planned()
+    assert (first.planned_s, first.handed_off_s, first.landed_s) == (100.0, 100.3, 100.4)
+    assert (second.planned_s, second.handed_off_s, second.landed_s) == (102.0, 102.3, 102.5)
+    assert second.move.target_id == "a"
+
+
 def test_the_period_must_be_positive():
     with pytest.raises(ValueError):
         MoveBoard(0.0)

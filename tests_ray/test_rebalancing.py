@@ -93,7 +93,7 @@ def test_a_request_that_moved_here_waits_a_period_from_its_landing_before_it_mov
     engine, book, clock = _Engine(now_s=5.0), MoveBook(), ManualClock()
     clock.t = 50.0
     rebalancer, _ = _fleet(engine, book, clock)
-    rebalancer.landed("r0")  # its answer's continuation reached this replica now
+    rebalancer.landed("r0", 49.75)  # its answer's continuation reached this replica now
     engine.scheduler.add_request(make_request("r0", arrival=0.0, rate=1.0))  # (its first arrival)
     book.register("ticket-0", "r0")
     clock.t = 50.5
@@ -127,3 +127,17 @@ def test_a_replica_that_stops_is_no_target_any_more():
     assert [m.target_id for m in board.post(source)] == ["b"]
     target.stop()  # (it drains)
     assert board.post(source) == []
+
+
+def test_the_target_tells_the_board_when_a_moved_answer_left_its_source_and_reached_it():
+    engine, book, clock = _Engine(now_s=5.0), MoveBook(), ManualClock()
+    clock.t = 20.0
+    board = MoveBoard(PERIOD_S, clock=clock.now)
+    target = Rebalancer(engine, book, board, "b", PERIOD_S, clock=clock.now)
+    target.rebalance()  # (it posts: idle, it has room)
+    stuck = movable_of(make_request("q", rate=1.0), StreamKind.QUEUED, 5.0, 0.0)
+    board.post(ReplicaLoad("a", _idle_report(), (stuck,)))
+    clock.t = 20.25
+    target.landed("q", 20.125)
+    (planned,) = board.planned()
+    assert (planned.planned_s, planned.handed_off_s, planned.landed_s) == (20.0, 20.125, 20.25)

@@ -13,6 +13,9 @@ every replica's report at once, so the fleet has one board: a Ray actor the laun
   do not both fill the same room.  The others' requests are theirs to offer when they post.
 - A replica that has not posted for `STALE_PERIODS` periods (it died, or Serve stopped it) is
   no target; one that leaves withdraws at once.
+- Every move it plans is kept (the latest 1,024, `planned`), with when its answer left the
+  source and reached the target once the target tells it (`landed`): what a move takes on
+  this fleet, which `benchmarks/move_cost.py` reads.
 - Times are the board's `clock` (time.monotonic by default: on one host, comparable with any
   process's).
 """
@@ -33,10 +36,14 @@ _NUM_LOGGED_MOVES = 1024  # the latest moves kept for `planned()`
 
 @dataclass(frozen=True)
 class PlannedMove:
-    """A move the board handed its source, and when (on the board's clock, seconds)."""
+    """A move the board handed its source, when, and, once its target says so, when the
+    source handed the answer off and when it reached the target (the board's clock, seconds;
+    None until then)."""
 
     move: Move
     planned_s: float
+    handed_off_s: float | None = None
+    landed_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,18 @@ class MoveBoard:
         """`replica_id` leaves (it drains): no move goes to it any more."""
         self._posts.pop(replica_id, None)
         self._sent_since.pop(replica_id, None)
+
+    def landed(self, request_id: str, handed_off_s: float | None, landed_s: float) -> None:
+        """The answer of `request_id`, handed off by its source at `handed_off_s`, reached its
+        target at `landed_s`: its latest planned move without a landing records both (a move
+        the board did not plan, a leaving replica's, is not recorded)."""
+        for index in range(len(self._planned) - 1, -1, -1):
+            planned = self._planned[index]
+            if planned.move.request_id == request_id and planned.landed_s is None:
+                self._planned[index] = replace(
+                    planned, handed_off_s=handed_off_s, landed_s=landed_s
+                )
+                return
 
     def first_posted_s(self) -> dict[str, float]:
         """When each replica first posted (it joined the board), by replica id."""

@@ -242,7 +242,7 @@ class EngineReplica:
             raise ValueError(f"a continuation needs the ingress's {MOVE_HEADER} header")
         self.moves.expect_resume(ticket, handoff)
         if self.rebalancer is not None:
-            self.rebalancer.landed(handoff.state.request_id)
+            self.rebalancer.landed(handoff.state.request_id, handoff.handed_off_s)
         try:
             async for item in self._serve_app(method, path, headers, body):
                 yield item

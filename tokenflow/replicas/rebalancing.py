@@ -42,6 +42,8 @@ class Board(Protocol):
 
     def withdraw(self, replica_id: str) -> None: ...
 
+    def landed(self, request_id: str, handed_off_s: float | None, landed_s: float) -> None: ...
+
 
 class RemoteBoard:
     """The board's actor, called as a `Board` (from a replica's rebalancing thread)."""
@@ -55,6 +57,9 @@ class RemoteBoard:
 
     def withdraw(self, replica_id: str) -> None:
         self._actor.withdraw.remote(replica_id)  # (not awaited: a draining replica goes on)
+
+    def landed(self, request_id: str, handed_off_s: float | None, landed_s: float) -> None:
+        self._actor.landed.remote(request_id, handed_off_s, landed_s)  # (not awaited)
 
 
 class Rebalancer:
@@ -92,10 +97,13 @@ class Rebalancer:
         """Serve asked for the replica's routing stats: it routes requests to it now."""
         self._routed.set()
 
-    def landed(self, request_id: str) -> None:
-        """A moved request (`resume_http`) reached this replica now."""
+    def landed(self, request_id: str, handed_off_s: float | None = None) -> None:
+        """A moved request (`resume_http`), handed off by its source at `handed_off_s`, reached
+        this replica now; the board records both."""
+        landed_s = self._clock()
         with self._lock:
-            self._landed_s[request_id] = self._clock()
+            self._landed_s[request_id] = landed_s
+        self._board.landed(request_id, handed_off_s, landed_s)
 
     def stop(self) -> None:
         """No more posts or moves (the replica drains): the board forgets this replica."""

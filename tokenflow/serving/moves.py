@@ -19,6 +19,7 @@ answer whichever replica serves it.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from tokenflow.core.migration import StreamState
@@ -41,6 +42,9 @@ class StreamHandoff:
     # The replica the fleet chose for the continuation (a queued request moved to a replica
     # with room); None: any replica but those it left.
     target_replica_id: str | None = None
+    # When its replica handed it off (time.monotonic: on one host, comparable with any
+    # process's), for the fleet's record of how long a move takes.
+    handed_off_s: float | None = None
 
 
 def is_movable(prepared: PreparedRequest) -> bool:
@@ -60,6 +64,7 @@ def handoff_of(prepared: PreparedRequest, progress: Progress, state: StreamState
         num_sent_tokens=progress.num_output_tokens,
         num_sent_chars=progress.num_sent_chars,
         num_sent_deltas=progress.num_deltas,
+        handed_off_s=time.monotonic(),
     )
 
 
