@@ -9,7 +9,9 @@ import argparse
 import sys
 
 from tokenflow.cli.sim_deployment import paper_deployment
+from tokenflow.cli.simulate_profile import check_profile_options, deployment_from_args
 from tokenflow.cli.workload import workload_spec_from_args
+from tokenflow.core.migration import MOVE_LATENCY_S
 from tokenflow.core.rebalance import MigrateMode
 from tokenflow.core.routing import ROUTER_NAMES, parse_router_names
 from tokenflow.eval.report import format_table, write_json
@@ -19,13 +21,13 @@ from tokenflow.sim.fleet import (
     FleetResult,
     ReplicaJoined,
     ReplicaLeft,
+    ReplicaSpec,
     fleet_changes,
     fleet_replicas,
     fleet_setups,
     get_fleet_setup,
     run_fleet,
 )
-from tokenflow.sim.runner import SimConfig
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +53,13 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "paused streams (and a leaving replica's running ones); default off",
     )
     fleet.add_argument(
+        "--move-latency-s",
+        type=float,
+        default=MOVE_LATENCY_S,
+        help="what a move takes beyond the target's recompute (default: measured on Ray "
+        f"Serve, {MOVE_LATENCY_S:g} s)",
+    )
+    fleet.add_argument(
         "--join", default=None, help="replicas joining: T[xN],... (N copies of the first at T s)"
     )
     fleet.add_argument(
@@ -74,7 +83,15 @@ def run_fleet_simulate(args: argparse.Namespace) -> int:
 
     try:
         routers = parse_router_names(args.routers or args.router or ",".join(ROUTER_NAMES))
-        if args.setup and args.setup.startswith("fleet-"):
+        check_profile_options(args)
+        replicas: tuple[ReplicaSpec, ...]
+        if args.profile is not None:
+            run = deployment_from_args(args)
+            workload = generate(workload_spec_from_args(args))
+            replicas = (run.deployment,) * max(args.replicas, 1)
+            preset_changes = ()
+            title = f"profile {args.profile} on {len(replicas)} replicas"
+        elif args.setup and args.setup.startswith("fleet-"):
             setup = get_fleet_setup(args.setup, seed=args.seed)
             base_args = argparse.Namespace(**{**vars(args), "setup": None, "workload": "burst"})
             _, base = paper_deployment(base_args)
@@ -94,6 +111,7 @@ def run_fleet_simulate(args: argparse.Namespace) -> int:
             args.report_period_s,
             changes=changes,
             migrate=MigrateMode(args.migrate),
+            move_latency_s=args.move_latency_s,
         )
         results = [run_fleet(workload, name, config) for name in routers]
     except (ValueError, OSError) as exc:
@@ -104,7 +122,7 @@ def run_fleet_simulate(args: argparse.Namespace) -> int:
 
 
 def parse_changes(
-    args: argparse.Namespace, replicas: tuple[SimConfig, ...]
+    args: argparse.Namespace, replicas: tuple[ReplicaSpec, ...]
 ) -> tuple[ReplicaJoined | ReplicaLeft, ...]:
     """The fleet changes `--join`, `--leave` and `--restart` give (a joining replica is a
     copy of the first; a restarted one, of itself); ValueError naming the bad option."""

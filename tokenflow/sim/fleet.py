@@ -1,7 +1,10 @@
 """A fleet of simulated engines behind a router: `tokenflow simulate --replicas N --router R`.
 
-Every replica is the same core as a single simulated engine (`runner.build_engine`: its own
-scheduler, policy, KV tiers, cost model and clock), possibly on a different GPU.  One event loop
+Every replica is the same core as a single simulated engine (its own scheduler, policy, KV
+tiers, cost model and clock): on a GPU's cost model (`runner.build_engine`, a `SimConfig`),
+possibly a different GPU each, or as a profiled real engine (`profiled.build_profiled_engine`, a
+`ProfiledDeployment`; then requests map to served prompt tokens and reach the fleet after their
+request path as a single profiled engine's do).  One event loop
 keeps them on one time line: the earliest of (the next round of reports, a replica joining or
 leaving, a draining replica's deadline, a moved stream landing, the next arrival, the replica
 whose clock is furthest behind) happens first, so a request is routed at its arrival and joins
@@ -13,8 +16,9 @@ Replicas may join and leave (`FleetConfig.changes`).  A leaving replica takes no
 and drains: its streams run on for up to `drain_timeout_s` and are then cut.  With migration
 (`FleetConfig.migrate`, tokenflow/core/rebalance.py) the rule runs after every round of reports
 and when a replica leaves: the requests it picks are exported from their replica, and land on
-their target `MOVE_LATENCY_S` later as waiting or paused streams, which the target resumes by
-recompute (its cost model charges the recompute like any other prefill).
+their target `FleetConfig.move_latency_s` later (`migration.MOVE_LATENCY_S`, measured on Ray
+Serve) as waiting or paused streams, which the target resumes by recompute (its cost model
+charges the recompute like any other prefill).
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from tokenflow.core.rebalance import (
 )
 from tokenflow.core.request import Request
 from tokenflow.core.routing import LoadReport, Router, RouteRequest, load_report, make_router
-from tokenflow.eval.metrics import MetricsConfig, Summary, summarize
+from tokenflow.eval.metrics import MetricsConfig, RequestTrace, Summary, summarize
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadRequest, WorkloadSpec
+from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import (
     SimConfig,
+    SimEngine,
     SimulationStalled,
     build_engine,
     executor_clock,
@@ -49,6 +55,18 @@ from tokenflow.sim.runner import (
 from tokenflow.sim.setups import PAPER_RATES
 
 DRAIN_TIMEOUT_S = 30.0  # as `serve --drain-timeout-s`: a leaving replica's streams are then cut
+_STALL_LIMIT_STEPS = SimConfig().stall_limit_steps  # a replica's steps without a token
+
+# A replica: a deployment on a GPU's cost model, or a profiled real engine's.
+ReplicaSpec = SimConfig | ProfiledDeployment
+
+
+def build_replica(spec: ReplicaSpec, policy: str) -> SimEngine:
+    """One replica's simulated engine, as a single simulation builds it."""
+    if isinstance(spec, ProfiledDeployment):
+        return build_profiled_engine(spec, policy)
+    core, executor = build_engine(spec, policy)
+    return SimEngine(core, executor, idle_tick_s=spec.idle_tick_s)
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,7 @@ class ReplicaJoined:
     """A replica of `config` joins at `at_s` (it takes requests from then on)."""
 
     at_s: float
-    config: SimConfig
+    config: ReplicaSpec
 
 
 @dataclass(frozen=True)
@@ -69,15 +87,17 @@ class ReplicaLeft:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The replicas (one deployment each), the policy they all run, the report period, the
-    replicas joining and leaving over the run, and what may move between them."""
+    """The replicas (one deployment each, all on GPU cost models or all profiled), the
+    policy they all run, the report period, the replicas joining and leaving over the run,
+    what may move between them, and what a move costs beyond the target's recompute."""
 
-    replicas: tuple[SimConfig, ...]
+    replicas: tuple[ReplicaSpec, ...]
     policy: str = "tokenflow"
     report_period_s: float = 1.0  # reports reach the router this often (so up to this old)
     changes: tuple[ReplicaJoined | ReplicaLeft, ...] = ()
     migrate: MigrateMode = MigrateMode.OFF
     drain_timeout_s: float = DRAIN_TIMEOUT_S
+    move_latency_s: float = MOVE_LATENCY_S
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -88,6 +108,25 @@ class FleetConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         if any(c.at_s < 0 for c in self.changes):
             raise ValueError("a replica joins or leaves at a time >= 0")
+        if not self.move_latency_s >= 0:
+            raise ValueError("move_latency_s must be >= 0")
+        joined = [c.config for c in self.changes if isinstance(c, ReplicaJoined)]
+        profiled = {isinstance(spec, ProfiledDeployment) for spec in (*self.replicas, *joined)}
+        if len(profiled) > 1:
+            raise ValueError("a fleet's replicas are all on GPU cost models or all profiled")
+
+
+@dataclass(frozen=True)
+class MoveRecord:
+    """One move made: planned at `planned_s` (a round of the rule), exported from its source
+    at `exported_s` (the end of the source's step then), landed on its target at `landed_s`."""
+
+    request_id: str
+    source_id: str
+    target_id: str
+    planned_s: float
+    exported_s: float
+    landed_s: float
 
 
 @dataclass(frozen=True)
@@ -97,8 +136,13 @@ class FleetResult:
     num_requests_by_replica: tuple[int, ...]  # routed to each replica (every one that joined)
     ttft_p99_by_replica_s: tuple[float, ...]
     wall_s: float
-    num_moved: int = 0  # moves made (a request may move more than once)
+    moves: tuple[MoveRecord, ...] = ()  # in the order made (a request may move more than once)
     num_cut: int = 0  # streams a leaving replica cut at its drain deadline
+    traces: tuple[RequestTrace, ...] = ()  # every request's, as the summary reads them
+
+    @property
+    def num_moved(self) -> int:
+        return len(self.moves)
 
 
 @dataclass
@@ -106,7 +150,7 @@ class _Replica:
     replica_id: str
     core: EngineCore
     clock: SimClock
-    config: SimConfig
+    idle_tick_s: float  # the clock's advance after a step that ran nothing
     num_routed: int = 0
     idle_steps: int = 0
     drain_deadline_s: float | None = None  # set while it drains (it takes no new request)
@@ -146,8 +190,9 @@ def run_fleet(
             for r in fleet.replicas
         ),
         wall_s=time.perf_counter() - started,
-        num_moved=fleet.num_moved,
+        moves=tuple(fleet.moves),
         num_cut=fleet.num_cut,
+        traces=tuple(every),
     )
 
 
@@ -160,6 +205,9 @@ class _Fleet:
         for replica_config in config.replicas:
             self._new_replica(replica_config)
         self.router: Router = make_router(router, [r.replica_id for r in self.replicas])
+        engine = build_replica(config.replicas[0], config.policy)  # (its mapping and path)
+        self.prompt_tokens = engine.prompt_tokens
+        self.arrival_delay_s = engine.arrival_delay_s
         self.pending = deque(sorted(workload, key=lambda w: (w.arrival_s, w.request_id)))
         changes = sorted(
             enumerate(config.changes),
@@ -170,7 +218,7 @@ class _Fleet:
         self.records: dict[str, Request] = {}  # each request's latest object (moves replace it)
         self.landed_s: dict[str, float] = {}  # when each moved request reached its replica
         self.next_report_s = 0.0
-        self.num_moved = 0
+        self.moves: list[MoveRecord] = []
         self.num_cut = 0
 
     @property
@@ -188,7 +236,7 @@ class _Fleet:
         while self.pending or self.landings or any(r.core.has_work for r in self.replicas):
             busy = [r for r in self._live if r.core.has_work]
             step_s = min((r.clock.now() for r in busy), default=float("inf"))
-            arrival_s = self.pending[0].arrival_s if self.pending else float("inf")
+            arrival_s = self._next_arrival_s()
             change_s = self.changes[0].at_s if self.changes else float("inf")
             landing_s = self.landings[0].at_s if self.landings else float("inf")
             deadlines = [r.drain_deadline_s for r in busy if r.drain_deadline_s is not None]
@@ -203,7 +251,7 @@ class _Fleet:
             elif landing_s <= min(step_s, arrival_s):
                 self._land(heapq.heappop(self.landings))
             elif arrival_s <= step_s:
-                self._arrive(make_request(self.pending.popleft()))
+                self._arrive(make_request(self.pending.popleft(), self.prompt_tokens))
             else:
                 self._step(min(busy, key=lambda r: r.clock.now()))
 
@@ -236,9 +284,13 @@ class _Fleet:
             replica.core.abort(request_id)
             self.num_cut += 1
 
+    def _next_arrival_s(self) -> float:
+        """When the next request reaches the fleet (its arrival, after its request path)."""
+        return self.pending[0].arrival_s + self.arrival_delay_s if self.pending else float("inf")
+
     def _arrive(self, request: Request) -> None:
         replica = self._by_id(self.router.choose(RouteRequest.of(request)))
-        self._join(replica, request.arrival_s)
+        self._join(replica, request.arrival_s + self.arrival_delay_s)
         replica.core.add_request(request)
         replica.num_routed += 1
         replica.routed_ids.append(request.request_id)
@@ -259,12 +311,11 @@ class _Fleet:
         now = replica.clock.now()
         plan, outputs = replica.core.step()
         replica.idle_steps = 0 if outputs else replica.idle_steps + 1
-        if replica.idle_steps > replica.config.stall_limit_steps:
+        if replica.idle_steps > _STALL_LIMIT_STEPS:
             raise SimulationStalled(f"{replica.replica_id}: no token for long at t={now:.2f}s")
         if plan.is_empty:
-            next_arrival = self.pending[0].arrival_s if self.pending else float("inf")
-            tick_s = replica.config.idle_tick_s
-            replica.clock.advance_to(max(now, min(next_arrival, now + tick_s)))
+            next_arrival_s = self._next_arrival_s()
+            replica.clock.advance_to(max(now, min(next_arrival_s, now + replica.idle_tick_s)))
 
     # -- moves ------------------------------------------------------------------------------
     def _rebalance(self, now_s: float) -> None:
@@ -273,15 +324,25 @@ class _Fleet:
         if self.config.migrate is MigrateMode.OFF:
             return
         loads = [self._load(r, now_s) for r in self._live]
-        period_s = self.config.report_period_s
-        for move in plan_moves(loads, self.config.migrate, period_s):
+        period_s, latency_s = self.config.report_period_s, self.config.move_latency_s
+        for move in plan_moves(loads, self.config.migrate, period_s, latency_s):
             source = self._by_id(move.source_id)
             exported_s = max(source.clock.now(), now_s)
             state = source.core.scheduler.export_stream(move.request_id)
             self.router.record(move.target_id, RouteRequest.of(self.records[move.request_id]))
-            landing = _Landing(exported_s + MOVE_LATENCY_S, self.num_moved, move.target_id, state)
+            landed_s = exported_s + latency_s
+            landing = _Landing(landed_s, len(self.moves), move.target_id, state)
             heapq.heappush(self.landings, landing)
-            self.num_moved += 1
+            self.moves.append(
+                MoveRecord(
+                    request_id=move.request_id,
+                    source_id=move.source_id,
+                    target_id=move.target_id,
+                    planned_s=now_s,
+                    exported_s=exported_s,
+                    landed_s=landed_s,
+                )
+            )
 
     def _load(self, replica: _Replica, now_s: float) -> ReplicaLoad:
         scheduler = replica.core.scheduler
@@ -307,9 +368,12 @@ class _Fleet:
         )
 
     # -- replicas ---------------------------------------------------------------------------
-    def _new_replica(self, config: SimConfig) -> _Replica:
-        core, _ = build_engine(config, self.config.policy)
-        replica = _Replica(f"replica-{len(self.replicas)}", core, executor_clock(core), config)
+    def _new_replica(self, spec: ReplicaSpec) -> _Replica:
+        engine = build_replica(spec, self.config.policy)
+        core, idle_tick_s = engine.core, engine.idle_tick_s
+        assert idle_tick_s is not None  # (`build_replica` gives every replica its tick)
+        replica_id = f"replica-{len(self.replicas)}"
+        replica = _Replica(replica_id, core, executor_clock(core), idle_tick_s)
         self.replicas.append(replica)
         return replica
 
