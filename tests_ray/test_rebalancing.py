@@ -1,14 +1,17 @@
-"""A replica's part in the moves of queued requests (tokenflow/replicas/rebalancing.py), without
-a cluster or a model: a core scheduler (fake executor) stands for its engine, a `MoveBoard` for
-the fleet's.  It offers only the queued requests whose answers can move, counts a moved-in
-request's wait from its landing, exports what the board says, and names each one's target."""
+"""A replica's part in the moves of queued requests and paused streams
+(tokenflow/replicas/rebalancing.py), without a cluster or a model: a core scheduler (fake
+executor) stands for its engine, a `MoveBoard` for the fleet's.  It offers only the queued
+requests and paused streams whose answers can move, counts a moved-in request's wait from its
+landing, exports what the board says if it is still as the board saw it, and names each one's
+target."""
 
 from concurrent.futures import Future
 from types import SimpleNamespace
 
 from tests.core.helpers import ManualClock, make_core, make_request
-from tokenflow.core.rebalance import ReplicaLoad, StreamKind, movable_of
-from tokenflow.core.request import RequestState
+from tokenflow.core.migration import StreamState
+from tokenflow.core.rebalance import MigrateMode, ReplicaLoad, StreamKind, movable_of
+from tokenflow.core.request import Consumption, RequestState, SamplingParams
 from tokenflow.core.routing import CapacityPoint, LoadReport
 from tokenflow.replicas.board import MoveBoard
 from tokenflow.replicas.rebalancing import Rebalancer
@@ -32,14 +35,14 @@ class _Engine:
         future.set_result(fn(self._engine))
         return future
 
-    def export_streams(self, request_ids, waiting_only=False):
+    def export_streams(self, request_ids, only_in=None):
         requests = self.scheduler.requests
         future = Future()
         future.set_result(
             [
                 self.scheduler.export_stream(i)
                 for i in request_ids
-                if i in requests and (not waiting_only or requests[i].state is RequestState.WAITING)
+                if i in requests and (only_in is None or requests[i].state in only_in)
             ]
         )
         return future
@@ -64,9 +67,11 @@ def _idle_report() -> LoadReport:
     )
 
 
-def _fleet(engine: _Engine, book: MoveBook, clock: ManualClock) -> tuple[Rebalancer, MoveBoard]:
+def _fleet(
+    engine: _Engine, book: MoveBook, clock: ManualClock, mode: MigrateMode = MigrateMode.QUEUED
+) -> tuple[Rebalancer, MoveBoard]:
     """A rebalancer for replica "a" and a board on which replica "b" has room."""
-    board = MoveBoard(PERIOD_S, clock=clock.now)
+    board = MoveBoard(PERIOD_S, mode, clock=clock.now)
     board.post(ReplicaLoad("b", _idle_report()))
     return Rebalancer(engine, book, board, "a", PERIOD_S, clock=clock.now), board
 
@@ -108,9 +113,9 @@ def test_a_request_that_started_before_the_export_stays():
     book.register("ticket-0", "r0")
     rebalancer, board = _fleet(engine, book, clock)
 
-    def start_then_export(request_ids, waiting_only=False):  # (a step ran in between)
+    def start_then_export(request_ids, only_in=None):  # (a step ran in between)
         engine.scheduler.requests["r0"].state = RequestState.RUNNING
-        return _Engine.export_streams(engine, request_ids, waiting_only)
+        return _Engine.export_streams(engine, request_ids, only_in)
 
     engine.export_streams = start_then_export
     assert rebalancer.rebalance() == 0 and "r0" in engine.scheduler.requests
@@ -141,3 +146,61 @@ def test_the_target_tells_the_board_when_a_moved_answer_left_its_source_and_reac
     target.landed("q", 20.125)
     (planned,) = board.planned()
     assert (planned.planned_s, planned.handed_off_s, planned.landed_s) == (20.0, 20.125, 20.25)
+
+
+def _paused(request_id: str, now_s: float) -> StreamState:
+    """A stream to import as paused: 40 tokens delivered at `now_s` to a reader at 100 tok/s,
+    who has 0.4 s of them left to read."""
+    return StreamState(
+        request_id=request_id,
+        prompt_token_ids=tuple(range(3, 23)),
+        output_token_ids=(7,) * 40,
+        sampling_params=SamplingParams(max_tokens=140),
+        eos_token_ids=(),
+        consumption=Consumption.READER,
+        arrival_s=0.0,
+        rate_tps=100.0,
+        token_times_s=(now_s,) * 40,
+        last_consume_s=now_s + 39 / 100.0,
+        num_preemptions=1,
+    )
+
+
+def _three_paused(mode: MigrateMode) -> tuple[_Engine, Rebalancer, MoveBoard]:
+    """Replica "a" holds three paused streams whose readers ask 300 tok/s of its ~180."""
+    engine, book, clock = _Engine(now_s=5.0), MoveBook(), ManualClock()
+    for i in range(3):
+        engine.scheduler.import_stream(_paused(f"p{i}", now_s=5.0))
+        book.register(f"ticket-{i}", f"p{i}")
+    rebalancer, board = _fleet(engine, book, clock, mode)
+    return engine, rebalancer, board
+
+
+def test_paused_streams_move_in_paused_mode_while_the_replica_reads_over_its_capacity():
+    engine, rebalancer, board = _three_paused(MigrateMode.PAUSED)
+    assert rebalancer.rebalance() == 2  # (its load is below 1 without two of them)
+    assert sorted(engine.scheduler.requests) == ["p2"]
+    assert [(p.move.request_id, p.move.kind) for p in board.planned()] == [
+        ("p0", StreamKind.PAUSED),
+        ("p1", StreamKind.PAUSED),
+    ]
+    assert rebalancer.take_target("p0") == "b"
+
+
+def test_paused_streams_stay_in_queued_mode():
+    engine, rebalancer, board = _three_paused(MigrateMode.QUEUED)
+    assert rebalancer.rebalance() == 0 and len(engine.scheduler.requests) == 3
+    assert board.planned() == []
+
+
+def test_a_paused_stream_that_resumed_before_the_export_stays():
+    engine, rebalancer, board = _three_paused(MigrateMode.PAUSED)
+
+    def resume_then_export(request_ids, only_in=None):  # (a step ran in between)
+        engine.scheduler.requests["p0"].state = RequestState.RUNNING
+        return _Engine.export_streams(engine, request_ids, only_in)
+
+    engine.export_streams = resume_then_export
+    assert rebalancer.rebalance() == 1
+    assert sorted(engine.scheduler.requests) == ["p0", "p2"]
+    assert rebalancer.take_target("p0") is None and rebalancer.take_target("p1") == "b"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.serving.live_server import serve_in_thread
-from tokenflow.core.request import SamplingParams, StructuredOutput
+from tokenflow.core.request import RequestState, SamplingParams, StructuredOutput
 from tokenflow.engine.async_engine import AsyncEngine
 from tokenflow.engine.client import StreamMoved
 from tokenflow.engine.engine_args import EngineArgs
@@ -272,7 +272,7 @@ def test_a_request_still_queued_moves_and_starts_on_the_other_engine(servers, ti
     runner.start()
     try:
         assert reached.wait(timeout=120)
-        exported = source.export_streams(["first", "queued"], waiting_only=True)
+        exported = source.export_streams(["first", "queued"], only_in={RequestState.WAITING})
     finally:
         release.set()
     (state,) = exported.result(timeout=60)
@@ -323,7 +323,9 @@ def test_an_answer_still_queued_moves_whole_to_the_other_server(servers, tiny_mo
             reader.start()
         try:
             assert reached.wait(timeout=120), "no answer queued behind the other"
-            exported = engine.export_streams(book.movable_request_ids(), waiting_only=True)
+            exported = engine.export_streams(
+                book.movable_request_ids(), only_in={RequestState.WAITING}
+            )
         finally:
             release.set()
         (state,) = exported.result(timeout=60)

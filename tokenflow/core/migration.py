@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 
 from tokenflow.core.request import Consumption, Request, SamplingParams
 
-# What a move costs beyond the target's recompute: exporting the state, sending it, importing
-# it.  The state is token ids (8 bytes a token: ~20 KB for a 2,560-token stream, microseconds
-# on any link), so the cost is the calls: the router's decision reaches the source in one
-# handle call, the state reaches the target in another.  A Ray Serve handle call between
-# replicas on one node takes a few milliseconds; 50 ms bounds both calls with room to spare
-# until a real engine's move is measured.
-MOVE_LATENCY_S = 0.05
+# What a move costs beyond the target's recompute and the source's wait for the end of its step:
+# the handoff of the state through the ingress and the call that opens the continuation on the
+# target.  The state is token ids (8 bytes a token: ~20 KB for a 2,560-token stream), so the cost
+# is the calls.  Measured on Ray Serve (two replicas on one node, this project's 2-core CPU): the
+# median from the source's handoff to the target's landing over 18 moves, 14-74 ms
+# (`python -m benchmarks.move_cost --real`, docs/replicas.md).
+MOVE_LATENCY_S = 0.018
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -215,17 +215,19 @@ class AsyncEngine:
             yield delta
 
     def export_streams(
-        self, request_ids: Sequence[str], waiting_only: bool = False
+        self, request_ids: Sequence[str], only_in: Collection[RequestState] | None = None
     ) -> Future[list[StreamState]]:
-        """Take the unfinished requests among `request_ids` (`waiting_only`: those that have
-        not started) out of this engine before its next step (queued by the time this
-        returns); the future holds their states (times relative to the export).  Each one's
+        """Take the unfinished requests among `request_ids` (`only_in`: those in one of these
+        states, e.g. not started, or paused) out of this engine before its next step (queued
+        by the time this returns); the future holds their states (times relative to the
+        export).  Each one's
         delta iterator then raises `StreamMoved` after the deltas produced before.  A request
         that finished meanwhile, or that cannot move (held to a grammar), is left as it is.  A
         future, not a coroutine: a replica's drain thread, which has no event loop, waits on
         it."""
         ids = tuple(request_ids)
-        return self.between_steps(lambda _: self._export(ids, waiting_only))
+        states = None if only_in is None else frozenset(only_in)
+        return self.between_steps(lambda _: self._export(ids, states))
 
     def between_steps(self, fn: Callable[[LLMEngine], _T]) -> Future[_T]:
         """Call `fn(engine)` on the engine thread before its next step (or at once while it
@@ -434,8 +436,10 @@ class AsyncEngine:
         self._sinks[command.request_id] = command
         self._stats = self.engine.stats()
 
-    def _export(self, request_ids: Sequence[str], waiting_only: bool) -> list[StreamState]:
-        """Export each live request of `request_ids` (`waiting_only`: each still waiting); its
+    def _export(
+        self, request_ids: Sequence[str], only_in: frozenset[RequestState] | None
+    ) -> list[StreamState]:
+        """Export each live request of `request_ids` (`only_in`: each in one of those states); its
         sink hears `StreamMoved` after the deltas already sent to it (the same thread sent
         them, in order)."""
         states = []
@@ -444,8 +448,8 @@ class AsyncEngine:
             if submission is None:
                 continue  # finished, failed or aborted meanwhile
             request = self.engine.scheduler.requests.get(request_id)
-            if waiting_only and (request is None or request.state is not RequestState.WAITING):
-                continue  # it started meanwhile: it stays
+            if only_in is not None and (request is None or request.state not in only_in):
+                continue  # it started or resumed meanwhile: it stays
             try:
                 state = self.engine.export_stream(request_id)
             except ValueError as err:  # e.g. held to a grammar: it finishes here

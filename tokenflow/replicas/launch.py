@@ -13,7 +13,8 @@ requests 503 with Retry-After, the streams in flight go on for --drain-timeout-s
 option, after `--`), then Serve and Ray stop; a second signal cuts the wait short.  `leave`
 drains one replica while the others serve on: its streams move to them.  `scale` sets the number
 of engine replicas while they serve (Serve's external scaler); with `--migrate queued` (the
-default) a replica that joins takes requests queued on the others (`board.MoveBoard`).
+default) a replica that joins takes requests queued on the others (`board.MoveBoard`), with
+`--migrate paused` also streams paused there whose buffers cover the move.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ ROUTERS = (*ROUTER_NAMES, RAY_DEFAULT)
 APP_NAME = "tokenflow"
 ENGINE_DEPLOYMENT = "TokenFlowEngine"
 # What may move while every replica serves on (a leaving replica's answers always may).
-MIGRATE_MODES = (MigrateMode.OFF.value, MigrateMode.QUEUED.value)
+MIGRATE_MODES = tuple(m.value for m in MigrateMode)
 # One engine thread per replica; OpenMP workers wait passively (docs/design.md).
 _ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
 LOOPBACK = "127.0.0.1"
@@ -155,7 +156,8 @@ def start(args: argparse.Namespace, serve_argv: list[str]) -> Fleet:
     drain_signal = DrainSignal.remote()
     board = None
     if args.migrate != MigrateMode.OFF.value:
-        board = ray.remote(num_cpus=0)(MoveBoard).remote(args.report_period_s)
+        mode = MigrateMode(args.migrate)
+        board = ray.remote(num_cpus=0)(MoveBoard).remote(args.report_period_s, mode)
     application = build_application(
         args.replicas,
         args.router,
@@ -254,7 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=MigrateMode.QUEUED.value,
         help="queued: a replica over its capacity, or one holding a request it has not started "
         "for a report period, moves its queued requests to replicas with room (one that "
-        "joined); off: a request stays where it was routed (a leaving replica's still move)",
+        "joined); paused: also streams paused there whose buffers cover the move; off: a "
+        "request stays where it was routed (a leaving replica's still move)",
     )
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default: all)")
     parser.add_argument("--object-store-mib", type=int, default=256)

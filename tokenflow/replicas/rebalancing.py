@@ -1,12 +1,15 @@
-"""An engine replica's part in the fleet's moves of queued requests (board.py decides them).
+"""An engine replica's part in the fleet's moves of queued requests and paused streams
+(board.py decides them).
 
 Once a report period, from the first time Serve asks for the replica's routing stats (Serve
 routes to it from then on), a `Rebalancer` reads its engine between two steps, its
-`LoadReport` and the requests still queued whose answers can move (listed in its `MoveBook`:
-serving/moves.py), posts them to the board, and exports the requests the board says to move.
-Each of those answers' bodies then ends, and its `StreamHandoff` goes to the ingress naming
-the target the board chose (`take_target`); the ingress continues it there (`resume_http`),
-in the response its client holds, as it does for a replica that leaves.
+`LoadReport` and the requests whose answers can move (listed in its `MoveBook`:
+serving/moves.py) that are still queued or paused, posts them to the board, and exports the
+requests the board says to move (the board's mode says whether paused streams may: `--migrate
+queued|paused`), each only if it is still as the board saw it (one that started or resumed
+meanwhile stays).  Each of those answers' bodies then ends, and its `StreamHandoff` goes to the
+ingress naming the target the board chose (`take_target`); the ingress continues it there
+(`resume_http`), in the response its client holds, as it does for a replica that leaves.
 
 A request that reached this replica by a move counts its wait here from its landing, not from
 its arrival in the fleet, as the simulator counts it: it is not sent on at once for the time it
@@ -25,6 +28,7 @@ import ray
 from ray.actor import ActorHandle
 
 from tokenflow.core.rebalance import Move, ReplicaLoad, StreamKind, movable_of
+from tokenflow.core.request import RequestState
 from tokenflow.core.routing import load_report
 from tokenflow.serving.moves import MoveBook
 
@@ -33,6 +37,9 @@ if TYPE_CHECKING:
     from tokenflow.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+# The engine state of a request the board saw as queued or paused: it moves only if still so.
+_STATE_OF = {StreamKind.QUEUED: RequestState.WAITING, StreamKind.PAUSED: RequestState.PREEMPTED}
 
 
 class Board(Protocol):
@@ -119,7 +126,8 @@ class Rebalancer:
 
     def rebalance(self) -> int:
         """Post this replica's load as it is now, and export the requests the board says to
-        move (their answers then hand off).  How many were exported."""
+        move, those still queued or paused as they were (their answers then hand off).  How
+        many were exported."""
         load = self._engine.between_steps(self._load).result(timeout=self._timeout_s)
         moves = self._board.post(load)
         if self._stopped.is_set():  # (it began to drain meanwhile: no target, no source)
@@ -129,14 +137,15 @@ class Rebalancer:
             return 0
         with self._lock:
             self._targets.update({m.request_id: m.target_id for m in moves})
-        exported = self._engine.export_streams([m.request_id for m in moves], waiting_only=True)
+        only_in = {_STATE_OF[m.kind] for m in moves}
+        exported = self._engine.export_streams([m.request_id for m in moves], only_in)
         states = exported.result(timeout=self._timeout_s)
         moved_ids = {s.request_id for s in states}
         with self._lock:  # (those that started or ended meanwhile stay)
             for move in moves:
                 if move.request_id not in moved_ids:
                     self._targets.pop(move.request_id, None)
-        logger.info("moving %d of %d queued requests", len(states), len(load.movable))
+        logger.info("moving %d of %d queued or paused requests", len(states), len(load.movable))
         return len(states)
 
     def _run(self) -> None:
@@ -155,14 +164,16 @@ class Rebalancer:
 
     def _load(self, llm: LLMEngine) -> ReplicaLoad:
         """(On the engine thread, between two steps.)  This replica's report, and its queued
-        requests whose answers can move."""
+        requests and paused streams whose answers can move."""
         now_s = llm.core.clock.now()
         view = llm.scheduler.view(now_s)
         movable_ids = set(self._book.movable_request_ids())
         reached_s = self._landings(now_s, llm.scheduler.requests)
+        kinds = ((view.waiting, StreamKind.QUEUED), (view.preempted, StreamKind.PAUSED))
         movable = tuple(
-            movable_of(r, StreamKind.QUEUED, now_s, reached_s.get(r.request_id, r.arrival_s))
-            for r in view.waiting
+            movable_of(r, kind, now_s, reached_s.get(r.request_id, r.arrival_s))
+            for queue, kind in kinds
+            for r in queue
             if r.request_id in movable_ids
         )
         return ReplicaLoad(replica_id=self.replica_id, report=load_report(view), movable=movable)

@@ -1,0 +1,298 @@
+"""What a move between replicas costs on this CPU, on Ray Serve, and the simulator's replay of
+the same runs: the "What a move costs" tables of docs/replicas.md.
+
+    make test-ray   # (once: the Ray venv)
+    PYTHONPATH=. ~/.cache/tokenflow-bench/ray-venv/bin/python -m benchmarks.move_cost --real
+    python -m benchmarks.move_cost   # the replay alone, from docs/results/move-cost.json
+
+Real (`--real`, each of `--rounds` on a fresh Ray): one replica of the embedded model (the
+profiled engine: its default dtype, one thread, two streams at a time) answers four prompts once,
+then a burst of 16 greedy answers of 96 tokens read at 1,000 tok/s; a second replica is added at
+once (`launch.scale`) and, once it reports, the fleet's board moves queued answers to it.  The
+board's record of every move (planned, handed off by the source, landed on the target) and each
+answer's first and last token at the client are written to --json.
+
+Replay: each round again in the fleet simulator, on the engine's profile: the same requests
+(their served prompt tokens, their arrival), one profiled replica, the second joining when the
+real one first reported, the board's rule every 0.5 s, and as the move's latency the median
+hand-off to landing measured over every real move.  The table sets the real and the simulated
+fleet side by side: moves, how soon the first moved answer's first token followed the join, the
+burst's TTFT and how long it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tokenflow.calibrate.profile_file import load_profile
+from tokenflow.core.rebalance import MigrateMode
+from tokenflow.eval.report import spread, write_marked_block
+from tokenflow.eval.workload import WorkloadRequest
+from tokenflow.sim.fleet import FleetConfig, FleetResult, ReplicaJoined, run_fleet
+from tokenflow.sim.profiled import ProfiledDeployment
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- move cost: begin -->", "<!-- move cost: end -->"
+REPORT_PERIOD_S = 0.5
+MAX_NUM_SEQS, DEVICE_KV_TOKENS, HOST_KV_TOKENS = 2, 1024, 4096
+SERVE_ARGV = ["--num-threads", "1", "--device-kv-tokens", str(DEVICE_KV_TOKENS)]
+SERVE_ARGV += ["--host-kv-tokens", str(HOST_KV_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS)]
+SERVE_ARGV += ["--drain-timeout-s", "60"]
+MAX_TOKENS = 96
+NUM_COPIES = 4  # of each prompt in the burst
+READ_RATE = 1000.0  # tok/s: the client reads as fast as the fleet answers
+PROMPTS = [
+    ("/v1/completions", {"prompt": "Once upon a time"}),
+    ("/v1/completions", {"prompt": "The three largest cities of Europe are"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write a short poem."}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "How do plants eat?"}]}),
+]
+TIMEOUT_S = 600.0
+
+
+# -- the real fleet -------------------------------------------------------------------------
+def _read(url: str, path: str, body: dict, out: dict) -> None:
+    """One streamed answer: when it was sent, its first and last token, its ids and usage."""
+    common = {"max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "ignore_eos": True}
+    common |= {"temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    out["sent_s"] = time.monotonic()
+    body = {**body, **common, "stream_rate": READ_RATE}
+    with httpx.stream("POST", url + path, json=body, timeout=TIMEOUT_S) as response:
+        out["status"] = response.status_code
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            out.setdefault("id", chunk["id"])
+            if chunk.get("usage"):
+                out["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                out["completion_tokens"] = chunk["usage"]["completion_tokens"]
+            texts = [c.get("text") or c.get("delta", {}).get("content") for c in chunk["choices"]]
+            if any(texts):
+                out.setdefault("first_token_s", time.monotonic())
+                out["last_token_s"] = time.monotonic()
+
+
+def _read_all(url: str, answers: list[tuple[str, dict]]) -> tuple[list[dict], list]:
+    results: list[dict] = [{} for _ in answers]
+    threads = [
+        threading.Thread(target=_read, args=(url, path, body, out), daemon=True)
+        for (path, body), out in zip(answers, results, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+def real_round() -> dict:
+    """One join mid-burst on a fresh Ray (module docstring); times relative to the burst."""
+    # (tokenflow.replicas before ray: it sets the mode Ray starts in, on the loopback only)
+    from tokenflow.replicas.launch import scale, start  # noqa: I001
+
+    import ray
+    from ray import serve
+
+    from tokenflow.eval.compare import free_port
+
+    port = free_port()
+    args = argparse.Namespace(
+        replicas=1, router="tokenflow", host="127.0.0.1", port=port,
+        report_period_s=REPORT_PERIOD_S, default_rate=4.0, migrate="queued", num_cpus=2,
+        object_store_mib=128,
+    )  # fmt: skip
+    fleet = start(args, SERVE_ARGV)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        warm, threads = _read_all(url, PROMPTS)
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        (first_id,) = ray.get(fleet.board.first_posted_s.remote())
+        burst_s = time.monotonic()
+        results, threads = _read_all(url, PROMPTS * NUM_COPIES)
+        while not all("status" in r for r in results) and time.monotonic() - burst_s < TIMEOUT_S:
+            time.sleep(0.05)
+        scale(2)
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        joined = ray.get(fleet.board.first_posted_s.remote())
+        planned = ray.get(fleet.board.planned.remote())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    if any(r.get("completion_tokens") != MAX_TOKENS for r in [*warm, *results]):
+        raise RuntimeError(f"an answer did not complete: {results}")
+    (joined_id,) = [r for r in joined if r != first_id]
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else t - burst_s
+
+    return {
+        "joined_s": since(joined[joined_id]),
+        "requests": [
+            {
+                "id": r["id"],
+                "prompt_tokens": r["prompt_tokens"],
+                "sent_s": since(r["sent_s"]),
+                "first_token_s": since(r["first_token_s"]),
+                "last_token_s": since(r["last_token_s"]),
+            }
+            for r in results
+        ],
+        "moves": [
+            {
+                "request_id": p.move.request_id,
+                "source": "first" if p.move.source_id == first_id else "joined",
+                "planned_s": since(p.planned_s),
+                "handed_off_s": since(p.handed_off_s),
+                "landed_s": since(p.landed_s),
+            }
+            for p in planned
+        ],
+    }
+
+
+# -- the replay -----------------------------------------------------------------------------
+def move_latency_s(rounds: list[dict]) -> float:
+    """The median hand-off to landing over every real move that landed: what the simulator
+    charges a move beyond the target's recompute."""
+    return statistics.median(
+        m["landed_s"] - m["handed_off_s"]
+        for r in rounds
+        for m in r["moves"]
+        if m["landed_s"] is not None and m["handed_off_s"] is not None
+    )
+
+
+def replay(record: dict, profile_path: Path, latency_s: float) -> FleetResult:
+    """The round in the fleet simulator on the engine's profile (module docstring)."""
+    deployment = ProfiledDeployment(
+        load_profile(profile_path),
+        device_kv_tokens=DEVICE_KV_TOKENS,
+        host_kv_tokens=HOST_KV_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
+        endpoint="completions",  # (prompts in served tokens: this mapping adds none)
+    )
+    workload = [
+        WorkloadRequest(r["id"], max(r["sent_s"], 0.0), r["prompt_tokens"], MAX_TOKENS, READ_RATE)
+        for r in record["requests"]
+    ]
+    config = FleetConfig(
+        (deployment,),
+        report_period_s=REPORT_PERIOD_S,
+        changes=(ReplicaJoined(record["joined_s"], deployment),),
+        migrate=MigrateMode.QUEUED,
+        move_latency_s=latency_s,
+    )
+    return run_fleet(workload, "tokenflow", config)
+
+
+def real_figures(record: dict) -> dict[str, float]:
+    """A real round's figures, as `sim_figures` gives the replay's."""
+    moves = [m for m in record["moves"] if m["source"] == "first"]
+    first_token_s = {r["id"]: r["first_token_s"] for r in record["requests"]}
+    requests = record["requests"]
+    return _figures(
+        joined_s=record["joined_s"],
+        moves=[(m["planned_s"], m["landed_s"], first_token_s[m["request_id"]]) for m in moves],
+        ttfts_s=[r["first_token_s"] - r["sent_s"] for r in requests],
+        last_s=max(r["last_token_s"] for r in requests),
+    )
+
+
+def sim_figures(record: dict, result: FleetResult) -> dict[str, float]:
+    moves = [m for m in result.moves if m.source_id == "replica-0"]
+    first_token_s = {t.request_id: t.token_times_s[0] for t in result.traces}
+    return _figures(
+        joined_s=record["joined_s"],
+        moves=[(m.planned_s, m.landed_s, first_token_s[m.request_id]) for m in moves],
+        ttfts_s=[t.token_times_s[0] - t.arrival_s for t in result.traces],
+        last_s=max(t.token_times_s[-1] for t in result.traces),
+    )
+
+
+def _figures(
+    joined_s: float,
+    moves: list[tuple[float, float, float]],
+    ttfts_s: list[float],
+    last_s: float,
+) -> dict[str, float]:
+    """From the moves off the first replica (planned, landed, first token) and every answer."""
+    planned_s, landed_s, first_token_s = min(moves, key=lambda m: m[2])
+    return {
+        "queued answers moved to the new replica": len(moves),
+        "first move planned after the join (s)": min(m[0] for m in moves) - joined_s,
+        "first moved token after its plan (s)": first_token_s - planned_s,
+        "... after its landing (s)": first_token_s - landed_s,
+        "TTFT mean (s)": statistics.fmean(ttfts_s),
+        "TTFT max (s)": max(ttfts_s),
+        "last token of the burst (s)": last_s,
+    }
+
+
+def table(rounds: list[dict], profile_path: Path) -> list[str]:
+    """The markdown block: the measured move, and the real and simulated fleets side by side."""
+    latency_s = move_latency_s(rounds)
+    moves = [m for r in rounds for m in r["moves"] if m["landed_s"] is not None]
+    parts = {
+        "plan to hand-off (source: its step, its export)": ("planned_s", "handed_off_s"),
+        "hand-off to landing (ingress, call to the target)": ("handed_off_s", "landed_s"),
+    }
+    lines = [
+        f"Moves measured on Ray Serve: {len(moves)} over {len(rounds)} rounds, median [min-max]:",
+        "",
+        "| part of the move | seconds |",
+        "|---|---|",
+    ]
+    for name, (begin, end) in parts.items():
+        lines.append(f"| {name} | {spread([m[end] - m[begin] for m in moves]).text(3)} |")
+    real = [real_figures(r) for r in rounds]
+    sim = [sim_figures(r, replay(r, profile_path, latency_s)) for r in rounds]
+    lines += [
+        "",
+        f"The same rounds, replayed in the simulator on the profile with a move latency of "
+        f"{latency_s:.3f} s; median [min-max] over {len(rounds)} rounds:",
+        "",
+        "| | real (Ray Serve) | simulated | simulated / real (median of rounds) |",
+        "|---|---|---|---|",
+    ]
+    for key in real[0]:
+        digits = 0 if key.startswith("queued") else 2
+        ratios = [s[key] / r[key] for r, s in zip(real, sim, strict=True) if r[key]]
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        lines.append(
+            f"| {key} | {spread([r[key] for r in real]).text(digits)} | "
+            f"{spread([s[key] for s in sim]).text(digits)} | {ratio} |"
+        )
+    return [*lines, ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    parser.add_argument("--real", action="store_true", help="run the rounds on Ray Serve first")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "move-cost.json"))
+    parser.add_argument("--profile", default=str(ROOT / "docs" / "results" / "cpu-profile.json"))
+    parser.add_argument("--markdown", default=str(ROOT / "docs" / "replicas.md"))
+    args = parser.parse_args(argv)
+    if args.real:
+        rounds = []
+        for index in range(args.rounds):
+            rounds.append(real_round())
+            print(f"round {index}: {len(rounds[-1]['moves'])} moves", flush=True)
+        Path(args.json).write_text(json.dumps(rounds, indent=1) + "\n")
+    rounds = json.loads(Path(args.json).read_text())
+    lines = table(rounds, Path(args.profile))
+    print("\n".join(lines))
+    write_marked_block(Path(args.markdown), BEGIN, END, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
