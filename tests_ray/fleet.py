@@ -15,9 +15,11 @@ REPORT_PERIOD_S = 0.5
 
 
 @contextlib.contextmanager
-def running_fleet(serve_argv: list[str], num_replicas: int = 2) -> Iterator[tuple[str, Fleet]]:
+def running_fleet(
+    serve_argv: list[str], num_replicas: int = 2, migrate: str = "queued"
+) -> Iterator[tuple[str, Fleet]]:
     """The application's URL and the actors its replicas listen to (the drain signal, the
-    board of moves); Serve and Ray are shut down on exit."""
+    board of moves, planning by `migrate`); Serve and Ray are shut down on exit."""
     port = free_port()
     args = argparse.Namespace(
         replicas=num_replicas,
@@ -26,7 +28,7 @@ def running_fleet(serve_argv: list[str], num_replicas: int = 2) -> Iterator[tupl
         port=port,
         report_period_s=REPORT_PERIOD_S,
         default_rate=4.0,
-        migrate="queued",
+        migrate=migrate,
         num_cpus=2,
         object_store_mib=128,
     )

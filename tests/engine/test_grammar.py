@@ -104,6 +104,33 @@ def test_a_released_matcher_starts_over(grammars, tokenizer):
     assert torch.equal(torch.isfinite(again), torch.isfinite(logits))  # the first token's mask
 
 
+def test_a_resumed_matcher_masks_as_the_one_that_accepted_the_same_tokens(grammars, tokenizer):
+    params = _constrained(SCHEMA)
+    generated = []
+    for _ in range(5):  # the source: five greedy tokens under the grammar
+        logits = torch.zeros(1, tokenizer.vocab_size)
+        grammars.mask(logits, ["source"], [params])
+        generated.append(int(logits.argmax()))
+        grammars.accept(["source"], generated[-1:], {})
+    source_mask = torch.zeros(1, tokenizer.vocab_size)
+    grammars.mask(source_mask, ["source"], [params])
+    first_mask = torch.zeros(1, tokenizer.vocab_size)
+    grammars.mask(first_mask, ["fresh"], [params])
+
+    grammars.resume("moved", params, generated)
+    moved_mask = torch.zeros(1, tokenizer.vocab_size)
+    grammars.mask(moved_mask, ["moved"], [params])
+    assert torch.equal(torch.isfinite(moved_mask), torch.isfinite(source_mask))
+    assert not torch.equal(torch.isfinite(moved_mask), torch.isfinite(first_mask))
+
+
+def test_resuming_with_a_token_the_grammar_refuses_names_it(grammars, tokenizer):
+    hello = tokenizer.encode("hello")[0]
+    with pytest.raises(ValueError, match=f"does not allow token {hello} at position 0"):
+        grammars.resume("moved", _constrained(SCHEMA), [hello])
+    assert grammars.num_matchers == 0
+
+
 def test_a_token_the_grammar_refuses_fails_only_its_request(grammars, tokenizer):
     params = _constrained(SCHEMA)
     grammars.mask(torch.zeros(2, tokenizer.vocab_size), ["a", "b"], [params, params])

@@ -1,9 +1,13 @@
 """A stream moved between real engines (tiny model, CPU) goes on exactly: exported mid-answer
 from one engine and imported into another, greedy, seeded sampled and penalised streams produce
-the tokens and the text of an undisturbed run, and the reader's clock carries over."""
+the tokens and the text of an undisturbed run, and the reader's clock carries over; so does a
+stream held to a grammar, with penalties and logprobs (its matcher rebuilt on the target)."""
 
 import pytest
 
+from tests.runtime.test_grammar_exact import PARAMS as GRAMMAR_PARAMS
+from tests.runtime.test_grammar_exact import PROMPTS as GRAMMAR_PROMPTS
+from tests.runtime.test_preemption_exact_scores import same_scores
 from tokenflow.core.request import RequestState, SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
@@ -103,6 +107,54 @@ def test_moved_streams_continue_with_the_tokens_and_text_of_an_undisturbed_run(
     assert tokens == expected_tokens
     assert texts == expected_texts
     assert len(set(expected_tokens["seeded"])) > 10  # it does sample
+
+
+def _run_grammar(engine: LLMEngine, ids: list[str], seen: dict, until: int | None) -> None:
+    """Step until every stream has `until` tokens (None: to its end), recording per request
+    (tokens, their logprobs, [the prompt's logprobs]) in `seen`."""
+    while engine.has_work and (until is None or min(len(seen[r][0]) for r in ids) < until):
+        _, deltas = engine.step()
+        engine.core.clock.t += 0.05
+        for delta in deltas:
+            assert delta.finish_reason != "error", delta.error
+            tokens, logprobs, prompt = seen[delta.request_id]
+            tokens.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                prompt.append(delta.prompt_logprobs)
+
+
+def test_a_stream_held_to_a_grammar_moves_and_continues_exactly(tiny_model_dir):
+    ids = [f"g{i}" for i in range(2)]
+
+    def added(engine: LLMEngine) -> dict:
+        for request_id, prompt in zip(ids, GRAMMAR_PROMPTS, strict=False):
+            engine.add_request(request_id, engine.tokenizer.encode(prompt), GRAMMAR_PARAMS, 4.0)
+        return {r: ([], [], []) for r in ids}
+
+    alone = _engine(tiny_model_dir)
+    undisturbed = added(alone)
+    _run_grammar(alone, ids, undisturbed, None)
+    alone.close()
+
+    source = _engine(tiny_model_dir)
+    seen = added(source)
+    _run_grammar(source, ids, seen, NUM_BEFORE_MOVE)
+    states = [source.export_stream(r) for r in ids]
+    source.step()  # the executor forgets the exported streams' matchers on the next plan
+    assert source.grammars.num_matchers == 0
+    source.close()
+    target = _engine(tiny_model_dir, 1000.0)
+    for state in states:
+        target.import_stream(state)
+    _run_grammar(target, ids, seen, None)
+    target.step()  # (and the finished ones' on the next)
+    assert target.grammars.num_matchers == 0
+    target.close()
+    assert all(len(seen[r][0]) > NUM_BEFORE_MOVE for r in ids)  # it moved mid-answer
+    assert same_scores(seen, undisturbed)
+    for request_id in ids:  # the grammar still held: a JSON object of the schema's keys
+        assert alone.tokenizer.decode(seen[request_id][0]).startswith('{"name": "')
 
 
 def test_an_unknown_stream_cannot_be_exported(tiny_model_dir):

@@ -66,12 +66,12 @@ def _state(request_id: str, num_tokens: int) -> StreamState:
     )
 
 
-def test_only_a_streamed_answer_with_one_free_choice_moves():
+def test_only_a_streamed_answer_with_one_choice_moves():
     grammar = replace(PARAMS, structured_output=StructuredOutput(json.dumps({"type": "object"})))
     assert is_movable(_request())
     assert not is_movable(_request(stream=False))  # the whole body is sent at the end
     assert not is_movable(_request(num_choices=2))  # n > 1: several engine requests
-    assert not is_movable(_request(params=grammar))  # its matcher's state does not move
+    assert is_movable(_request(params=grammar))  # the target rebuilds its matcher's state
 
 
 def test_a_handoff_carries_what_the_client_holds_and_the_continuation_starts_there():
@@ -116,8 +116,10 @@ CHAT = {"model": "fake-model", "messages": ASK, "max_tokens": 16, "stream": True
         (CHAT, None, False),  # not through the fleet's ingress
         ({**CHAT, "n": 2}, "t", False),  # two engine requests
         ({**CHAT, "tools": [WEATHER], "tool_choice": "auto"}, "t", False),  # its parser's state
+        ({**CHAT, "tools": [WEATHER], "tool_choice": "required"}, "t", False),  # ... the call's
+        ({**CHAT, "response_format": {"type": "json_object"}}, "t", True),  # a grammar moves
     ],
-    ids=["plain", "no-ticket", "n2", "auto-tools"],
+    ids=["plain", "no-ticket", "n2", "auto-tools", "forced-tool", "json-object"],
 )
 def test_the_app_lists_only_movable_answers_while_they_stream(body, ticket, is_listed):
     gate = threading.Event()

@@ -116,15 +116,13 @@ class Scheduler:
     def export_stream(self, request_id: str) -> StreamState:
         """Take an unfinished request out between steps, freeing its KV in both tiers, and
         return its portable state.  A resident's KV is dropped: it resumes by recompute
-        wherever it is imported.  ValueError if it is unknown, a step is in flight, or it is
-        held to a grammar (its matcher lives in the source's executor and does not travel yet)."""
+        wherever it is imported (a grammar's state too: the target advances a fresh matcher by
+        the tokens generated).  ValueError if it is unknown or a step is in flight."""
         request = self.requests.get(request_id)
         if request is None:
             raise ValueError(f"cannot export {request_id!r}: no such unfinished request")
         if self._planned is not None:
             raise ValueError(f"cannot export {request_id!r} while a step is in flight")
-        if request.sampling_params.structured_output is not None:
-            raise ValueError(f"cannot export {request_id!r}: its grammar state does not move yet")
         state = stream_state(request)
         self.queues.remove(request)
         self._chunks.forget(request_id)

@@ -222,7 +222,7 @@ class AsyncEngine:
         by the time this returns); the future holds their states (times relative to the
         export).  Each one's
         delta iterator then raises `StreamMoved` after the deltas produced before.  A request
-        that finished meanwhile, or that cannot move (held to a grammar), is left as it is.  A
+        that finished meanwhile, or that the engine refuses to export, is left as it is.  A
         future, not a coroutine: a replica's drain thread, which has no event loop, waits on
         it."""
         ids = tuple(request_ids)
@@ -452,7 +452,7 @@ class AsyncEngine:
                 continue  # it started or resumed meanwhile: it stays
             try:
                 state = self.engine.export_stream(request_id)
-            except ValueError as err:  # e.g. held to a grammar: it finishes here
+            except ValueError as err:  # (the engine refused it): it finishes here
                 logger.info("request %s stays: %s", request_id, err)
                 continue
             del self._sinks[request_id]

@@ -184,17 +184,23 @@ class LLMEngine:
     def import_stream(self, exported: StreamState) -> None:
         """Go on with a stream another engine exported: a started one resumes by recompute, and
         its deltas carry only the tokens and text after those it produced there (a seeded
-        stream draws what it would have: tokenflow/model/sampler.py).  An exported state's times
-        are seconds relative to its export, put on this engine's clock here (the time the state
-        took to arrive is not counted).  ValueError as `add_request`."""
+        stream draws what it would have: tokenflow/model/sampler.py; one held to a grammar has
+        its matcher advanced by the tokens it produced: tokenflow/model/grammar.py).  An
+        exported state's times are seconds relative to its export, put on this engine's clock
+        here (the time the state took to arrive is not counted).  ValueError as
+        `add_request`."""
         state = exported.shifted(self.core.clock.now())
         prompt, outputs = list(state.prompt_token_ids), list(state.output_token_ids)
         self.validate(prompt, state.sampling_params)
         self.outputs.resume(state.request_id, prompt, state.sampling_params, outputs)
         try:
+            if self.grammars is not None:  # (validate refused a grammar where there is none)
+                self.grammars.resume(state.request_id, state.sampling_params, outputs)
             self.scheduler.import_stream(state)
         except Exception:
             self.outputs.drop(state.request_id)
+            if self.grammars is not None:
+                self.grammars.release([state.request_id])
             raise
 
     def abort(self, request_id: str) -> GenerationDelta | None:

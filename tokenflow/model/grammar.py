@@ -100,6 +100,23 @@ class Grammars:
             if not matcher.accept_token(token_id):
                 failed_rows[request_id] = f"the output's grammar does not allow token {token_id}"
 
+    def resume(
+        self, request_id: str, params: SamplingParams, output_token_ids: Sequence[int]
+    ) -> None:
+        """A request moved in from another engine with `output_token_ids` generated there: its
+        matcher, advanced by each of them, is where the source's was (a matcher's state is a
+        function of its grammar and the tokens it accepted).  ValueError if the grammar
+        refuses one of them."""
+        if params.structured_output is None:
+            return
+        matcher = xgrammar.GrammarMatcher(self.compile(params.structured_output))
+        for position, token_id in enumerate(output_token_ids):
+            if not matcher.accept_token(token_id):
+                raise ValueError(
+                    f"the output's grammar does not allow token {token_id} at position {position}"
+                )
+        self._matchers[request_id] = matcher
+
     def _matcher(self, request_id: str, params: SamplingParams) -> xgrammar.GrammarMatcher:
         """The request's matcher, made at its first constrained row (mask() only asks for
         rows with a structured output)."""

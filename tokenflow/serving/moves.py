@@ -5,8 +5,10 @@ an app built without a `MoveBook` (`tokenflow serve`) ignores all of this.  The 
 each request it forwards with a ticket (`MOVE_HEADER`), the same for the whole life of the
 answer whichever replica serves it.
 
-- A streamed answer with one choice, not held to a grammar, whose request carries a ticket is
-  *movable*: the app lists its engine request in the book while it streams.
+- A streamed answer with one choice whose request carries a ticket is *movable* (the serving
+  layer withholds the ticket where the answer's format reads its text into tool calls: a
+  forced call, or tool_choice "auto"): the app lists its engine request in the book while it
+  streams.
 - When the replica leaves, it exports those requests from its engine (`StreamMoved`); so it
   does with a queued one the fleet moves to a replica with room.  Each answer's body then ends
   without `[DONE]`, and the book keeps a `StreamHandoff` under its ticket: the engine's
@@ -48,11 +50,9 @@ class StreamHandoff:
 
 
 def is_movable(prepared: PreparedRequest) -> bool:
-    """Whether the answer can move: streamed, one choice, not held to a grammar (its matcher's
-    state does not move)."""
-    if not prepared.stream or len(prepared.choices) != 1:
-        return False
-    return prepared.choices[0].sampling_params.structured_output is None
+    """Whether the answer can move: streamed, with one choice (a grammar's state moves: the
+    target's engine rebuilds it from the tokens generated)."""
+    return prepared.stream and len(prepared.choices) == 1
 
 
 def handoff_of(prepared: PreparedRequest, progress: Progress, state: StreamState) -> StreamHandoff:

@@ -165,9 +165,9 @@ class OpenAIServing:
             fmt = AutoToolCallFormat(self.token_texts, self._new_call_id)
         else:
             fmt = ChatFormat(self.token_texts)
-        # Under tool_choice "auto" the format reads the text for tool calls as it streams: its
-        # parser's state does not move, so neither does the answer.
-        ticket = None if is_auto else ticket
+        # Under a forced tool call or tool_choice "auto" the format reads the text into tool
+        # calls as it streams: its parser's state does not move, so neither does the answer.
+        ticket = None if is_auto or tool_call is not None else ticket
         return await self._responder.serve(prepared, fmt, wait_for_disconnect, ticket)
 
     def _new_call_id(self) -> str:

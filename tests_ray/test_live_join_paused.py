@@ -1,0 +1,79 @@
+"""With `--migrate paused`, a replica that joins mid-burst takes streams paused on the other,
+not only queued requests (the embedded model on Ray Serve, one engine thread each, on this
+CPU): a burst of slow readers on a fleet of one replica (two streams at a time), whose policy
+pauses the streams with the largest buffers to start the others; a second replica joins
+(`launch.scale`) and the board moves paused streams to it whose buffers cover the move.  Each
+moved answer goes on in the response its client holds, from the token after the last one it
+was sent: one id, one usage over every token, one [DONE], the very text of an undisturbed run."""
+
+import time
+from collections.abc import Callable
+
+import pytest
+import ray
+
+from tests_ray.answers import (
+    REPLICA_ARGV,
+    check_whole,
+    chunks_of,
+    greedy_answers,
+    read_all,
+    text_of,
+)
+from tests_ray.fleet import running_fleet
+from tokenflow.core.rebalance import StreamKind
+from tokenflow.replicas.launch import scale
+
+SERVE_ARGV = [*REPLICA_ARGV, "--device-kv-tokens", "1024", "--host-kv-tokens", "4096"]
+SERVE_ARGV += ["--max-num-seqs", "2", "--drain-timeout-s", "60"]
+MAX_TOKENS = 96
+ANSWERS = greedy_answers(MAX_TOKENS)
+NUM_COPIES = 4  # of each answer in the burst: 16 readers asking twice what one replica makes
+READ_RATE = 8.0  # tok/s: buffers grow, so the policy pauses streams to start others
+TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with running_fleet(SERVE_ARGV, num_replicas=1, migrate="paused") as running:
+        yield running
+
+
+def _until(read: Callable[[], object], what: str) -> object:
+    deadline_s = time.monotonic() + TIMEOUT_S
+    while not (value := read()):
+        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_a_replica_that_joins_mid_burst_takes_streams_paused_on_the_other(fleet):
+    url, actors = fleet
+    undisturbed, _, threads = read_all(url, ANSWERS, rate=1000.0)
+    for thread in threads:
+        thread.join(timeout=TIMEOUT_S)
+    (first_id,) = ray.get(actors.board.first_posted_s.remote())
+
+    results, _, threads = read_all(url, ANSWERS * NUM_COPIES, rate=READ_RATE)
+    _until(lambda: all(r.get("status") for r in results), "every answer of the burst to open")
+    scale(2)
+    for thread in threads:
+        thread.join(timeout=TIMEOUT_S)
+    first_posts = ray.get(actors.board.first_posted_s.remote())
+    (joined_id,) = [replica for replica in first_posts if replica != first_id]
+    planned = ray.get(actors.board.planned.remote())
+    paused = [p for p in planned if p.move.kind is StreamKind.PAUSED]
+    paused_to_new = [p for p in paused if p.move.target_id == joined_id]
+    paused_ids = {p.move.request_id for p in paused_to_new if p.landed_s is not None}
+    moved = [r for r in results if chunks_of(r) and chunks_of(r)[0]["id"] in paused_ids]
+    print(
+        f"\nthe board planned {len(planned)} moves, {len(paused)} of paused streams "
+        f"({len(paused_to_new)} to the new replica, {len(paused_ids)} landed there); "
+        f"hand-off to landing {[round(p.landed_s - p.handed_off_s, 3) for p in paused_to_new]} s"
+    )
+    for index, result in enumerate(results):
+        check_whole(result, MAX_TOKENS)
+        assert text_of(result) == text_of(undisturbed[index % len(ANSWERS)])
+    assert paused_to_new and moved  # paused streams moved, and their answers went on there
+    for result in moved:  # each had tokens before its move: it was paused, not queued
+        assert len([c for c in chunks_of(result) if c["choices"]]) > 1
