@@ -4,7 +4,10 @@ CPU): a burst of slow readers on a fleet of one replica (two streams at a time),
 pauses the streams with the largest buffers to start the others; a second replica joins
 (`launch.scale`) and the board moves paused streams to it whose buffers cover the move.  Each
 moved answer goes on in the response its client holds, from the token after the last one it
-was sent: one id, one usage over every token, one [DONE], the very text of an undisturbed run."""
+was sent: one id, one usage over every token, one [DONE].  (The engine runs its default
+kernels, as profiled, not float32: the scenario is sized on the profiled simulator of this fleet,
+and bfloat16's kernels are not batch-invariant, so the text is not compared with an undisturbed
+run's; tests_ray/test_live_join.py and test_live_moves.py compare it, in float32.)"""
 
 import time
 from collections.abc import Callable
@@ -12,24 +15,22 @@ from collections.abc import Callable
 import pytest
 import ray
 
-from tests_ray.answers import (
-    REPLICA_ARGV,
-    check_whole,
-    chunks_of,
-    greedy_answers,
-    read_all,
-    text_of,
-)
+from tests_ray.answers import KEY, check_whole, chunks_of, greedy_answers, read_all
 from tests_ray.fleet import running_fleet
 from tokenflow.core.rebalance import StreamKind
 from tokenflow.replicas.launch import scale
 
-SERVE_ARGV = [*REPLICA_ARGV, "--device-kv-tokens", "1024", "--host-kv-tokens", "4096"]
+SERVE_ARGV = ["--num-threads", "1", "--api-key", KEY]
+SERVE_ARGV += ["--device-kv-tokens", "1024", "--host-kv-tokens", "4096"]
 SERVE_ARGV += ["--max-num-seqs", "2", "--drain-timeout-s", "60"]
-MAX_TOKENS = 96
+# 16 readers of 192 tokens at 4 tok/s ask a little more than one replica makes (two streams at
+# a time): its policy pauses streams with large buffers to start the others, and at the join
+# some are still queued and some paused (the profiled simulator of this fleet moves 1 queued
+# request and 1-2 paused streams, joining anywhere from 12 to 25 s into the burst).
+MAX_TOKENS = 192
 ANSWERS = greedy_answers(MAX_TOKENS)
-NUM_COPIES = 4  # of each answer in the burst: 16 readers asking twice what one replica makes
-READ_RATE = 8.0  # tok/s: buffers grow, so the policy pauses streams to start others
+NUM_COPIES = 4  # of each answer in the burst
+READ_RATE = 4.0
 TIMEOUT_S = 600
 
 
@@ -49,9 +50,11 @@ def _until(read: Callable[[], object], what: str) -> object:
 
 def test_a_replica_that_joins_mid_burst_takes_streams_paused_on_the_other(fleet):
     url, actors = fleet
-    undisturbed, _, threads = read_all(url, ANSWERS, rate=1000.0)
+    warm, _, threads = read_all(url, ANSWERS, rate=1000.0)  # (the replica's first answers)
     for thread in threads:
         thread.join(timeout=TIMEOUT_S)
+    for result in warm:
+        check_whole(result, MAX_TOKENS)
     (first_id,) = ray.get(actors.board.first_posted_s.remote())
 
     results, _, threads = read_all(url, ANSWERS * NUM_COPIES, rate=READ_RATE)
@@ -71,9 +74,8 @@ def test_a_replica_that_joins_mid_burst_takes_streams_paused_on_the_other(fleet)
         f"({len(paused_to_new)} to the new replica, {len(paused_ids)} landed there); "
         f"hand-off to landing {[round(p.landed_s - p.handed_off_s, 3) for p in paused_to_new]} s"
     )
-    for index, result in enumerate(results):
+    for result in results:
         check_whole(result, MAX_TOKENS)
-        assert text_of(result) == text_of(undisturbed[index % len(ANSWERS)])
     assert paused_to_new and moved  # paused streams moved, and their answers went on there
     for result in moved:  # each had tokens before its move: it was paused, not queued
         assert len([c for c in chunks_of(result) if c["choices"]]) > 1
