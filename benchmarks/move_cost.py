@@ -1,9 +1,11 @@
 """What a move between replicas costs on this CPU, on Ray Serve, and the simulator's replay of
-the same runs: the "What a move costs" tables of docs/replicas.md.
+the same runs; and what moving paused streams at a join adds to moving queued requests: the
+"What a move costs" tables of docs/replicas.md.
 
     make test-ray   # (once: the Ray venv)
     PYTHONPATH=. ~/.cache/tokenflow-bench/ray-venv/bin/python -m benchmarks.move_cost --real
-    python -m benchmarks.move_cost   # the replay alone, from docs/results/move-cost.json
+    PYTHONPATH=. ~/.cache/tokenflow-bench/ray-venv/bin/python -m benchmarks.move_cost --modes
+    python -m benchmarks.move_cost   # the tables alone, from docs/results/move-cost.json
 
 Real (`--real`, each of `--rounds` on a fresh Ray): one replica of the embedded model (the
 profiled engine: its default dtype, one thread, two streams at a time) answers four prompts once,
@@ -18,6 +20,12 @@ real one first reported, the board's rule every 0.5 s, and as the move's latency
 hand-off to landing measured over every real move.  The table sets the real and the simulated
 fleet side by side: moves, how soon the first moved answer's first token followed the join, the
 burst's TTFT and how long it took.
+
+Modes (`--modes`, A B B A over `--rounds` pairs, each run on a fresh Ray): the same fleet under
+a burst of slow readers (`tokenflow bench`: 16 answers of 192 tokens read at 4 tok/s, a little
+more than one replica makes, so its policy pauses streams to start others), the second replica
+added once the burst is sent, with `--migrate queued` and with `--migrate paused`; the bench's
+summary of each run (stall, TTFT, QoE) side by side.
 """
 
 from __future__ import annotations
@@ -25,21 +33,29 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+import tokenflow.replicas  # noqa: F401 - before anything imports Ray: it sets Ray's local mode
 from tokenflow.calibrate.profile_file import load_profile
+from tokenflow.cli.workload import add_workload_arguments, workload_spec_from_args
+from tokenflow.core.migration import MOVE_LATENCY_S
 from tokenflow.core.rebalance import MigrateMode
-from tokenflow.eval.report import spread, write_marked_block
-from tokenflow.eval.workload import WorkloadRequest
+from tokenflow.eval.metrics import Summary
+from tokenflow.eval.report import format_spread_table, spread, write_marked_block
+from tokenflow.eval.workload import WorkloadRequest, generate
 from tokenflow.sim.fleet import FleetConfig, FleetResult, ReplicaJoined, run_fleet
 from tokenflow.sim.profiled import ProfiledDeployment
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- move cost: begin -->", "<!-- move cost: end -->"
+MODES_BEGIN, MODES_END = "<!-- join modes: begin -->", "<!-- join modes: end -->"
 REPORT_PERIOD_S = 0.5
 MAX_NUM_SEQS, DEVICE_KV_TOKENS, HOST_KV_TOKENS = 2, 1024, 4096
 SERVE_ARGV = ["--num-threads", "1", "--device-kv-tokens", str(DEVICE_KV_TOKENS)]
@@ -55,6 +71,9 @@ PROMPTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "How do plants eat?"}]}),
 ]
 TIMEOUT_S = 600.0
+# The modes' burst, as `tokenflow bench` options (its prompts: 16 random words, completions).
+MODES_WORKLOAD = ["--workload", "burst", "--num-requests", "16", "--prompt-len", "16"]
+MODES_WORKLOAD += ["--output-len", "192", "--rates", "4", "--seed", "0"]
 
 
 # -- the real fleet -------------------------------------------------------------------------
@@ -91,24 +110,35 @@ def _read_all(url: str, answers: list[tuple[str, dict]]) -> tuple[list[dict], li
     return results, threads
 
 
-def real_round() -> dict:
-    """One join mid-burst on a fresh Ray (module docstring); times relative to the burst."""
-    # (tokenflow.replicas before ray: it sets the mode Ray starts in, on the loopback only)
-    from tokenflow.replicas.launch import scale, start  # noqa: I001
-
-    import ray
-    from ray import serve
-
+def _fleet_of_one(migrate: str):
+    """A fleet of one replica on a fresh Ray, moving by `migrate`: (its URL, its actors)."""
     from tokenflow.eval.compare import free_port
+    from tokenflow.replicas.launch import start
 
     port = free_port()
     args = argparse.Namespace(
         replicas=1, router="tokenflow", host="127.0.0.1", port=port,
-        report_period_s=REPORT_PERIOD_S, default_rate=4.0, migrate="queued", num_cpus=2,
+        report_period_s=REPORT_PERIOD_S, default_rate=4.0, migrate=migrate, num_cpus=2,
         object_store_mib=128,
     )  # fmt: skip
-    fleet = start(args, SERVE_ARGV)
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", start(args, SERVE_ARGV)
+
+
+def _shutdown() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def real_round() -> dict:
+    """One join mid-burst on a fresh Ray (module docstring); times relative to the burst."""
+    import ray
+
+    from tokenflow.replicas.launch import scale
+
+    url, fleet = _fleet_of_one("queued")
     try:
         warm, threads = _read_all(url, PROMPTS)
         for thread in threads:
@@ -124,8 +154,7 @@ def real_round() -> dict:
         joined = ray.get(fleet.board.first_posted_s.remote())
         planned = ray.get(fleet.board.planned.remote())
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        _shutdown()
     if any(r.get("completion_tokens") != MAX_TOKENS for r in [*warm, *results]):
         raise RuntimeError(f"an answer did not complete: {results}")
     (joined_id,) = [r for r in joined if r != first_id]
@@ -158,6 +187,96 @@ def real_round() -> dict:
     }
 
 
+def mode_run(mode: str, out: Path) -> dict:
+    """The slow readers' burst (module docstring) with `--migrate mode`: the bench's summary,
+    and the moves the board planned by kind."""
+    import ray
+
+    from tokenflow.cli.bench import main as bench_main
+    from tokenflow.replicas.launch import scale
+
+    url, fleet = _fleet_of_one(mode)
+    bench = ["--url", url, *MODES_WORKLOAD, "--endpoint", "completions", "--name", mode]
+    bench += ["--no-progress", "--json", str(out)]
+    codes: list[int] = []
+    try:
+        deadline_s = time.monotonic() + TIMEOUT_S
+        while not (posted := ray.get(fleet.board.first_posted_s.remote())):
+            if time.monotonic() > deadline_s:
+                raise RuntimeError("the replica never reported to the board")
+            time.sleep(0.1)
+        (first_id,) = posted  # (one replica before the burst)
+        started_s = time.monotonic()
+        runner = threading.Thread(target=lambda: codes.append(bench_main(bench)), daemon=True)
+        runner.start()
+        time.sleep(1.0)  # (the burst is sent at once: every request is in by now)
+        scale(2)
+        runner.join(TIMEOUT_S)
+        planned = ray.get(fleet.board.planned.remote())
+        joined = ray.get(fleet.board.first_posted_s.remote())
+    finally:
+        _shutdown()
+    if codes != [0]:
+        raise RuntimeError(f"the bench failed with --migrate {mode}: {codes}")
+    record = json.loads(out.read_text())[0]
+    summary = {k: record[k] for k in Summary.__dataclass_fields__}
+    kinds = [p.move.kind.value for p in planned]
+    (joined_s,) = [t - started_s for replica, t in joined.items() if replica != first_id]
+    return {
+        "mode": mode,
+        "summary": summary,
+        "moves": {k: kinds.count(k) for k in sorted(set(kinds))},
+        "joined_s": joined_s,
+    }
+
+
+def mode_replay(run: dict, profile_path: Path) -> FleetResult:
+    """A modes run in the fleet simulator on the profile: the bench's workload, the second
+    replica joining when the real one first reported."""
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser, default_kind="burst")
+    workload = generate(workload_spec_from_args(parser.parse_args(MODES_WORKLOAD)))
+    deployment = _deployment(profile_path)
+    config = FleetConfig(
+        (deployment,),
+        report_period_s=REPORT_PERIOD_S,
+        changes=(ReplicaJoined(run["joined_s"], deployment),),
+        migrate=MigrateMode(run["mode"]),
+        move_latency_s=MOVE_LATENCY_S,
+    )
+    return run_fleet(workload, "tokenflow", config)
+
+
+def modes_table(runs: list[dict], profile_path: Path) -> list[str]:
+    """The markdown block of the A B B A comparison, real and replayed."""
+    halves = [runs[i : i + 2] for i in range(0, len(runs), 2)]  # (A B, then B A)
+    real = [{r["mode"]: Summary(**r["summary"]) for r in half} for half in halves]
+    replays = {id(r): mode_replay(r, profile_path) for r in runs}
+    simulated = [{r["mode"]: replays[id(r)].summary for r in half} for half in halves]
+    lines = [
+        f"A replica joining a burst of slow readers, `--migrate queued` against `paused`, "
+        f"A B B A over {len(runs)} runs on Ray Serve, median [min-max]; then each run replayed "
+        f"in the simulator on the profile (the bench's workload, the join when the real one "
+        f"first reported):",
+        "",
+        "```",
+        format_spread_table(real, "real"),
+        "",
+        format_spread_table(simulated, "simulated"),
+        "```",
+        "",
+    ]
+    for mode in ("queued", "paused"):
+        mine = [r for r in runs if r["mode"] == mode]
+        joined = ", ".join(f"{r['joined_s']:.1f}" for r in mine)
+        sim_moves = [replays[id(r)].num_moved for r in mine]
+        lines.append(
+            f"- `{mode}`: moves by kind, per real run: {[r['moves'] for r in mine]} "
+            f"(simulated: {sim_moves}); the new replica reported {joined} s into the burst"
+        )
+    return [*lines, ""]
+
+
 # -- the replay -----------------------------------------------------------------------------
 def move_latency_s(rounds: list[dict]) -> float:
     """The median hand-off to landing over every real move that landed: what the simulator
@@ -170,15 +289,20 @@ def move_latency_s(rounds: list[dict]) -> float:
     )
 
 
-def replay(record: dict, profile_path: Path, latency_s: float) -> FleetResult:
-    """The round in the fleet simulator on the engine's profile (module docstring)."""
-    deployment = ProfiledDeployment(
+def _deployment(profile_path: Path) -> ProfiledDeployment:
+    """The replicas' deployment (`SERVE_ARGV`) on the engine's profile."""
+    return ProfiledDeployment(
         load_profile(profile_path),
         device_kv_tokens=DEVICE_KV_TOKENS,
         host_kv_tokens=HOST_KV_TOKENS,
         max_num_seqs=MAX_NUM_SEQS,
         endpoint="completions",  # (prompts in served tokens: this mapping adds none)
     )
+
+
+def replay(record: dict, profile_path: Path, latency_s: float) -> FleetResult:
+    """The round in the fleet simulator on the engine's profile (module docstring)."""
+    deployment = _deployment(profile_path)
     workload = [
         WorkloadRequest(r["id"], max(r["sent_s"], 0.0), r["prompt_tokens"], MAX_TOKENS, READ_RATE)
         for r in record["requests"]
@@ -273,24 +397,58 @@ def table(rounds: list[dict], profile_path: Path) -> list[str]:
     return [*lines, ""]
 
 
+def _isolated(run: str) -> dict:
+    """One run (`--one join`: `real_round`; `--one MODE`: `mode_run`) in a process of its own,
+    on a Ray started afresh: a driver that started Ray twice has found the previous fleet's
+    second replica in its new one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        command = [sys.executable, "-m", "benchmarks.move_cost", "--one", run, "--out", str(out)]
+        subprocess.run(command, check=True, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--real", action="store_true", help="run the rounds on Ray Serve first")
+    parser.add_argument(
+        "--modes", action="store_true", help="run queued against paused moves on Ray Serve first"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "move-cost.json"))
+    parser.add_argument("--modes-json", default=str(ROOT / "docs" / "results" / "join-modes.json"))
     parser.add_argument("--profile", default=str(ROOT / "docs" / "results" / "cpu-profile.json"))
     parser.add_argument("--markdown", default=str(ROOT / "docs" / "replicas.md"))
+    parser.add_argument("--one", choices=("join", "queued", "paused"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.one is not None:  # (one run, in the process `_isolated` started)
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_out = Path(tmp) / "bench.json"
+            run = real_round() if args.one == "join" else mode_run(args.one, bench_out)
+        Path(args.out).write_text(json.dumps(run))
+        return 0
     if args.real:
         rounds = []
         for index in range(args.rounds):
-            rounds.append(real_round())
+            rounds.append(_isolated("join"))
             print(f"round {index}: {len(rounds[-1]['moves'])} moves", flush=True)
         Path(args.json).write_text(json.dumps(rounds, indent=1) + "\n")
+    if args.modes:
+        runs = []
+        for index in range(args.rounds):
+            for mode in ("queued", "paused", "paused", "queued"):  # A B B A
+                runs.append(_isolated(mode))
+                print(f"pair {index}, {mode}: moves {runs[-1]['moves']}", flush=True)
+        Path(args.modes_json).write_text(json.dumps(runs, indent=1) + "\n")
     rounds = json.loads(Path(args.json).read_text())
     lines = table(rounds, Path(args.profile))
     print("\n".join(lines))
     write_marked_block(Path(args.markdown), BEGIN, END, lines)
+    if Path(args.modes_json).exists():
+        lines = modes_table(json.loads(Path(args.modes_json).read_text()), Path(args.profile))
+        print("\n".join(lines))
+        write_marked_block(Path(args.markdown), MODES_BEGIN, MODES_END, lines)
     return 0
 
 

@@ -220,11 +220,10 @@ class AsyncEngine:
         """Take the unfinished requests among `request_ids` (`only_in`: those in one of these
         states, e.g. not started, or paused) out of this engine before its next step (queued
         by the time this returns); the future holds their states (times relative to the
-        export).  Each one's
-        delta iterator then raises `StreamMoved` after the deltas produced before.  A request
-        that finished meanwhile, or that the engine refuses to export, is left as it is.  A
-        future, not a coroutine: a replica's drain thread, which has no event loop, waits on
-        it."""
+        export).  Each one's delta iterator then raises `StreamMoved` after the deltas
+        produced before.  A request that finished meanwhile, or that the engine refuses to
+        export, is left as it is.  A future, not a coroutine: a replica's drain thread, which
+        has no event loop, waits on it."""
         ids = tuple(request_ids)
         states = None if only_in is None else frozenset(only_in)
         return self.between_steps(lambda _: self._export(ids, states))

@@ -148,13 +148,17 @@ class FleetResult:
 @dataclass
 class _Replica:
     replica_id: str
-    core: EngineCore
+    engine: SimEngine
     clock: SimClock
     idle_tick_s: float  # the clock's advance after a step that ran nothing
     num_routed: int = 0
     idle_steps: int = 0
     drain_deadline_s: float | None = None  # set while it drains (it takes no new request)
     routed_ids: list[str] = field(default_factory=list)  # in the order they were routed
+
+    @property
+    def core(self) -> EngineCore:
+        return self.engine.core
 
 
 @dataclass(order=True)
@@ -205,9 +209,8 @@ class _Fleet:
         for replica_config in config.replicas:
             self._new_replica(replica_config)
         self.router: Router = make_router(router, [r.replica_id for r in self.replicas])
-        engine = build_replica(config.replicas[0], config.policy)  # (its mapping and path)
-        self.prompt_tokens = engine.prompt_tokens
-        self.arrival_delay_s = engine.arrival_delay_s
+        first = self.replicas[0].engine  # (the fleet's prompt mapping and request path)
+        self.prompt_tokens, self.arrival_delay_s = first.prompt_tokens, first.arrival_delay_s
         self.pending = deque(sorted(workload, key=lambda w: (w.arrival_s, w.request_id)))
         changes = sorted(
             enumerate(config.changes),
@@ -370,10 +373,10 @@ class _Fleet:
     # -- replicas ---------------------------------------------------------------------------
     def _new_replica(self, spec: ReplicaSpec) -> _Replica:
         engine = build_replica(spec, self.config.policy)
-        core, idle_tick_s = engine.core, engine.idle_tick_s
+        idle_tick_s = engine.idle_tick_s
         assert idle_tick_s is not None  # (`build_replica` gives every replica its tick)
         replica_id = f"replica-{len(self.replicas)}"
-        replica = _Replica(replica_id, core, executor_clock(core), idle_tick_s)
+        replica = _Replica(replica_id, engine, executor_clock(engine.core), idle_tick_s)
         self.replicas.append(replica)
         return replica
 
