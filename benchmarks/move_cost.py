@@ -21,11 +21,11 @@ hand-off to landing measured over every real move.  The table sets the real and 
 fleet side by side: moves, how soon the first moved answer's first token followed the join, the
 burst's TTFT and how long it took.
 
-Modes (`--modes`, A B B A over `--rounds` pairs, each run on a fresh Ray): the same fleet under
-a burst of slow readers (`tokenflow bench`: 16 answers of 192 tokens read at 4 tok/s, a little
-more than one replica makes, so its policy pauses streams to start others), the second replica
-added once the burst is sent, with `--migrate queued` and with `--migrate paused`; the bench's
-summary of each run (stall, TTFT, QoE) side by side.
+Modes (`--modes`, `--rounds` times A B B A, each run on a fresh Ray): the same fleet under
+a burst of slow readers (`tokenflow bench`: 16 answers of 192 tokens read at 6 tok/s, half again
+what one replica makes, so its policy queues some and pauses streams to start others), the
+second replica added once the first one holds the whole burst, with `--migrate queued` and with
+`--migrate paused`; the bench's summary of each run (stall, TTFT, QoE) side by side.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -72,8 +74,10 @@ PROMPTS = [
 ]
 TIMEOUT_S = 600.0
 # The modes' burst, as `tokenflow bench` options (its prompts: 16 random words, completions).
-MODES_WORKLOAD = ["--workload", "burst", "--num-requests", "16", "--prompt-len", "16"]
-MODES_WORKLOAD += ["--output-len", "192", "--rates", "4", "--seed", "0"]
+NUM_MODES_REQUESTS = 16
+MODES_WORKLOAD = ["--workload", "burst", "--num-requests", str(NUM_MODES_REQUESTS)]
+MODES_WORKLOAD += ["--prompt-len", "16"]
+MODES_WORKLOAD += ["--output-len", "192", "--rates", "6", "--seed", "0"]
 
 
 # -- the real fleet -------------------------------------------------------------------------
@@ -209,7 +213,10 @@ def mode_run(mode: str, out: Path) -> dict:
         started_s = time.monotonic()
         runner = threading.Thread(target=lambda: codes.append(bench_main(bench)), daemon=True)
         runner.start()
-        time.sleep(1.0)  # (the burst is sent at once: every request is in by now)
+        while sum(httpx.get(f"{url}/replicas", timeout=30).json().values()) < NUM_MODES_REQUESTS:
+            if time.monotonic() > deadline_s:
+                raise RuntimeError("the burst never reached the replica")
+            time.sleep(0.05)  # (until the first replica holds the whole burst)
         scale(2)
         runner.join(TIMEOUT_S)
         planned = ray.get(fleet.board.planned.remote())
@@ -220,14 +227,18 @@ def mode_run(mode: str, out: Path) -> dict:
         raise RuntimeError(f"the bench failed with --migrate {mode}: {codes}")
     record = json.loads(out.read_text())[0]
     summary = {k: record[k] for k in Summary.__dataclass_fields__}
-    kinds = [p.move.kind.value for p in planned]
     (joined_s,) = [t - started_s for replica, t in joined.items() if replica != first_id]
     return {
         "mode": mode,
         "summary": summary,
-        "moves": {k: kinds.count(k) for k in sorted(set(kinds))},
+        "moves": _by_kind(p.move.kind.value for p in planned),
         "joined_s": joined_s,
     }
+
+
+def _by_kind(kinds: Iterable[str]) -> dict[str, int]:
+    """How many moves of each kind."""
+    return dict(sorted(Counter(kinds).items()))
 
 
 def mode_replay(run: dict, profile_path: Path) -> FleetResult:
@@ -269,7 +280,7 @@ def modes_table(runs: list[dict], profile_path: Path) -> list[str]:
     for mode in ("queued", "paused"):
         mine = [r for r in runs if r["mode"] == mode]
         joined = ", ".join(f"{r['joined_s']:.1f}" for r in mine)
-        sim_moves = [replays[id(r)].num_moved for r in mine]
+        sim_moves = [_by_kind(m.kind.value for m in replays[id(r)].moves) for r in mine]
         lines.append(
             f"- `{mode}`: moves by kind, per real run: {[r['moves'] for r in mine]} "
             f"(simulated: {sim_moves}); the new replica reported {joined} s into the burst"

@@ -9,6 +9,7 @@ import ray
 from ray import serve
 
 from tokenflow.eval.compare import free_port
+from tokenflow.replicas.board import DEFAULT_MODE
 from tokenflow.replicas.launch import Fleet, start
 
 REPORT_PERIOD_S = 0.5
@@ -16,10 +17,11 @@ REPORT_PERIOD_S = 0.5
 
 @contextlib.contextmanager
 def running_fleet(
-    serve_argv: list[str], num_replicas: int = 2, migrate: str = "queued"
+    serve_argv: list[str], num_replicas: int = 2, migrate: str = DEFAULT_MODE.value
 ) -> Iterator[tuple[str, Fleet]]:
     """The application's URL and the actors its replicas listen to (the drain signal, the
-    board of moves, planning by `migrate`); Serve and Ray are shut down on exit."""
+    board of moves, planning by `migrate`: the launcher's default unless a test says); Serve and
+    Ray are shut down on exit."""
     port = free_port()
     args = argparse.Namespace(
         replicas=num_replicas,

@@ -8,7 +8,7 @@ Gammas and rates are powers of two so every load is exact: 1024 tok/s of Gamma, 
 import pytest
 
 from tests.core.helpers import FLAT_GAMMA_TPS, flat_report
-from tokenflow.core.rebalance import Movable, ReplicaLoad, StreamKind
+from tokenflow.core.rebalance import MigrateMode, Movable, ReplicaLoad, StreamKind
 from tokenflow.core.routing import RouteRequest
 from tokenflow.replicas.board import STALE_PERIODS, MoveBoard
 
@@ -45,7 +45,7 @@ def _ids(moves) -> list[tuple[str, str, str]]:
 
 
 def test_a_replica_alone_moves_nothing_until_one_with_room_posts():
-    board = MoveBoard(PERIOD_S, clock=_Clock())
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=_Clock())
     assert board.post(_overloaded("a", range(4))) == []
     assert board.post(_idle("b")) == []  # (the idle one has nothing to give)
     moves = board.post(_overloaded("a", range(4)))
@@ -54,7 +54,7 @@ def test_a_replica_alone_moves_nothing_until_one_with_room_posts():
 
 
 def test_a_request_not_started_in_a_period_moves_even_where_the_load_reads_within_capacity():
-    board = MoveBoard(PERIOD_S, clock=_Clock())
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=_Clock())
     board.post(_idle("b"))
     fresh, stuck = _queued(1, queued_s=0.5), _queued(2, queued_s=PERIOD_S)
     within = ReplicaLoad("a", flat_report(GAMMA / 2, num_waiting=2), (fresh, stuck))
@@ -62,7 +62,7 @@ def test_a_request_not_started_in_a_period_moves_even_where_the_load_reads_withi
 
 
 def test_what_the_board_sent_a_target_counts_until_it_posts_again():
-    board = MoveBoard(PERIOD_S, clock=_Clock())
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=_Clock())
     board.post(_idle("c", demand_tps=GAMMA - 3 * RATE))  # room for three readers
     assert len(board.post(_overloaded("a", range(2)))) == 2
     # another source, in the same period: only the room left
@@ -72,14 +72,14 @@ def test_what_the_board_sent_a_target_counts_until_it_posts_again():
 
 
 def test_a_target_with_a_queue_of_its_own_takes_nothing():
-    board = MoveBoard(PERIOD_S, clock=_Clock())
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=_Clock())
     board.post(ReplicaLoad("b", flat_report(num_waiting=1)))
     assert board.post(_overloaded("a", range(2))) == []
 
 
 def test_a_silent_replica_is_no_target_and_one_that_withdrew_neither():
     clock = _Clock()
-    board = MoveBoard(PERIOD_S, clock=clock)
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=clock)
     board.post(_idle("b"))
     clock.t += STALE_PERIODS * PERIOD_S + 0.1  # (it died, or Serve stopped it)
     assert board.post(_overloaded("a", range(2))) == []
@@ -92,7 +92,7 @@ def test_a_silent_replica_is_no_target_and_one_that_withdrew_neither():
 
 def test_the_board_tells_when_each_replica_joined_and_which_moves_it_planned():
     clock = _Clock()
-    board = MoveBoard(PERIOD_S, clock=clock)
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=clock)
     board.post(_overloaded("a", range(1)))
     clock.t += 0.5
     board.post(_idle("b"))
@@ -105,7 +105,7 @@ def test_the_board_tells_when_each_replica_joined_and_which_moves_it_planned():
 
 def test_a_landing_completes_the_latest_planned_move_of_its_request_only():
     clock = _Clock()
-    board = MoveBoard(PERIOD_S, clock=clock)
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=clock)
     board.post(_idle("b"))
     board.post(_overloaded("a", range(1)))  # r0 to b, planned at 100.0
     board.landed("r7", 100.1, 100.2)  # (a move the board did not plan: a drain's)
@@ -122,4 +122,4 @@ def test_a_landing_completes_the_latest_planned_move_of_its_request_only():
 
 def test_the_period_must_be_positive():
     with pytest.raises(ValueError):
-        MoveBoard(0.0)
+        MoveBoard(0.0, MigrateMode.QUEUED)

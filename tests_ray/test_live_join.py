@@ -1,9 +1,9 @@
 """A replica that joins mid-burst takes requests queued on the other (the embedded model on Ray
 Serve, one engine thread each, on this CPU): a burst queues on a fleet of one replica (two
 streams at a time), a second replica joins (`launch.scale`, which leaves the first running),
-and the fleet's board moves queued requests to it within a report period of its first report.
-Every answer reaches its client whole: one id, one usage over every token, one [DONE], the
-very text of an undisturbed run."""
+and the fleet's board (`--migrate queued`) moves queued requests to it within a report period
+of its first report. Every answer reaches its client whole: one id, one usage over every token,
+one [DONE], the very text of an undisturbed run."""
 
 import time
 from collections.abc import Callable
@@ -40,7 +40,7 @@ TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def fleet():
     """A fleet of one replica: the application's URL and the actors its replicas listen to."""
-    with running_fleet(SERVE_ARGV, num_replicas=1) as running:
+    with running_fleet(SERVE_ARGV, num_replicas=1, migrate="queued") as running:
         yield running
 
 

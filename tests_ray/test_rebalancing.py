@@ -124,7 +124,7 @@ def test_a_request_that_started_before_the_export_stays():
 
 def test_a_replica_that_stops_is_no_target_any_more():
     engine, book, clock = _Engine(now_s=5.0), MoveBook(), ManualClock()
-    board = MoveBoard(PERIOD_S, clock=clock.now)
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=clock.now)
     target = Rebalancer(engine, book, board, "b", PERIOD_S, clock=clock.now)
     target.rebalance()  # (it posts: idle, it has room)
     stuck = movable_of(make_request("q", rate=1.0), StreamKind.QUEUED, 5.0, 0.0)
@@ -137,7 +137,7 @@ def test_a_replica_that_stops_is_no_target_any_more():
 def test_the_target_tells_the_board_when_a_moved_answer_left_its_source_and_reached_it():
     engine, book, clock = _Engine(now_s=5.0), MoveBook(), ManualClock()
     clock.t = 20.0
-    board = MoveBoard(PERIOD_S, clock=clock.now)
+    board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=clock.now)
     target = Rebalancer(engine, book, board, "b", PERIOD_S, clock=clock.now)
     target.rebalance()  # (it posts: idle, it has room)
     stuck = movable_of(make_request("q", rate=1.0), StreamKind.QUEUED, 5.0, 0.0)

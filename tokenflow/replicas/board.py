@@ -30,6 +30,10 @@ from dataclasses import dataclass, replace
 from tokenflow.core.rebalance import MigrateMode, Move, ReplicaLoad, plan_moves
 from tokenflow.core.routing import RouteRequest
 
+# What may move unless the launcher is told otherwise: paused streams too.  At a join under slow
+# readers (`benchmarks/move_cost.py --modes`, docs/replicas.md) moving them halves the mean stall
+# that queued moves alone leave, at the same TTFT and throughput.
+DEFAULT_MODE = MigrateMode.PAUSED
 STALE_PERIODS = 3.0  # a replica silent this many report periods is taken to be gone
 _NUM_LOGGED_MOVES = 1024  # the latest moves kept for `planned()`
 
@@ -58,7 +62,7 @@ class MoveBoard:
     def __init__(
         self,
         period_s: float,
-        mode: MigrateMode = MigrateMode.QUEUED,
+        mode: MigrateMode,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not period_s > 0:

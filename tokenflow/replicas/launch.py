@@ -12,9 +12,9 @@ SIGTERM or SIGINT drain the fleet as `tokenflow serve` drains itself: every repl
 requests 503 with Retry-After, the streams in flight go on for --drain-timeout-s (a replica
 option, after `--`), then Serve and Ray stop; a second signal cuts the wait short.  `leave`
 drains one replica while the others serve on: its streams move to them.  `scale` sets the number
-of engine replicas while they serve (Serve's external scaler); with `--migrate queued` (the
-default) a replica that joins takes requests queued on the others (`board.MoveBoard`), with
-`--migrate paused` also streams paused there whose buffers cover the move.
+of engine replicas while they serve (Serve's external scaler); a replica that joins takes
+requests queued on the others (`board.MoveBoard`), and with `--migrate paused` (the default)
+also streams paused there whose buffers cover the move.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ray.serve.config import RequestRouterConfig
 
 from tokenflow.core.rebalance import MigrateMode
 from tokenflow.core.routing import ROUTER_NAMES
-from tokenflow.replicas.board import MoveBoard
+from tokenflow.replicas.board import DEFAULT_MODE, MoveBoard
 from tokenflow.replicas.deployments import (
     DrainSignal,
     EngineReplica,
@@ -253,11 +253,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--migrate",
         choices=MIGRATE_MODES,
-        default=MigrateMode.QUEUED.value,
+        default=DEFAULT_MODE.value,
         help="queued: a replica over its capacity, or one holding a request it has not started "
         "for a report period, moves its queued requests to replicas with room (one that "
         "joined); paused: also streams paused there whose buffers cover the move; off: a "
-        "request stays where it was routed (a leaving replica's still move)",
+        "request stays where it was routed (a leaving replica's still move); default: %(default)s",
     )
     parser.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default: all)")
     parser.add_argument("--object-store-mib", type=int, default=256)

@@ -118,10 +118,12 @@ class FleetConfig:
 
 @dataclass(frozen=True)
 class MoveRecord:
-    """One move made: planned at `planned_s` (a round of the rule), exported from its source
-    at `exported_s` (the end of the source's step then), landed on its target at `landed_s`."""
+    """One move made (a queued request or a started stream: `kind`): planned at `planned_s` (a
+    round of the rule), exported from its source at `exported_s` (the end of the source's step
+    then), landed on its target at `landed_s`."""
 
     request_id: str
+    kind: StreamKind
     source_id: str
     target_id: str
     planned_s: float
@@ -339,6 +341,7 @@ class _Fleet:
             self.moves.append(
                 MoveRecord(
                     request_id=move.request_id,
+                    kind=move.kind,
                     source_id=move.source_id,
                     target_id=move.target_id,
                     planned_s=now_s,
