@@ -131,13 +131,15 @@ def test_export_refuses_an_unknown_request_or_a_step_in_flight():
         core.scheduler.export_stream("a")
 
 
-def test_export_refuses_a_stream_held_to_a_grammar_and_keeps_it():
-    core, _, _ = make_core("fcfs")
+def test_a_stream_held_to_a_grammar_moves_with_its_schema():
+    source, _, _ = make_core("fcfs")
     schema = StructuredOutput('{"type": "object"}')
-    core.add_request(make_request("a", structured_output=schema))
-    with pytest.raises(ValueError, match="grammar"):
-        core.scheduler.export_stream("a")
-    assert "a" in core.scheduler.requests  # still served where it is
+    source.add_request(make_request("a", structured_output=schema))
+    state = source.scheduler.export_stream("a")
+    assert "a" not in source.scheduler.requests
+    target, _, _ = make_core("fcfs")
+    moved = target.scheduler.import_stream(state)
+    assert moved.sampling_params.structured_output == schema  # (the engine resumes its matcher)
 
 
 def test_import_refuses_a_duplicate_or_a_stream_too_long_for_it():
