@@ -35,14 +35,14 @@ class _Engine:
         future.set_result(fn(self._engine))
         return future
 
-    def export_streams(self, request_ids, only_in=None):
+    def export_streams(self, request_ids, only_if=None):
         requests = self.scheduler.requests
         future = Future()
         future.set_result(
             [
                 self.scheduler.export_stream(i)
                 for i in request_ids
-                if i in requests and (only_in is None or requests[i].state in only_in)
+                if i in requests and (only_if is None or only_if(requests[i]))
             ]
         )
         return future
@@ -113,9 +113,9 @@ def test_a_request_that_started_before_the_export_stays():
     book.register("ticket-0", "r0")
     rebalancer, board = _fleet(engine, book, clock)
 
-    def start_then_export(request_ids, only_in=None):  # (a step ran in between)
+    def start_then_export(request_ids, only_if=None):  # (a step ran in between)
         engine.scheduler.requests["r0"].state = RequestState.RUNNING
-        return _Engine.export_streams(engine, request_ids, only_in)
+        return _Engine.export_streams(engine, request_ids, only_if)
 
     engine.export_streams = start_then_export
     assert rebalancer.rebalance() == 0 and "r0" in engine.scheduler.requests
@@ -127,7 +127,7 @@ def test_a_replica_that_stops_is_no_target_any_more():
     board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=clock.now)
     target = Rebalancer(engine, book, board, "b", PERIOD_S, clock=clock.now)
     target.rebalance()  # (it posts: idle, it has room)
-    stuck = movable_of(make_request("q", rate=1.0), StreamKind.QUEUED, 5.0, 0.0)
+    stuck = movable_of(make_request("q", rate=1.0), 5.0, 0.0)
     source = ReplicaLoad("a", _idle_report(), (stuck,))
     assert [m.target_id for m in board.post(source)] == ["b"]
     target.stop()  # (it drains)
@@ -140,7 +140,7 @@ def test_the_target_tells_the_board_when_a_moved_answer_left_its_source_and_reac
     board = MoveBoard(PERIOD_S, MigrateMode.QUEUED, clock=clock.now)
     target = Rebalancer(engine, book, board, "b", PERIOD_S, clock=clock.now)
     target.rebalance()  # (it posts: idle, it has room)
-    stuck = movable_of(make_request("q", rate=1.0), StreamKind.QUEUED, 5.0, 0.0)
+    stuck = movable_of(make_request("q", rate=1.0), 5.0, 0.0)
     board.post(ReplicaLoad("a", _idle_report(), (stuck,)))
     clock.t = 20.25
     target.landed("q", 20.125)
@@ -196,9 +196,9 @@ def test_paused_streams_stay_in_queued_mode():
 def test_a_paused_stream_that_resumed_before_the_export_stays():
     engine, rebalancer, board = _three_paused(MigrateMode.PAUSED)
 
-    def resume_then_export(request_ids, only_in=None):  # (a step ran in between)
+    def resume_then_export(request_ids, only_if=None):  # (a step ran in between)
         engine.scheduler.requests["p0"].state = RequestState.RUNNING
-        return _Engine.export_streams(engine, request_ids, only_in)
+        return _Engine.export_streams(engine, request_ids, only_if)
 
     engine.export_streams = resume_then_export
     assert rebalancer.rebalance() == 1

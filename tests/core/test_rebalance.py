@@ -5,14 +5,19 @@ at 8 tok/s (each 1/128 of it), one stream's share of Gamma 16 tok/s (64 streams)
 
 from __future__ import annotations
 
-from tests.core.helpers import FLAT_GAMMA_TPS, flat_report
+import pytest
+
+from tests.core.helpers import FLAT_GAMMA_TPS, flat_report, make_request
 from tokenflow.core.rebalance import (
     MigrateMode,
     Movable,
     ReplicaLoad,
     StreamKind,
+    movable_of,
     plan_moves,
+    stream_kind,
 )
+from tokenflow.core.request import RequestState
 from tokenflow.core.routing import RouteRequest
 
 GAMMA = FLAT_GAMMA_TPS
@@ -159,3 +164,24 @@ def test_a_leaving_replica_s_streams_go_even_where_no_target_has_room():
     fuller = ReplicaLoad("fuller", flat_report(3 * GAMMA))
     assert _ids(plan_moves([leaving, fuller, full])) == [("r0", "full"), ("r1", "full")]
     assert plan_moves([leaving, fuller, full], MigrateMode.QUEUED) == []  # they drain, or are cut
+
+
+def test_a_request_is_queued_paused_or_running_by_its_state_and_an_ended_one_cannot_move():
+    request = make_request("r", rate=RATE)
+    expected = {
+        RequestState.WAITING: StreamKind.QUEUED,
+        RequestState.PREEMPTED: StreamKind.PAUSED,
+        RequestState.RUNNING: StreamKind.RUNNING,
+        RequestState.LOADING: StreamKind.RUNNING,
+        RequestState.FINISHED: None,
+        RequestState.ABORTED: None,
+    }
+    for state, kind in expected.items():
+        request.state = state
+        assert stream_kind(request) is kind
+    request.state = RequestState.WAITING
+    assert movable_of(request, 5.0, 2.0).kind is StreamKind.QUEUED
+    assert movable_of(request, 5.0, 2.0).queued_s == 3.0
+    request.state = RequestState.FINISHED
+    with pytest.raises(ValueError, match="ended"):
+        movable_of(request, 5.0, 2.0)

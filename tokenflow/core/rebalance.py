@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenflow.core.migration import MOVE_LATENCY_S
-from tokenflow.core.request import Request
+from tokenflow.core.request import Request, RequestState
 from tokenflow.core.routing import LoadReport, Projection, RouteRequest, project
 
 
@@ -51,6 +51,19 @@ class StreamKind(enum.Enum):
     QUEUED = "queued"  # never started: it has no reader yet
     PAUSED = "paused"  # started, off the device: its reader reads its buffer
     RUNNING = "running"  # on the device (moves only from a leaving replica)
+
+
+_KIND_OF_STATE = {
+    RequestState.WAITING: StreamKind.QUEUED,
+    RequestState.PREEMPTED: StreamKind.PAUSED,
+    RequestState.RUNNING: StreamKind.RUNNING,
+    RequestState.LOADING: StreamKind.RUNNING,
+}
+
+
+def stream_kind(request: Request) -> StreamKind | None:
+    """What an unfinished `request` is to the rule, by its state now; None once it ended."""
+    return _KIND_OF_STATE.get(request.state)
 
 
 class MigrateMode(enum.Enum):
@@ -84,9 +97,12 @@ class Movable:
         return self.route.request_id
 
 
-def movable_of(request: Request, kind: StreamKind, now_s: float, reached_s: float) -> Movable:
-    """What the rule knows of `request`, a `kind` stream on its replica at `now_s`, which it
+def movable_of(request: Request, now_s: float, reached_s: float) -> Movable:
+    """What the rule knows of the unfinished `request` on its replica at `now_s`, which it
     reached at `reached_s` (its arrival, or the landing of its move there)."""
+    kind = stream_kind(request)
+    if kind is None:
+        raise ValueError(f"{request.request_id!r} has ended: it cannot move")
     return Movable(
         route=RouteRequest.of(request),
         kind=kind,

@@ -22,13 +22,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from tokenflow.core.migration import StreamState
-from tokenflow.core.request import Consumption, RequestState, SamplingParams
+from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import (
     EngineDead,
@@ -215,18 +215,17 @@ class AsyncEngine:
             yield delta
 
     def export_streams(
-        self, request_ids: Sequence[str], only_in: Collection[RequestState] | None = None
+        self, request_ids: Sequence[str], only_if: Callable[[Request], bool] | None = None
     ) -> Future[list[StreamState]]:
-        """Take the unfinished requests among `request_ids` (`only_in`: those in one of these
-        states, e.g. not started, or paused) out of this engine before its next step (queued
-        by the time this returns); the future holds their states (times relative to the
-        export).  Each one's delta iterator then raises `StreamMoved` after the deltas
+        """Take the unfinished requests among `request_ids` (`only_if`: those for which it
+        holds then, e.g. still not started, or still paused) out of this engine before its next
+        step (queued by the time this returns); the future holds their states (times relative
+        to the export).  Each one's delta iterator then raises `StreamMoved` after the deltas
         produced before.  A request that finished meanwhile, or that the engine refuses to
         export, is left as it is.  A future, not a coroutine: a replica's drain thread, which
         has no event loop, waits on it."""
         ids = tuple(request_ids)
-        states = None if only_in is None else frozenset(only_in)
-        return self.between_steps(lambda _: self._export(ids, states))
+        return self.between_steps(lambda _: self._export(ids, only_if))
 
     def between_steps(self, fn: Callable[[LLMEngine], _T]) -> Future[_T]:
         """Call `fn(engine)` on the engine thread before its next step (or at once while it
@@ -436,9 +435,9 @@ class AsyncEngine:
         self._stats = self.engine.stats()
 
     def _export(
-        self, request_ids: Sequence[str], only_in: frozenset[RequestState] | None
+        self, request_ids: Sequence[str], only_if: Callable[[Request], bool] | None
     ) -> list[StreamState]:
-        """Export each live request of `request_ids` (`only_in`: each in one of those states); its
+        """Export each live request of `request_ids` (`only_if`: each for which it holds); its
         sink hears `StreamMoved` after the deltas already sent to it (the same thread sent
         them, in order)."""
         states = []
@@ -447,7 +446,7 @@ class AsyncEngine:
             if submission is None:
                 continue  # finished, failed or aborted meanwhile
             request = self.engine.scheduler.requests.get(request_id)
-            if only_in is not None and (request is None or request.state not in only_in):
+            if only_if is not None and (request is None or not only_if(request)):
                 continue  # it started or resumed meanwhile: it stays
             try:
                 state = self.engine.export_stream(request_id)

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from tokenflow.core.rebalance import Move, ReplicaLoad, StreamKind, movable_of
-from tokenflow.core.request import RequestState
+from tokenflow.core.rebalance import Move, ReplicaLoad, movable_of, stream_kind
 from tokenflow.core.routing import load_report
 from tokenflow.serving.moves import MoveBook
 
@@ -37,9 +36,6 @@ if TYPE_CHECKING:
     from tokenflow.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-# The engine state of a request the board saw as queued or paused: it moves only if still so.
-_STATE_OF = {StreamKind.QUEUED: RequestState.WAITING, StreamKind.PAUSED: RequestState.PREEMPTED}
 
 
 class Board(Protocol):
@@ -137,8 +133,10 @@ class Rebalancer:
             return 0
         with self._lock:
             self._targets.update({m.request_id: m.target_id for m in moves})
-        only_in = {_STATE_OF[m.kind] for m in moves}
-        exported = self._engine.export_streams([m.request_id for m in moves], only_in)
+        seen = {m.request_id: m.kind for m in moves}  # (each moves only if still as seen)
+        exported = self._engine.export_streams(
+            list(seen), only_if=lambda r: stream_kind(r) is seen[r.request_id]
+        )
         states = exported.result(timeout=self._timeout_s)
         moved_ids = {s.request_id for s in states}
         with self._lock:  # (those that started or ended meanwhile stay)
@@ -169,11 +167,9 @@ class Rebalancer:
         view = llm.scheduler.view(now_s)
         movable_ids = set(self._book.movable_request_ids())
         reached_s = self._landings(now_s, llm.scheduler.requests)
-        kinds = ((view.waiting, StreamKind.QUEUED), (view.preempted, StreamKind.PAUSED))
         movable = tuple(
-            movable_of(r, kind, now_s, reached_s.get(r.request_id, r.arrival_s))
-            for queue, kind in kinds
-            for r in queue
+            movable_of(r, now_s, reached_s.get(r.request_id, r.arrival_s))
+            for r in (*view.waiting, *view.preempted)
             if r.request_id in movable_ids
         )
         return ReplicaLoad(replica_id=self.replica_id, report=load_report(view), movable=movable)

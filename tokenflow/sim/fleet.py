@@ -354,14 +354,14 @@ class _Fleet:
         scheduler = replica.core.scheduler
         now = max(replica.clock.now(), now_s)
         report = self.router.reports.get(replica.replica_id) or self._report(replica, now)
-        kinds = [(scheduler.waiting, StreamKind.QUEUED), (scheduler.preempted, StreamKind.PAUSED)]
+        queues = [scheduler.waiting, scheduler.preempted]
         drain_left_s = None
         if replica.drain_deadline_s is not None:
-            kinds.append((scheduler.running, StreamKind.RUNNING))
+            queues.append(scheduler.running)
             drain_left_s = max(replica.drain_deadline_s - now_s, 0.0)
         movable = tuple(
-            movable_of(r, kind, now, self.landed_s.get(r.request_id, r.arrival_s))
-            for queue, kind in kinds
+            movable_of(r, now, self.landed_s.get(r.request_id, r.arrival_s))
+            for queue in queues
             for r in queue
         )
         routed = tuple(self.router.routed_since.get(replica.replica_id, ()))
