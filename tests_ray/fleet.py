@@ -3,7 +3,8 @@ the TokenFlow router, started by the launcher's own `start`."""
 
 import argparse
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import ray
 from ray import serve
@@ -13,6 +14,7 @@ from tokenflow.replicas.board import DEFAULT_MODE
 from tokenflow.replicas.launch import Fleet, start
 
 REPORT_PERIOD_S = 0.5
+TIMEOUT_S = 600  # the longest a live test waits for what the fleet is to do
 
 
 @contextlib.contextmanager
@@ -40,3 +42,12 @@ def running_fleet(
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def until(read: Callable[[], object], what: str) -> object:
+    """What `read()` returns once it is truthy, polled for at most `TIMEOUT_S`."""
+    deadline_s = time.monotonic() + TIMEOUT_S
+    while not (value := read()):
+        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value

@@ -5,9 +5,6 @@ and the fleet's board (`--migrate queued`) moves queued requests to it within a 
 of its first report. Every answer reaches its client whole: one id, one usage over every token,
 one [DONE], the very text of an undisturbed run."""
 
-import time
-from collections.abc import Callable
-
 import httpx
 import pytest
 import ray
@@ -20,7 +17,7 @@ from tests_ray.answers import (
     read_all,
     text_of,
 )
-from tests_ray.fleet import REPORT_PERIOD_S, running_fleet
+from tests_ray.fleet import REPORT_PERIOD_S, TIMEOUT_S, running_fleet, until
 from tokenflow.replicas.launch import scale
 
 SERVE_ARGV = [*REPLICA_ARGV, "--device-kv-tokens", "1024", "--host-kv-tokens", "4096"]
@@ -34,7 +31,6 @@ NUM_COPIES = 4  # of each answer in the burst: 16 answers, 14 of them queued at 
 # the continuation's call on the new replica (Ray calls), and the new replica's prefill of the
 # prompt and its first token, all on this busy 2-core CPU.
 MOVE_LATENCY_S = 1.0
-TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +38,6 @@ def fleet():
     """A fleet of one replica: the application's URL and the actors its replicas listen to."""
     with running_fleet(SERVE_ARGV, num_replicas=1, migrate="queued") as running:
         yield running
-
-
-def _until(read: Callable[[], object], what: str) -> object:
-    """What `read()` returns once it is truthy, polled for at most `TIMEOUT_S`."""
-    deadline_s = time.monotonic() + TIMEOUT_S
-    while not (value := read()):
-        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def test_a_replica_that_joins_mid_burst_serves_requests_queued_on_the_other(fleet):
@@ -64,14 +51,14 @@ def test_a_replica_that_joins_mid_burst_serves_requests_queued_on_the_other(flee
 
     burst = ANSWERS * NUM_COPIES
     results, _, threads = read_all(url, burst, rate=1000.0)
-    _until(lambda: all(r.get("status") for r in results), "every answer of the burst to open")
+    until(lambda: all(r.get("status") for r in results), "every answer of the burst to open")
     scale(2)
 
     def joined() -> dict[str, float]:
         first_posts = ray.get(actors.board.first_posted_s.remote())
         return {replica: s for replica, s in first_posts.items() if replica != first_id}
 
-    ((joined_id, joined_s),) = _until(joined, "the new replica's first report").items()
+    ((joined_id, joined_s),) = until(joined, "the new replica's first report").items()
     for thread in threads:
         thread.join(timeout=TIMEOUT_S)
     every_move = ray.get(actors.board.planned.remote())

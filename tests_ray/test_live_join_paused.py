@@ -9,14 +9,11 @@ kernels, as profiled, not float32: the scenario is sized on the profiled simulat
 and bfloat16's kernels are not batch-invariant, so the text is not compared with an undisturbed
 run's; tests_ray/test_live_join.py and test_live_moves.py compare it, in float32.)"""
 
-import time
-from collections.abc import Callable
-
 import pytest
 import ray
 
 from tests_ray.answers import KEY, check_whole, chunks_of, greedy_answers, read_all
-from tests_ray.fleet import running_fleet
+from tests_ray.fleet import TIMEOUT_S, running_fleet, until
 from tokenflow.core.rebalance import StreamKind
 from tokenflow.replicas.launch import scale
 
@@ -31,21 +28,12 @@ MAX_TOKENS = 192
 ANSWERS = greedy_answers(MAX_TOKENS)
 NUM_COPIES = 4  # of each answer in the burst
 READ_RATE = 4.0
-TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
 def fleet():
     with running_fleet(SERVE_ARGV, num_replicas=1, migrate="paused") as running:
         yield running
-
-
-def _until(read: Callable[[], object], what: str) -> object:
-    deadline_s = time.monotonic() + TIMEOUT_S
-    while not (value := read()):
-        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def test_a_replica_that_joins_mid_burst_takes_streams_paused_on_the_other(fleet):
@@ -58,7 +46,7 @@ def test_a_replica_that_joins_mid_burst_takes_streams_paused_on_the_other(fleet)
     (first_id,) = ray.get(actors.board.first_posted_s.remote())
 
     results, _, threads = read_all(url, ANSWERS * NUM_COPIES, rate=READ_RATE)
-    _until(lambda: all(r.get("status") for r in results), "every answer of the burst to open")
+    until(lambda: all(r.get("status") for r in results), "every answer of the burst to open")
     scale(2)
     for thread in threads:
         thread.join(timeout=TIMEOUT_S)

@@ -6,13 +6,14 @@ landing, exports what the board says if it is still as the board saw it, and nam
 target."""
 
 from concurrent.futures import Future
+from dataclasses import replace
 from types import SimpleNamespace
 
-from tests.core.helpers import ManualClock, make_core, make_request
+from tests.core.helpers import ManualClock, flat_report, make_core, make_request
 from tokenflow.core.migration import StreamState
 from tokenflow.core.rebalance import MigrateMode, ReplicaLoad, StreamKind, movable_of
 from tokenflow.core.request import Consumption, RequestState, SamplingParams
-from tokenflow.core.routing import CapacityPoint, LoadReport
+from tokenflow.core.routing import LoadReport
 from tokenflow.replicas.board import MoveBoard
 from tokenflow.replicas.rebalancing import Rebalancer
 from tokenflow.serving.moves import MoveBook
@@ -49,22 +50,8 @@ class _Engine:
 
 
 def _idle_report() -> LoadReport:
-    return LoadReport(
-        now_s=0.0,
-        gamma_tps=1024.0,
-        working_demand_tps=0.0,
-        waiting_demand_tps=0.0,
-        num_running=0,
-        num_preempted=0,
-        num_waiting=0,
-        num_free_device_blocks=10_000,
-        num_free_host_blocks=0,
-        num_lifetime_blocks=0,
-        block_size=16,
-        capacity_points=(CapacityPoint(1e9, 1024.0, 64),),
-        num_device_blocks=10_000,
-        num_host_blocks=0,
-    )
+    """A replica with nothing on it: `flat_report`'s capacity, no stream."""
+    return replace(flat_report(), num_running=0, num_lifetime_blocks=0)
 
 
 def _fleet(

@@ -13,6 +13,7 @@ import pytest
 from tests.runtime.test_preemption_exact import StepClock
 from tests.runtime.test_preemption_exact_scores import same_scores
 from tokenflow.core.request import SamplingParams, StructuredOutput
+from tokenflow.engine.client import GenerationDelta
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
 
@@ -52,15 +53,21 @@ def _run(engine: LLMEngine, rate_tps: float | None) -> dict[str, tuple]:
         _, deltas = engine.step()
         clock.t += 0.05
         engine.scheduler.kv.check_integrity()
-        for delta in deltas:
-            assert delta.finish_reason != "error", delta.error
-            tokens, logprobs, prompt = seen[delta.request_id]
-            tokens.extend(delta.token_ids)
-            logprobs.extend(delta.logprobs)
-            if delta.prompt_logprobs is not None:
-                prompt.append(delta.prompt_logprobs)
+        record(seen, deltas)
     assert not engine.has_work
     return seen
+
+
+def record(seen: dict[str, tuple[list, list, list]], deltas: list[GenerationDelta]) -> None:
+    """Add each delta's tokens, their logprobs and its prompt's logprobs to its request's
+    (tokens, logprobs, [prompt logprobs]) in `seen`; no delta may be an error."""
+    for delta in deltas:
+        assert delta.finish_reason != "error", delta.error
+        tokens, logprobs, prompt = seen[delta.request_id]
+        tokens.extend(delta.token_ids)
+        logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            prompt.append(delta.prompt_logprobs)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import pytest
 
 from tests.runtime.test_grammar_exact import PARAMS as GRAMMAR_PARAMS
 from tests.runtime.test_grammar_exact import PROMPTS as GRAMMAR_PROMPTS
+from tests.runtime.test_grammar_exact import record
 from tests.runtime.test_preemption_exact_scores import same_scores
 from tokenflow.core.request import RequestState, SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
@@ -115,13 +116,7 @@ def _run_grammar(engine: LLMEngine, ids: list[str], seen: dict, until: int | Non
     while engine.has_work and (until is None or min(len(seen[r][0]) for r in ids) < until):
         _, deltas = engine.step()
         engine.core.clock.t += 0.05
-        for delta in deltas:
-            assert delta.finish_reason != "error", delta.error
-            tokens, logprobs, prompt = seen[delta.request_id]
-            tokens.extend(delta.token_ids)
-            logprobs.extend(delta.logprobs)
-            if delta.prompt_logprobs is not None:
-                prompt.append(delta.prompt_logprobs)
+        record(seen, deltas)
 
 
 def test_a_stream_held_to_a_grammar_moves_and_continues_exactly(tiny_model_dir):
