@@ -117,30 +117,22 @@ def _read_all(url: str, answers: list[tuple[str, dict]]) -> tuple[list[dict], li
 def _fleet_of_one(migrate: str):
     """A fleet of one replica on a fresh Ray, moving by `migrate`: (its URL, its actors)."""
     from tokenflow.eval.compare import free_port
-    from tokenflow.replicas.launch import start
+    from tokenflow.replicas.launch import parse_options, start
 
     port = free_port()
-    args = argparse.Namespace(
-        replicas=1, router="tokenflow", host="127.0.0.1", port=port,
-        report_period_s=REPORT_PERIOD_S, default_rate=4.0, migrate=migrate, num_cpus=2,
-        object_store_mib=128,
-    )  # fmt: skip
+    args = parse_options(
+        ["--replicas", "1", "--port", str(port), "--migrate", migrate]
+        + ["--report-period-s", str(REPORT_PERIOD_S), "--num-cpus", "2"]
+        + ["--object-store-mib", "128"]
+    )
     return f"http://127.0.0.1:{port}", start(args, SERVE_ARGV)
-
-
-def _shutdown() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 def real_round() -> dict:
     """One join mid-burst on a fresh Ray (module docstring); times relative to the burst."""
     import ray
 
-    from tokenflow.replicas.launch import scale
+    from tokenflow.replicas.launch import scale, stop_serve
 
     url, fleet = _fleet_of_one("queued")
     try:
@@ -158,7 +150,7 @@ def real_round() -> dict:
         joined = ray.get(fleet.board.first_posted_s.remote())
         planned = ray.get(fleet.board.planned.remote())
     finally:
-        _shutdown()
+        stop_serve()
     if any(r.get("completion_tokens") != MAX_TOKENS for r in [*warm, *results]):
         raise RuntimeError(f"an answer did not complete: {results}")
     (joined_id,) = [r for r in joined if r != first_id]
@@ -197,7 +189,7 @@ def mode_run(mode: str, out: Path) -> dict:
     import ray
 
     from tokenflow.cli.bench import main as bench_main
-    from tokenflow.replicas.launch import scale
+    from tokenflow.replicas.launch import scale, stop_serve
 
     url, fleet = _fleet_of_one(mode)
     bench = ["--url", url, *MODES_WORKLOAD, "--endpoint", "completions", "--name", mode]
@@ -222,7 +214,7 @@ def mode_run(mode: str, out: Path) -> dict:
         planned = ray.get(fleet.board.planned.remote())
         joined = ray.get(fleet.board.first_posted_s.remote())
     finally:
-        _shutdown()
+        stop_serve()
     if codes != [0]:
         raise RuntimeError(f"the bench failed with --migrate {mode}: {codes}")
     record = json.loads(out.read_text())[0]

@@ -1,17 +1,13 @@
 """A live fleet for the tests that need one: replicas of the embedded model on Ray Serve behind
 the TokenFlow router, started by the launcher's own `start`."""
 
-import argparse
 import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-import ray
-from ray import serve
-
 from tokenflow.eval.compare import free_port
 from tokenflow.replicas.board import DEFAULT_MODE
-from tokenflow.replicas.launch import Fleet, start
+from tokenflow.replicas.launch import Fleet, parse_options, start, stop_serve
 
 REPORT_PERIOD_S = 0.5
 TIMEOUT_S = 600  # the longest a live test waits for what the fleet is to do
@@ -25,23 +21,16 @@ def running_fleet(
     board of moves, planning by `migrate`: the launcher's default unless a test says); Serve and
     Ray are shut down on exit."""
     port = free_port()
-    args = argparse.Namespace(
-        replicas=num_replicas,
-        router="tokenflow",
-        host="127.0.0.1",
-        port=port,
-        report_period_s=REPORT_PERIOD_S,
-        default_rate=4.0,
-        migrate=migrate,
-        num_cpus=2,
-        object_store_mib=128,
+    args = parse_options(
+        ["--replicas", str(num_replicas), "--port", str(port), "--migrate", migrate]
+        + ["--report-period-s", str(REPORT_PERIOD_S), "--num-cpus", "2"]
+        + ["--object-store-mib", "128"]
     )
     fleet = start(args, serve_argv)
     try:
         yield f"http://127.0.0.1:{port}", fleet
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_serve()
 
 
 def until(read: Callable[[], object], what: str) -> object:

@@ -16,7 +16,7 @@ from tests_ray.fakes import CHUNKS, FAKE, NAMESPACE, RECORDER, STREAM_ID, FakeRe
 from tokenflow.eval.compare import free_port
 from tokenflow.replicas.deployments import REPLICA_HEADER
 from tokenflow.replicas.guards import MAX_TRIES
-from tokenflow.replicas.launch import APP_NAME, build_application, start_serve
+from tokenflow.replicas.launch import APP_NAME, build_application, start_serve, stop_serve
 
 KEY = "test-key-1234"
 LIMIT = 8192  # --max-body-bytes
@@ -33,8 +33,7 @@ def port():
     application = build_application(2, "tokenflow", serve_argv, 0.5, replica_class=FakeReplica)
     serve.run(application, name=APP_NAME, route_prefix="/")
     yield port
-    serve.shutdown()
-    ray.shutdown()
+    stop_serve()
 
 
 @pytest.fixture

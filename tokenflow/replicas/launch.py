@@ -136,6 +136,12 @@ def start_serve(host: str, port: int, num_cpus: int | None, object_store_mib: in
     serve.start(http_options={"host": host, "port": port})
 
 
+def stop_serve() -> None:
+    """Stop Serve (its applications, its proxy) and Ray, as `start_serve` started them."""
+    serve.shutdown()
+    ray.shutdown()
+
+
 @dataclass(frozen=True)
 class Fleet:
     """The actors a running application's replicas listen to."""
@@ -263,6 +269,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--object-store-mib", type=int, default=256)
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="python -m tokenflow.replicas", description=__doc__
+    )
+    add_arguments(parser)
+    return parser
+
+
+def parse_options(argv: list[str]) -> argparse.Namespace:
+    """The launcher's own options (those before `--`) as `argv` gives them, and its defaults
+    for the rest: what `start` takes."""
+    return _parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m tokenflow.replicas [options] -- [tokenflow serve options]`."""
     import sys
@@ -271,10 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ours, serve_argv = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
-    parser = argparse.ArgumentParser(
-        allow_abbrev=False, prog="python -m tokenflow.replicas", description=__doc__
-    )
-    add_arguments(parser)
+    parser = _parser()
     args = parser.parse_args(ours)
     try:
         config = server_config(serve_argv)
@@ -297,6 +314,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"draining (at most {config.drain_timeout_s:g} s)", flush=True)
     drained = drain(fleet.drain_signal, args.replicas, config.drain_timeout_s, cut_short)
     print("drained" if drained else "stopping with requests still in flight", flush=True)
-    serve.shutdown()
-    ray.shutdown()
+    stop_serve()
     return 0
