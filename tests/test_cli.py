@@ -80,3 +80,26 @@ def test_every_parser_in_the_package_refuses_abbreviations():
                 if not (isinstance(value, ast.Constant) and value.value is False):
                     offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        ([], "auth off: every request is served (no --api-key), default class eager"),
+        (
+            ["--api-key", "a", "--api-key-class", "b=reader:6", "--default-class", "reader"],
+            "auth on: 2 API keys, /metrics needs a key, default class reader",
+        ),
+    ],
+)
+def test_serve_logs_whether_auth_is_on_at_start(monkeypatch, caplog, flags, line):
+    import logging
+
+    import tokenflow.cli.serve as serve
+
+    monkeypatch.setattr(serve, "configure_logging", lambda level: None)  # (keeps caplog's)
+    monkeypatch.setattr(serve, "_serve", lambda sock, config, engine_args: 0)
+    args = build_parser().parse_args(["serve", "--port", "0", *flags])
+    with caplog.at_level(logging.INFO, logger="tokenflow.cli.serve"):
+        assert serve.run_serve(args) == 0
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("auth ")] == [line]

@@ -73,3 +73,18 @@ def test_the_keys_are_checked_against_the_commands_own_options():
     }
     with pytest.raises(ConfigFileError, match="unknown key 'api-key'"):
         config_defaults(commands["simulate"], {"api-key": "x"}, "f")
+
+
+@pytest.mark.parametrize("flags", [["--api-key", "cli"], ["--api-key=cli"]])
+def test_a_list_flag_on_the_command_line_replaces_the_files_list(tmp_path, flags):
+    from tokenflow.serving.config import ServerConfig
+
+    path = tmp_path / "serve.toml"
+    path.write_text('api-key = ["file-1", "file-2"]\napi-key-class = ["file-1=reader:6"]\n')
+    args = parse_serve(["--config", str(path), *flags])
+    assert args.api_keys == ["cli"]  # not the file's keys and the flag's
+    assert args.api_key_classes == ["file-1=reader:6"]  # a list not given stays the file's
+    assert ServerConfig.from_namespace(args).allowed_keys == ("cli", "file-1")
+    both = parse_serve(["--config", str(path), *flags, "--api-key-class", "cli=eager"])
+    assert both.api_key_classes == ["cli=eager"]
+    assert parse_serve(["--config", str(path)]).api_keys == ["file-1", "file-2"]

@@ -30,7 +30,9 @@ def tokenizer(tiny_model_dir) -> Tokenizer:
 
 @pytest.fixture
 def grammars(tokenizer) -> Grammars:
-    return Grammars(tokenizer, tokenizer.vocab_size, [EOS])
+    grammars = Grammars(tokenizer, tokenizer.vocab_size, [EOS])
+    yield grammars
+    grammars.close()  # its compile process
 
 
 def _constrained(schema: dict, temperature: float = 0.0, seed: int | None = None) -> SamplingParams:

@@ -106,6 +106,18 @@ class FakeEngine:
     death: str | None = None  # health() reports the loop dead, generate() raises EngineDead
     seconds_since_tick: float = 0.0
     num_snapshots: int = 0  # streams() calls
+    num_compiles: int = 0  # compile_grammar() calls with a structured output
+    compile_gate: threading.Event | None = None  # compile_grammar() waits for it
+    grammar_error: str | None = None  # compile_grammar() refuses with this message
+
+    async def compile_grammar(self, sampling_params: SamplingParams) -> None:
+        if sampling_params.structured_output is None:
+            return
+        self.num_compiles += 1
+        if self.compile_gate is not None:
+            await _opened(self.compile_gate)
+        if self.grammar_error is not None:
+            raise EngineRequestError(self.grammar_error)
 
     async def generate(
         self,

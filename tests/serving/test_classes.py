@@ -71,16 +71,18 @@ async def test_unknown_or_contradictory_classes_are_a_400():
 
 async def test_classes_by_api_key_and_the_server_default():
     config = ServerConfig(
-        default_class="eager", api_key_classes=("chat-key=reader:6", "voice-key=reader")
+        api_keys=("other",),
+        default_class="eager",
+        api_key_classes=("chat-key=reader:6", "voice-key=reader"),
     )
     got = await rates(
         config,
         (BODY, {"Authorization": "Bearer chat-key"}),
         (BODY, {"Authorization": "Bearer voice-key"}),  # a reader at the default rate
-        (BODY, {"Authorization": "Bearer other"}),
-        (BODY, {}),
+        (BODY, {"Authorization": "Bearer other"}),  # a key without a rule: the default
+        (BODY, {}),  # (a class rule's key turns auth on)
     )
-    assert got == [6.0, FakeEngine().default_rate_tps, math.inf, math.inf]
+    assert got == [6.0, FakeEngine().default_rate_tps, math.inf, 401]
 
 
 async def test_a_keys_rule_binds_what_its_requests_state_unless_written_with_a_tilde():

@@ -19,8 +19,9 @@ from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.serving.app import build_app
 from tokenflow.serving.config import ServerConfig
 
-API_KEY = "secret-key"
+API_KEY = "secret-key"  # the burst's: a tenant's key, which sees its own streams only
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_AUTH = {"Authorization": "Bearer admin-key"}  # sees every stream: the engine's view
 GRAFANA_JSON = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tokenflow.json"
 # 8 readers of 24 + 128 tokens (10 blocks each) where the device tier holds 32 blocks: about
 # three fit at full length, so streams with buffered reading are paused for the others.
@@ -48,7 +49,8 @@ def served(tiny_model_dir):
         max_model_len=512,
     )
     engine = AsyncEngine(args)
-    with serve_in_thread(build_app(engine, ServerConfig(api_keys=(API_KEY,)))) as url:
+    config = ServerConfig(api_keys=(API_KEY,), admin_api_keys=("admin-key",))
+    with serve_in_thread(build_app(engine, config)) as url:
         warm_up(url)
         yield engine, url
     engine.close()
@@ -64,7 +66,9 @@ def warm_up(url: str) -> None:
 
 def get_streams(url: str, limit: int | None = None) -> dict:
     params = {} if limit is None else {"limit": limit}
-    response = httpx.get(f"{url}/v1/tokenflow/streams", params=params, headers=AUTH, timeout=60)
+    response = httpx.get(
+        f"{url}/v1/tokenflow/streams", params=params, headers=ADMIN_AUTH, timeout=60
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -176,7 +180,7 @@ def test_every_series_of_the_grafana_dashboard_is_exported(served):
     body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "stream_rate": 8}
     response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 200  # (so the latency histograms have series)
-    exposition = httpx.get(f"{url}/metrics", timeout=60).text
+    exposition = httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text  # (keys: guarded)
     exported = set(re.findall(r"^(tokenflow_[a-z_]+)", exposition, flags=re.MULTILINE))
     used = grafana_metric_names()
     assert {

@@ -12,12 +12,15 @@ from hypothesis import strategies as st
 from tokenflow.serving.tool_calls import HermesToolCalls
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+OFFERED = ("get_weather", "now")  # the request's tools
 TEXT = f'Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>{{"name": "now"}}</tool_call>'
 
 
-def _parse(pieces: list[str], finish_reason: str = "stop") -> tuple[str, list, HermesToolCalls]:
+def _parse(
+    pieces: list[str], finish_reason: str = "stop", offered: tuple[str, ...] = OFFERED
+) -> tuple[str, list, HermesToolCalls]:
     ids = count()
-    parser = HermesToolCalls(lambda: f"call_{next(ids)}")
+    parser = HermesToolCalls(lambda: f"call_{next(ids)}", offered)
     content, deltas = "", []
     for i, piece in enumerate(pieces):
         parsed = parser.feed(piece, finish_reason if i == len(pieces) - 1 else None)
@@ -51,7 +54,7 @@ def test_the_same_content_and_calls_however_the_text_is_cut(cuts):
 
 def test_no_part_of_an_opening_tag_is_sent_as_content():
     ids = count()
-    parser = HermesToolCalls(lambda: f"call_{next(ids)}")
+    parser = HermesToolCalls(lambda: f"call_{next(ids)}", OFFERED)
     assert parser.feed("Sure <tool_", None).content == "Sure "
     parsed = parser.feed(f"call>{CALL}</tool_call>", "stop")
     assert parsed.content == "" and parsed.tool_calls[0].function.name == "get_weather"
@@ -73,3 +76,14 @@ def test_a_block_that_is_no_call_stays_as_written():
 def test_a_block_cut_off_by_the_finish_is_content():
     content, deltas, parser = _parse(['ok <tool_call>{"name": "get_'], "length")
     assert content == 'ok <tool_call>{"name": "get_' and not deltas and not parser.calls
+
+
+def test_a_call_of_a_function_not_offered_stays_as_written():
+    content, deltas, parser = _parse([TEXT], offered=("now",))
+    assert content == f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n"
+    assert [(d.index, d.id, d.function.name) for d in deltas] == [(0, "call_0", "now")]
+    content, deltas, parser = _parse([TEXT], offered=())
+    assert content == TEXT and not deltas and not parser.calls
+    assert parser.finish_reason("stop") == "stop"
+    unhashable = '<tool_call>{"name": ["now"]}</tool_call>'
+    assert _parse([unhashable])[0] == unhashable

@@ -2,9 +2,11 @@
 
 The file is flat: one `key = value` per option, the key being the option's long name without
 its dashes (`device-kv-tokens = 2048` or `device_kv_tokens = 2048`, `mu = 2.0`, `policy =
-"tokenflow"`, `no-write-through = true`).  `tokenflow tune` writes such a file for `serve`
-(and `simulate` reads the same policy keys).  An unknown key, a table, or a value of the wrong
-kind is refused with the file, the key and what was expected.
+"tokenflow"`, `no-write-through = true`); a repeatable option takes a list or one string
+(`api-key = ["a", "b"]`).  A repeatable option given on the command line replaces the file's
+list instead of adding to it, as every other flag replaces the file's value.  `tokenflow tune`
+writes such a file for `serve` (and `simulate` reads the same policy keys).  An unknown key, a
+table, or a value of the wrong kind is refused with the file, the key and what was expected.
 """
 
 from __future__ import annotations
@@ -73,10 +75,27 @@ def config_defaults(
 
 
 def apply_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-    """If `argv` names a `--config FILE`, make the file's values `parser`'s defaults."""
+    """If `argv` names a `--config FILE`, make the file's values `parser`'s defaults, but for
+    the repeatable options `argv` gives (their values replace the file's list, not add to it:
+    argparse appends a repeated option's values to its default)."""
     path = config_path(argv)
-    if path is not None:
-        parser.set_defaults(**config_defaults(parser, read_config(path), str(path)))
+    if path is None:
+        return
+    defaults = config_defaults(parser, read_config(path), str(path))
+    given = _lists_given(parser, argv)
+    parser.set_defaults(**{dest: v for dest, v in defaults.items() if dest not in given})
+
+
+def _lists_given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset[str]:
+    """The destinations of the repeatable options that `argv` gives (`--opt V`, `--opt=V`)."""
+    given = set()
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of actions
+        if not isinstance(action, argparse._AppendAction):  # noqa: SLF001 - a repeatable option
+            continue
+        names = action.option_strings
+        if any(arg.split("=", 1)[0] in names for arg in argv):
+            given.add(action.dest)
+    return frozenset(given)
 
 
 def write_config(

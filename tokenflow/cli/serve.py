@@ -85,6 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(str(err), 2)
     configure_logging(config.log_level)
+    logger.info("%s", config.auth_summary())
     try:
         sock = _listen(config.host, config.port)
     except OSError as err:

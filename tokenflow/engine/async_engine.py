@@ -27,6 +27,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import anyio
+
 from tokenflow.core.migration import StreamState
 from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
@@ -43,6 +45,8 @@ from tokenflow.engine.client import (
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
 from tokenflow.engine.streams import StreamsSnapshot
+from tokenflow.model.grammar import CompiledGrammar
+from tokenflow.model.grammar_compile import CompilerBusy
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,7 @@ class _Add:
     consumption: Consumption
     sink: _DeltaSink
     loop: asyncio.AbstractEventLoop
+    grammar: CompiledGrammar | None  # its structured output's, compiled off the engine thread
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class _Import:
     state: StreamState
     sink: _DeltaSink
     loop: asyncio.AbstractEventLoop
+    grammar: CompiledGrammar | None
 
     @property
     def request_id(self) -> str:
@@ -161,7 +167,7 @@ class AsyncEngine:
         self.vocab_size = self.engine.model_config.vocab_size
         self.default_rate_tps = args.default_rate_tps
         self.tokenizer = self.engine.tokenizer
-        self._max_num_requests = args.max_num_requests
+        self.max_num_requests = args.max_num_requests
         # SimpleQueue: its put() is reentrant, so stop() is safe from a signal handler that
         # interrupts this thread inside get() (a Queue's lock would deadlock there).
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -196,8 +202,10 @@ class AsyncEngine:
             self.engine.validate(prompt, sampling_params)
         except ValueError as err:
             raise EngineRequestError(str(err)) from None
+        grammar = await self._compiled(sampling_params)
         sink, loop = _DeltaSink(), asyncio.get_running_loop()
-        self._submit(_Add(request_id, prompt, sampling_params, rate_tps, consumption, sink, loop))
+        add = _Add(request_id, prompt, sampling_params, rate_tps, consumption, sink, loop, grammar)
+        self._submit(add)
         async for delta in self._deltas(request_id, sink):
             yield delta
 
@@ -209,10 +217,29 @@ class AsyncEngine:
             self.engine.validate(list(state.prompt_token_ids), state.sampling_params)
         except ValueError as err:
             raise EngineRequestError(str(err)) from None
+        grammar = await self._compiled(state.sampling_params)
         sink, loop = _DeltaSink(), asyncio.get_running_loop()
-        self._submit(_Import(state, sink, loop))
+        self._submit(_Import(state, sink, loop, grammar))
         async for delta in self._deltas(state.request_id, sink):
             yield delta
+
+    async def compile_grammar(self, sampling_params: SamplingParams) -> None:
+        """Compile (and cache) the request's structured-output grammar in a compile worker,
+        off the event loop and the engine thread; refused as `generate()`."""
+        await self._compiled(sampling_params)
+
+    async def _compiled(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's compiled grammar (None without one), from a worker thread that waits
+        on the compile process: EngineRequestError for a schema that cannot be compiled in
+        time, EngineOverloaded when every compile worker stayed busy."""
+        if params.structured_output is None:
+            return None
+        try:
+            return await anyio.to_thread.run_sync(self.engine.compile_grammar, params)
+        except CompilerBusy as err:
+            raise EngineOverloaded(str(err), retry_after_s=1.0) from None
+        except ValueError as err:
+            raise EngineRequestError(str(err)) from None
 
     def export_streams(
         self, request_ids: Sequence[str], only_if: Callable[[Request], bool] | None = None
@@ -245,9 +272,9 @@ class AsyncEngine:
                 raise EngineDead(self._death)
             stats = self._stats
             unfinished = stats.num_waiting + stats.num_running + stats.num_preempted
-            if unfinished + self._num_pending_adds >= self._max_num_requests:
+            if unfinished + self._num_pending_adds >= self.max_num_requests:
                 raise EngineOverloaded(
-                    f"{self._max_num_requests} requests are already in the engine",
+                    f"{self.max_num_requests} requests are already in the engine",
                     retry_after_s=1.0,
                 )
             self._num_pending_adds += 1
@@ -415,7 +442,7 @@ class AsyncEngine:
             self._num_pending_adds -= 1
         try:
             if isinstance(command, _Import):
-                self.engine.import_stream(command.state)
+                self.engine.import_stream(command.state, command.grammar)
             else:
                 self.engine.add_request(
                     command.request_id,
@@ -423,6 +450,7 @@ class AsyncEngine:
                     command.params,
                     command.rate_tps,
                     command.consumption,
+                    command.grammar,
                 )
         except ValueError as err:
             self._send(command, EngineRequestError(str(err)))

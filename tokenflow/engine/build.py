@@ -74,7 +74,13 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
         device,
         dtype,
     )
-    grammars = Grammars(tokenizer, config.vocab_size, config.eos_token_ids)
+    grammars = Grammars(
+        tokenizer,
+        config.vocab_size,
+        config.eos_token_ids,
+        compile_workers=args.grammar_compile_workers,
+        compile_timeout_s=args.grammar_compile_timeout_s,
+    )
     executor = ModelExecutor(
         model,
         config,

@@ -121,6 +121,7 @@ class EngineClient(Protocol):
     max_model_len: int  # prompt + output tokens
     vocab_size: int  # token ids are in [0, vocab_size)
     default_rate_tps: float
+    max_num_requests: int | None  # unfinished requests it holds; more are refused (None: any)
     tokenizer: Tokenizer
     kernels: str | None  # the CPU kernel plan in one line (model/kernels/); None: not ours
 
@@ -144,6 +145,13 @@ class EngineClient(Protocol):
         """Go on with a stream another engine exported (`StreamMoved.state`, times relative to
         its export) and stream its deltas: only the tokens and text after those produced there.
         Raises as `generate()`."""
+        ...
+
+    async def compile_grammar(self, sampling_params: SamplingParams) -> None:
+        """Compile the structured output's grammar (a no-op without one) where no other
+        request waits for it, so that `generate()` finds it ready.  Raises EngineRequestError
+        for a schema over a bound, one that cannot be compiled or not within the deadline, and
+        EngineOverloaded when every compiler stayed busy."""
         ...
 
     async def abort(self, request_id: str) -> None:

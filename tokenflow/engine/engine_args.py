@@ -59,6 +59,10 @@ class EngineArgs:
     compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
     executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
     llama_cpp_repack: bool = False  # llama-cpp: let ggml repack weights for AMX/AVX kernels
+    # Structured outputs' grammars compile in this many worker processes, each compile killed
+    # past this deadline (tokenflow/model/grammar_compile.py).
+    grammar_compile_workers: int = 1
+    grammar_compile_timeout_s: float = 5.0
     tokenflow: TokenFlowConfig | None = None  # None: `tokenflow_defaults` of the device
 
     def __post_init__(self) -> None:
@@ -71,6 +75,7 @@ class EngineArgs:
             "max_prefill_tokens",
             "chunk_tokens",
             "max_num_requests",
+            "grammar_compile_workers",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +91,9 @@ class EngineArgs:
             raise ValueError("max_model_len must be >= 2")
         if not (math.isfinite(self.step_target_ms) and self.step_target_ms > 0):
             raise ValueError("step_target_ms must be a finite number > 0")
+        timeout = self.grammar_compile_timeout_s
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"grammar_compile_timeout_s must be finite and > 0, got {timeout}")
         if not is_reader_rate(self.default_rate_tps):
             raise ValueError(f"default_rate_tps: {reader_rate_error(self.default_rate_tps)}")
         if self.executor not in EXECUTORS:
@@ -201,6 +209,19 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
         help="llama-cpp executor: let ggml repack weights into its CPU-specific layouts (AMX; "
         "AVX2/AVX-512 for Q4_0, Q4_K, IQ4_NL).  Off by default: it crashed on a CPU reporting "
         "AMX, and on x86 without AMX it leaves the shipped Q4_1 model's weights as they are",
+    )
+    group.add_argument(
+        "--grammar-compile-timeout-s",
+        type=float,
+        default=EngineArgs.grammar_compile_timeout_s,
+        help="a structured output whose grammar takes longer to compile is refused (400); "
+        "its compile process is killed",
+    )
+    group.add_argument(
+        "--grammar-compile-workers",
+        type=int,
+        default=EngineArgs.grammar_compile_workers,
+        help="processes that compile structured outputs' grammars (off the server and engine)",
     )
     group.add_argument(
         "--default-rate",

@@ -31,7 +31,6 @@ from tokenflow.core.request import (
     Request,
     RequestState,
     SamplingParams,
-    StructuredOutput,
 )
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.core.step_budget import StepBudget
@@ -41,6 +40,7 @@ from tokenflow.engine.clock import WallClock
 from tokenflow.engine.engine_args import EngineArgs, resolve_device
 from tokenflow.engine.output_processor import OutputProcessor
 from tokenflow.engine.streams import MoveWatch, StreamsSnapshot, take_snapshot
+from tokenflow.model.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -132,17 +132,20 @@ class LLMEngine:
                 f"{n} prompt tokens + max_tokens {params.max_tokens} exceed the context length "
                 f"{self.max_model_len}"
             )
-        if params.structured_output is not None:
-            self._check_structured_output(params.structured_output)
-
-    def _check_structured_output(self, spec: StructuredOutput) -> None:
-        """Compile the request's grammar now (cached for its first token): a schema the
-        grammar library refuses is a ValueError naming why, before the request is queued."""
-        if self.grammars is None:
+        if params.structured_output is not None and self.grammars is None:
             raise ValueError(
                 f"structured outputs are not supported by the {self.args.executor} executor"
             )
-        self.grammars.compile(spec)
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's compiled grammar (None without a structured output), compiled in a
+        worker process: blocks the calling thread up to the compile deadline, so the server
+        calls it off its event loop and hands the result to `add_request`.  ValueError naming
+        what is wrong with the schema; CompilerBusy when no compile worker was free in time."""
+        spec = params.structured_output
+        if spec is None or self.grammars is None:
+            return None
+        return self.grammars.compile(spec)
 
     def add_request(
         self,
@@ -151,10 +154,13 @@ class LLMEngine:
         params: SamplingParams,
         rate_tps: float | None = None,
         consumption: Consumption | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queue a request (ValueError if it is invalid or can never fit); its class is
-        `consumption`, else eager for an infinite rate and reader otherwise."""
+        `consumption`, else eager for an infinite rate and reader otherwise.  A structured
+        output's `grammar` compiled beforehand (`compile_grammar`), else compiled here."""
         self.validate(prompt_token_ids, params)
+        grammar = grammar or self.compile_grammar(params)
         self.outputs.add(request_id, prompt_token_ids, params)
         request = Request(
             request_id=request_id,
@@ -171,6 +177,8 @@ class LLMEngine:
         except Exception:
             self.outputs.drop(request_id)
             raise
+        if grammar is not None and self.grammars is not None:
+            self.grammars.bind(request_id, grammar)
 
     # -- streams moving between engines (tokenflow/core/migration.py) ---------------------------
     def export_stream(self, request_id: str) -> StreamState:
@@ -181,7 +189,7 @@ class LLMEngine:
         self.outputs.drop(request_id)
         return state.shifted(-self.core.clock.now())
 
-    def import_stream(self, exported: StreamState) -> None:
+    def import_stream(self, exported: StreamState, grammar: CompiledGrammar | None = None) -> None:
         """Go on with a stream another engine exported: a started one resumes by recompute, and
         its deltas carry only the tokens and text after those it produced there (a seeded
         stream draws what it would have: tokenflow/model/sampler.py; one held to a grammar has
@@ -195,7 +203,7 @@ class LLMEngine:
         self.outputs.resume(state.request_id, prompt, state.sampling_params, outputs)
         try:
             if self.grammars is not None:  # (validate refused a grammar where there is none)
-                self.grammars.resume(state.request_id, state.sampling_params, outputs)
+                self.grammars.resume(state.request_id, state.sampling_params, outputs, grammar)
             self.scheduler.import_stream(state)
         except Exception:
             self.outputs.drop(state.request_id)
@@ -282,5 +290,8 @@ class LLMEngine:
         return take_snapshot(self.scheduler, now, limit, self.args.policy, self._moves.last)
 
     def close(self) -> None:
-        """Stop the executor (its copy worker, or llama.cpp's context)."""
+        """Stop the executor (its copy worker, or llama.cpp's context) and the grammar
+        compile workers."""
         self.executor.close()
+        if self.grammars is not None:
+            self.grammars.close()

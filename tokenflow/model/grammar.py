@@ -1,14 +1,18 @@
 """Structured outputs: one grammar matcher per constrained request, masking its logits row.
 
 A request's `StructuredOutput` (a JSON Schema) is compiled by xgrammar against the tokenizer's
-vocabulary (compiled grammars are cached, so equal schemas compile once).  Each step, every row
+vocabulary, in worker processes with a deadline and a cache (`grammar_compile.py`): the server
+compiles before it submits the request and hands the compiled grammar over (`bind`), so no
+compile runs on the engine thread; only the offline API and a moved stream's import compile
+where they are called.  Each step, every row
 of a constrained request gets the token mask its matcher allows next (disallowed logits become
 -inf); rows without a grammar are untouched, so constrained and free streams share one batch.
 After sampling, each constrained request's matcher accepts its token.  The end-of-sequence
 tokens are allowed only where the value is complete.
 
 Where the state lives: the matchers are kept here, keyed by request id, outside the KV cache,
-created at a request's first sampled token and dropped only when the request is released.  A
+created from the bound grammar at a request's first sampled token and dropped only when the
+request is released.  A
 paused stream (offloaded and reloaded, or dropped and recomputed) keeps its matcher untouched:
 a recompute prefills prompt + outputs without sampling until its last position, so the matcher
 advances exactly once per generated token and a resumed stream is constrained exactly as an
@@ -17,30 +21,36 @@ unpaused one.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 import xgrammar
 
 from tokenflow.core.request import SamplingParams, StructuredOutput
+from tokenflow.model.grammar_compile import (
+    DEFAULT_NUM_WORKERS,
+    DEFAULT_TIMEOUT_S,
+    GrammarCompiler,
+    GrammarError,
+)
 from tokenflow.model.tokenizer import Tokenizer
 
-GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept for reuse (a hostile stream of schemas)
 _BITS_PER_WORD = 32  # xgrammar's bitmask: one int32 word per 32 tokens
-# xgrammar's errors start with "[time] file.cc:line: "; the rest is the message for the user.
-_LOCATION_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
-
-
-class GrammarError(ValueError):
-    """A structured output that cannot be compiled (the message names the problem)."""
+CompiledGrammar = xgrammar.CompiledGrammar
+__all__ = ["CompiledGrammar", "GrammarError", "Grammars"]
 
 
 class Grammars:
     """The compiler for one tokenizer and the matchers of the constrained requests."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        compile_workers: int = DEFAULT_NUM_WORKERS,
+        compile_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         info = xgrammar.TokenizerInfo(
             encoded_vocab(tokenizer),
@@ -49,7 +59,10 @@ class Grammars:
             stop_token_ids=list(stop_token_ids),
         )
         self.vocab_size = vocab_size
-        self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+        self.compiler = GrammarCompiler(
+            info, num_workers=compile_workers, timeout_s=compile_timeout_s
+        )
+        self._bound: dict[str, xgrammar.CompiledGrammar] = {}
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
 
     @property
@@ -57,19 +70,24 @@ class Grammars:
         return len(self._matchers)
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of `spec` (cached); GrammarError naming what is wrong."""
-        try:
-            return self._compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
-        except (RuntimeError, ValueError, TypeError) as err:
-            message = _LOCATION_PREFIX.sub("", str(err).strip().splitlines()[0])
-            raise GrammarError(
-                f"{spec.origin}: the JSON schema cannot be compiled: {message}"
-            ) from None
+        """The compiled grammar of `spec` (cached), compiled in a worker process: blocks the
+        calling thread up to the compile deadline.  A ValueError naming what is wrong
+        (GrammarError, SchemaTooComplex); CompilerBusy when no worker was free in time."""
+        return self.compiler.compile(spec)
+
+    def bind(self, request_id: str, grammar: xgrammar.CompiledGrammar) -> None:
+        """The request's grammar, compiled beforehand (`compile`), for its matcher."""
+        self._bound[request_id] = grammar
 
     def release(self, request_ids: Sequence[str]) -> None:
-        """Forget the matchers of requests that are gone."""
+        """Forget the grammars and matchers of requests that are gone."""
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
+            self._bound.pop(request_id, None)
+
+    def close(self) -> None:
+        """Stop the compile workers."""
+        self.compiler.close()
 
     def mask(
         self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
@@ -101,15 +119,20 @@ class Grammars:
                 failed_rows[request_id] = f"the output's grammar does not allow token {token_id}"
 
     def resume(
-        self, request_id: str, params: SamplingParams, output_token_ids: Sequence[int]
+        self,
+        request_id: str,
+        params: SamplingParams,
+        output_token_ids: Sequence[int],
+        grammar: xgrammar.CompiledGrammar | None = None,
     ) -> None:
         """A request moved in from another engine with `output_token_ids` generated there: its
         matcher, advanced by each of them, is where the source's was (a matcher's state is a
-        function of its grammar and the tokens it accepted).  ValueError if the grammar
-        refuses one of them."""
+        function of its grammar and the tokens it accepted).  `grammar`: compiled beforehand
+        (else compiled here).  ValueError if the grammar refuses one of them."""
         if params.structured_output is None:
             return
-        matcher = xgrammar.GrammarMatcher(self.compile(params.structured_output))
+        grammar = grammar or self.compile(params.structured_output)
+        matcher = xgrammar.GrammarMatcher(grammar)
         for position, token_id in enumerate(output_token_ids):
             if not matcher.accept_token(token_id):
                 raise ValueError(
@@ -119,10 +142,12 @@ class Grammars:
 
     def _matcher(self, request_id: str, params: SamplingParams) -> xgrammar.GrammarMatcher:
         """The request's matcher, made at its first constrained row (mask() only asks for
-        rows with a structured output)."""
+        rows with a structured output) from its bound grammar, or (the offline API, which
+        binds none) compiled here."""
         matcher = self._matchers.get(request_id)
         if matcher is None and params.structured_output is not None:
-            matcher = xgrammar.GrammarMatcher(self.compile(params.structured_output))
+            grammar = self._bound.get(request_id) or self.compile(params.structured_output)
+            matcher = xgrammar.GrammarMatcher(grammar)
             self._matchers[request_id] = matcher
         return matcher
 

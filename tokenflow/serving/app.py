@@ -33,7 +33,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenflow.engine.client import EngineClient
-from tokenflow.serving.auth import ApiKeys, LimitPerKey, RequireApiKey, bearer_token
+from tokenflow.serving.auth import (
+    ApiKeys,
+    RequireApiKey,
+    bearer_token,
+    unguarded_paths,
+)
 from tokenflow.serving.choices import EventStream
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.config import ServerConfig
@@ -59,6 +64,7 @@ from tokenflow.serving.protocol import (
 from tokenflow.serving.responder import ClientDisconnected, ServeResult, WaitForDisconnect
 from tokenflow.serving.serving import STREAM_CLASS_HEADER, STREAM_RATE_HEADER, OpenAIServing
 from tokenflow.serving.streams import StreamsWatch, streams_router
+from tokenflow.serving.tenants import KeyGate
 from tokenflow.serving.validation import ApiError, check_token_ids
 
 # nginx-style "client closed request": logged, never seen by the (gone) client.
@@ -83,7 +89,8 @@ def build_app(
     drain: Drain | None = None,
     moves: MoveBook | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible streaming server over `engine` (`config.allowed_keys` guard /v1);
+    """An OpenAI-compatible streaming server over `engine` (`config.allowed_keys` guard every
+    route but /health, /dashboard and, with `config.public_metrics`, /metrics);
     `drain` is begun by whoever stops the server (`tokenflow serve` on SIGTERM/SIGINT);
     `moves`, a fleet replica's book of streams that move (serving/moves.py), makes the
     requests its ingress marks movable (without it the mark is ignored)."""
@@ -107,6 +114,8 @@ def build_app(
         metrics,
         class_rules=config.class_rules,
         tool_call_parser=config.auto_tool_call_parser,
+        # Each key's work in flight bounded, and the engine's slots shared between keys.
+        key_gate=KeyGate(config.key_limits(engine.max_num_requests or 0)),
     )
     app.state.streams_watch = StreamsWatch(engine, metrics)
     app.state.started_s = int(time.time())
@@ -119,10 +128,10 @@ def build_app(
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
     # Outside the body limit: a request without a key is refused before its body is read.
     keys = ApiKeys(config.allowed_keys)
-    if config.max_requests_per_key:
-        limit = config.max_requests_per_key
-        app.add_middleware(LimitPerKey, limit=limit, on_refused=metrics.count_http_error)
-    app.add_middleware(RequireApiKey, keys=keys, on_refused=metrics.count_http_error)
+    unguarded = unguarded_paths(config.public_metrics)
+    app.add_middleware(
+        RequireApiKey, keys=keys, on_refused=metrics.count_http_error, open_paths=unguarded
+    )
     app.add_middleware(CountInFlight, drain=drain)  # outermost: counts until the last byte
     return app
 

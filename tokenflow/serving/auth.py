@@ -1,9 +1,12 @@
-"""Who may use /v1, and how much of it: the allow-list of API keys, checked before a request's
-body is read, and a bound on each key's requests in flight.
+"""Who may use the server: the allow-list of API keys, checked before a request's body is
+read.  How much of the engine each key may hold is `tenants.py`'s.
 
 The keys come from `--api-key` (repeatable), `--api-key-file` (one key a line; blank lines and
-`#` comments skipped) and the keys named by `--api-key-class`.  With no `--api-key` and no key
-file the server is open: every request is served, and a key only picks a class rule.
+`#` comments skipped), `--admin-api-key` and the keys named by `--api-key-class`.  With no key
+at all the server is open: every request is served.  With keys, every route needs one but
+`/health` (for probers), the `/dashboard` page (it holds no data: it reads the key from its
+URL fragment and sends it to /v1/tokenflow/streams) and, with `--public-metrics`, `/metrics`
+(`unguarded_paths`).
 
 The check is an ASGI middleware rather than a route dependency, so that it runs on the headers
 alone: a client without a key gets 401 before its body is read or parsed (a dependency would
@@ -22,7 +25,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenflow.serving.validation import ApiError
 
-PROTECTED_PREFIX = "/v1"
+# Served without a key even where the server has keys: the liveness probe, and the dashboard's
+# page (static, no data; its script sends the key it reads from `#key=` as a bearer token).
+ALWAYS_OPEN_PATHS = frozenset({"/health", "/dashboard"})
+METRICS_PATH = "/metrics"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -33,6 +39,12 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def unguarded_paths(public_metrics: bool) -> frozenset[str]:
+    """The paths served without a key on a server with keys (exact matches): `/health`,
+    `/dashboard`, and `/metrics` where `--public-metrics` says so."""
+    return (ALWAYS_OPEN_PATHS | {METRICS_PATH}) if public_metrics else ALWAYS_OPEN_PATHS
 
 
 def read_key_file(path: str) -> tuple[str, ...]:
@@ -55,13 +67,15 @@ class ApiKeys:
 
     @property
     def is_open(self) -> bool:
+        """Whether the list is empty (every request is served)."""
         return not self._keys
 
     def accepts(self, authorization: str | None) -> bool:
-        """Whether a request with this Authorization header may use /v1."""
-        if self.is_open:
-            return True
-        token = bearer_token(authorization)
+        """Whether a request with this Authorization header may use the server."""
+        return self.is_open or self.holds(bearer_token(authorization))
+
+    def holds(self, token: str | None) -> bool:
+        """Whether `token` is one of the keys (never where the list is empty)."""
         if token is None:
             return False
         given = token.encode()
@@ -71,16 +85,26 @@ class ApiKeys:
 
 
 class RequireApiKey:
-    """ASGI middleware: 401 for a /v1 request whose bearer token is not on the list, answered
-    from the headers before the body is read.  `on_refused(401)` counts it."""
+    """ASGI middleware: 401 for a request whose bearer token is not on the list, answered from
+    the headers before the body is read, on every path but `open_paths` (exact matches; by
+    default `/health` and the `/dashboard` page, which a browser loads without a bearer header
+    and which holds no data: its script reads the key from `#key=` and sends it to
+    /v1/tokenflow/streams).  `on_refused(401)` counts it."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys, on_refused: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: ApiKeys,
+        on_refused: Callable[[int], None],
+        open_paths: frozenset[str] = ALWAYS_OPEN_PATHS,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.on_refused = on_refused
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -91,41 +115,3 @@ class RequireApiKey:
         self.on_refused(401)
         error = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         await error.send_raw(send, [(b"www-authenticate", b"Bearer")])
-
-
-class LimitPerKey:
-    """ASGI middleware: at most `limit` /v1 requests in flight per API key (a stream counts
-    until its last byte), so one tenant cannot take every slot of the engine; the next gets
-    429 with Retry-After, from the headers alone.  Requests without a key are not counted."""
-
-    def __init__(self, app: ASGIApp, limit: int, on_refused: Callable[[int], None]) -> None:
-        self.app = app
-        self.limit = limit
-        self.on_refused = on_refused
-        self._in_flight: dict[str, int] = {}  # one event loop: no lock needed
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = None
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
-            key = bearer_token(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"))
-        if key is None:
-            await self.app(scope, receive, send)
-            return
-        if self._in_flight.get(key, 0) >= self.limit:
-            self.on_refused(429)
-            error = ApiError(
-                429,
-                f"this API key has {self.limit} requests in flight already",
-                type="server_overloaded",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
-            await error.send_raw(send)
-            return
-        self._in_flight[key] = self._in_flight.get(key, 0) + 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self._in_flight[key] -= 1
-            if not self._in_flight[key]:
-                del self._in_flight[key]

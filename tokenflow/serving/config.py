@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenflow.serving.auth import read_key_file
 from tokenflow.serving.classes import CLASS_NAMES, ClassRules
+from tokenflow.serving.tenants import KeyLimits
 from tokenflow.serving.tool_calls import TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -19,9 +20,20 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()  # bearer tokens /v1 accepts (with the key file's); none: open
+    # Bearer tokens the server accepts (with the key file's, the admin keys and the class rules'
+    # keys); with none at all the server is open.  Every route but /health and /dashboard needs
+    # one (`auth.unguarded_paths`).
+    api_keys: tuple[str, ...] = ()
     api_key_file: str | None = None  # more keys, one a line
-    max_requests_per_key: int = 0  # requests in flight per API key (0: no bound)
+    admin_api_keys: tuple[str, ...] = ()  # accepted keys that see every tenant's streams
+    public_metrics: bool = False  # /metrics served without a key where the server has keys
+    # Each API key's work in flight (0: no bound), counted as the engine counts it: completions
+    # (every choice of every prompt), and tokens (each one's prompt + max_tokens).
+    max_requests_per_key: int = 0
+    max_tokens_per_key: int = 0
+    # When the engine is full, a request waits this long for a slot (freed slots go to the key
+    # served least: serving/tenants.py), then gets 429.
+    max_queue_wait_s: float = 10.0
     log_level: str = "info"
     # A keep-alive (a blank line, `app.KEEPALIVE`) after this many seconds without a frame on
     # every accepted stream, so that one queued or paused past a proxy's idle timeout (nginx:
@@ -47,7 +59,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
     class_rules: ClassRules = field(init=False, repr=False, compare=False)
-    # The allow-list: api_keys, the key file's and the keys of class rules; () when open.
+    # The allow-list: api_keys, the key file's, the admin keys and the keys of class rules (a
+    # class rule's key alone turns auth on); () when open.
     allowed_keys: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -71,13 +84,20 @@ class ServerConfig:
             )
         rules = ClassRules.parse(self.default_class, self.api_key_classes)
         object.__setattr__(self, "class_rules", rules)
-        if any(not key.strip() for key in self.api_keys):
+        if any(not key.strip() for key in (*self.api_keys, *self.admin_api_keys)):
             raise ValueError("an API key must not be empty")
-        listed = self.api_keys + (read_key_file(self.api_key_file) if self.api_key_file else ())
-        allowed = (*listed, *sorted(rules.by_api_key)) if listed else ()
-        object.__setattr__(self, "allowed_keys", allowed)
-        if self.max_requests_per_key < 0:
-            raise ValueError(f"max_requests_per_key must be >= 0, got {self.max_requests_per_key}")
+        from_file = read_key_file(self.api_key_file) if self.api_key_file else ()
+        listed = (*self.api_keys, *from_file, *self.admin_api_keys, *sorted(rules.by_api_key))
+        object.__setattr__(self, "allowed_keys", tuple(dict.fromkeys(listed)))
+        if self.max_requests_per_key < 0 or self.max_tokens_per_key < 0:
+            raise ValueError(
+                "max_requests_per_key and max_tokens_per_key must be >= 0, got "
+                f"{self.max_requests_per_key} and {self.max_tokens_per_key}"
+            )
+        if not (math.isfinite(self.max_queue_wait_s) and self.max_queue_wait_s >= 0):
+            raise ValueError(
+                f"max_queue_wait_s must be finite and >= 0, got {self.max_queue_wait_s}"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         parser = self.tool_call_parser
@@ -86,10 +106,33 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
+    def key_limits(self, capacity_choices: int = 0) -> KeyLimits:
+        """Each key's bounds on work in flight, sharing `capacity_choices` engine slots
+        between keys (0: none shared)."""
+        return KeyLimits(
+            max_choices=self.max_requests_per_key,
+            max_tokens=self.max_tokens_per_key,
+            capacity_choices=capacity_choices,
+            queue_timeout_s=self.max_queue_wait_s,
+        )
+
     @property
     def auto_tool_call_parser(self) -> str | None:
         """The parser tool_choice "auto" uses, or None when "auto" with tools is refused."""
         return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+    def auth_summary(self) -> str:
+        """One line for the start-up log: whether keys are asked for, how many, and the class
+        of requests that state none."""
+        default = f"default class {self.default_class}"
+        if not self.allowed_keys:
+            return f"auth off: every request is served (no --api-key), {default}"
+        num_admin = len(set(self.admin_api_keys))
+        admins = f" ({num_admin} admin)" if num_admin else ""
+        metrics = "/metrics public" if self.public_metrics else "/metrics needs a key"
+        num_keys = len(self.allowed_keys)
+        keys = f"{num_keys} API key{'s' if num_keys > 1 else ''}{admins}"
+        return f"auth on: {keys}, {metrics}, {default}"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +146,9 @@ class ServerConfig:
             action="append",
             default=[],
             dest="api_keys",
-            help="accept this bearer token on /v1 (repeatable; with none, /v1 is open)",
+            help="accept this bearer token (repeatable); with keys every route but /health "
+            "and /dashboard needs one, with none (nor a key file, admin or class key) the "
+            "server is open",
         )
         server.add_argument(
             "--api-key-file",
@@ -112,10 +157,39 @@ class ServerConfig:
             help="accept the bearer tokens in FILE too, one a line (# comments)",
         )
         server.add_argument(
+            "--admin-api-key",
+            action="append",
+            default=[],
+            dest="admin_api_keys",
+            metavar="KEY",
+            help="accept this bearer token, and show it every tenant's streams on "
+            "/v1/tokenflow/streams (other keys see their own); repeatable",
+        )
+        server.add_argument(
+            "--public-metrics",
+            action="store_true",
+            help="serve /metrics without a key where the server has keys",
+        )
+        server.add_argument(
             "--max-requests-per-key",
             type=int,
             default=defaults.max_requests_per_key,
-            help="requests in flight one API key may have; more get 429 (0: no bound)",
+            help="completions in flight one API key may have (each choice of each prompt "
+            "counts: n=4 is 4); more get 429 naming the limit (0: no bound)",
+        )
+        server.add_argument(
+            "--max-tokens-per-key",
+            type=int,
+            default=defaults.max_tokens_per_key,
+            help="tokens in flight one API key may have (each completion's prompt + "
+            "max_tokens); more get 429 naming the limit (0: no bound)",
+        )
+        server.add_argument(
+            "--max-queue-wait-s",
+            type=float,
+            default=defaults.max_queue_wait_s,
+            help="when the engine is full, a request waits this long for a slot (freed slots "
+            "go to the API key served least), then gets 429",
         )
         server.add_argument("--log-level", default=defaults.log_level, choices=LOG_LEVELS)
         server.add_argument(
@@ -166,7 +240,8 @@ class ServerConfig:
             metavar="KEY=CLASS[:RATE]",
             help="class (and a reader's rate) of requests with this bearer token, e.g. "
             "chat-key=reader:6 or agents-key=eager; binding (a request's stream_class and "
-            "stream_rate cannot change it) unless written KEY=~CLASS[:RATE]; repeatable",
+            "stream_rate cannot change it) unless written KEY=~CLASS[:RATE]; the key is "
+            "accepted (and turns auth on); repeatable",
         )
         server.add_argument(
             "--enable-auto-tool-choice",
@@ -190,7 +265,11 @@ class ServerConfig:
             port=args.port,
             api_keys=tuple(args.api_keys),
             api_key_file=args.api_key_file,
+            admin_api_keys=tuple(args.admin_api_keys),
+            public_metrics=args.public_metrics,
             max_requests_per_key=args.max_requests_per_key,
+            max_tokens_per_key=args.max_tokens_per_key,
+            max_queue_wait_s=args.max_queue_wait_s,
             log_level=args.log_level,
             keepalive_s=args.keepalive_s,
             send_timeout_s=args.send_timeout_s,

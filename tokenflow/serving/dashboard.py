@@ -1,8 +1,12 @@
 """`GET /dashboard`: one static page (static/dashboard.html, inline script and style, nothing
 fetched from elsewhere) that polls /v1/tokenflow/streams once a second and draws it.
 
-The page itself is no secret, so it is not behind the API key; where the server has one, the
-page takes it from `?key=...` (or asks for it) and sends it as a bearer token.
+The page itself is no secret and holds no data, so it is not behind the API key (a browser
+cannot send a bearer header when it loads a page): `auth.RequireApiKey` leaves /dashboard open.
+Where the server has keys, the page takes one from the URL fragment, `/dashboard#key=KEY`,
+which the browser never sends to the server (a query string would land in access logs), keeps
+it for the tab and clears it from the address bar, or asks for it; then it sends it to
+/v1/tokenflow/streams as a bearer token, which shows a tenant's key its own streams only.
 """
 
 from __future__ import annotations

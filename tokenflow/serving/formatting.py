@@ -8,7 +8,7 @@ from the engine's delta.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -234,14 +234,17 @@ class AutoToolCallFormat(ChatFormat):
     each call closes, `tool_calls`; its message both (content None when only whitespace is left
     beside the calls)."""
 
-    def __init__(self, texts: TokenTexts, new_call_id: Callable[[], str]) -> None:
+    def __init__(
+        self, texts: TokenTexts, new_call_id: Callable[[], str], tool_names: Collection[str]
+    ) -> None:
         super().__init__(texts)
         self._new_call_id = new_call_id
+        self._tool_names = tool_names  # the request's tools: a call of another stays text
         self._parsers: dict[int, HermesToolCalls] = {}  # by choice index
 
     def _parser(self, index: int) -> HermesToolCalls:
         if index not in self._parsers:
-            self._parsers[index] = HermesToolCalls(self._new_call_id)
+            self._parsers[index] = HermesToolCalls(self._new_call_id, self._tool_names)
         return self._parsers[index]
 
     def delta_chunk(

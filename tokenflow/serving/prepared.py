@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tokenflow.core.plan import TokenLogprobs
 from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.serving.protocol import UsageInfo
+from tokenflow.serving.tenants import Work
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,15 @@ class PreparedRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
     has_logprobs: bool = False  # the answer carries logprobs
     scores_prompt_only: bool = False  # max_tokens 0 with echo: the one token sampled is dropped
+    api_key: str | None = field(default=None, repr=False)  # the bearer token (owners.py)
+
+    @property
+    def work(self) -> Work:
+        """What it starts in the engine, as its key's limits count it (tenants.py)."""
+        num_tokens = sum(
+            len(c.prompt_token_ids) + c.sampling_params.max_tokens for c in self.choices
+        )
+        return Work(num_choices=len(self.choices), num_tokens=num_tokens)
 
 
 @dataclass(frozen=True)

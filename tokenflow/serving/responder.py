@@ -44,6 +44,7 @@ from tokenflow.serving.moves import (
     resumed_progress,
     resumed_request,
 )
+from tokenflow.serving.owners import StreamOwners
 from tokenflow.serving.pieces import delta_piece, record_scores, whole_piece
 from tokenflow.serving.prepared import PreparedChoice, PreparedRequest, Progress, usage_of
 from tokenflow.serving.protocol import (
@@ -52,6 +53,7 @@ from tokenflow.serving.protocol import (
     ErrorInfo,
     ErrorResponse,
 )
+from tokenflow.serving.tenants import Admission, KeyGate, KeyLimits
 from tokenflow.serving.validation import ApiError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,15 @@ WaitForDisconnect = Callable[[], Awaitable[None]]
 # How long a new request waits for the engine's answer before its 200 headers go out; refusals
 # are raised synchronously by `generate()`, so they always come back as real status codes.
 _ADMISSION_GRACE_S = 0.05
+
+
+def _end(
+    admission: Admission | None, prepared: PreparedRequest, progresses: list[Progress]
+) -> None:
+    """Give back a request's share of its key's limits, charged with what it used."""
+    if admission is not None:
+        used = sum(len(c.prompt_token_ids) for c in prepared.choices)
+        admission.release(used + sum(p.num_output_tokens for p in progresses))
 
 
 class ClientDisconnected(Exception):
@@ -76,10 +87,14 @@ class Responder:
         engine: EngineClient,
         metrics: ServingMetrics,
         clock: Callable[[], float] = time.monotonic,
+        owners: StreamOwners | None = None,
+        gate: KeyGate | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self._clock = clock
+        self._owners = owners or StreamOwners()
+        self.gate = gate or KeyGate(KeyLimits())  # each API key's share (tenants.py)
 
     async def serve(
         self,
@@ -101,15 +116,29 @@ class Responder:
         progresses = [Progress() for _ in prepared.choices]
         if resume is not None:
             progresses = [resumed_progress(resume, self._clock())]
-        submitted = await self._start(prepared, progresses, resume)
+        # A moved stream's continuation is the same request: its key's share was taken where
+        # it started (the fleet's ingress holds the limits), so it is never refused here.
+        admission = (
+            None if resume is not None else await self.gate.admit(prepared.api_key, prepared.work)
+        )
+        try:
+            submitted = await self._start(prepared, progresses, resume)
+        except BaseException:
+            _end(admission, prepared, progresses)
+            raise
+
+        async def release() -> None:
+            await self._release_all(submitted, progresses)
+            _end(admission, prepared, progresses)
+
         if prepared.stream:
             events = self._events(prepared, fmt, submitted, progresses, movable)
-            return EventStream(events, lambda: self._release_all(submitted, progresses))
+            return EventStream(events, release)
         try:
             collect = self._collect(prepared, submitted, progresses)
             await self._race_disconnect(collect, wait_for_disconnect)
         finally:
-            await self._release_all(submitted, progresses)
+            await release()
         choices = zip(prepared.choices, progresses, strict=True)
         pieces = [whole_piece(prepared, choice, progress) for choice, progress in choices]
         return fmt.response(prepared, pieces, usage_of(prepared, progresses))
@@ -125,6 +154,11 @@ class Responder:
         raised here, before any byte is sent (and the others are aborted)."""
         submitted: list[Submitted] = []
         try:
+            first_params = prepared.choices[0].sampling_params
+            if resume is None and first_params.structured_output is not None:
+                # Off the event loop, before any byte: a schema that does not compile in time
+                # is a 400, and the choices (which share it) find it compiled.
+                await self.engine.compile_grammar(first_params)
             for choice in prepared.choices:
                 deltas = aiter(
                     self.engine.resume(resume.state)
@@ -138,6 +172,7 @@ class Responder:
                     )
                 )
                 submitted.append(Submitted(choice.engine_request_id, deltas, ensure_first(deltas)))
+                self._owners.claim(choice.engine_request_id, prepared.api_key)
             await asyncio.wait([s.first for s in submitted], timeout=_ADMISSION_GRACE_S)
             for sub, progress in zip(submitted, progresses, strict=True):
                 if sub.first.done():
@@ -192,6 +227,7 @@ class Responder:
                     if not progress.has_failed:
                         self.metrics.count_finished("abort")
                     await self.engine.abort(sub.request_id)
+                self._owners.forget(sub.request_id)
 
     def _record(
         self,

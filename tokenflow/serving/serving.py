@@ -36,6 +36,7 @@ from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.moves import (
     MoveTicket,
 )
+from tokenflow.serving.owners import StreamOwners
 from tokenflow.serving.prepared import PreparedChoice, PreparedRequest
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
@@ -51,6 +52,7 @@ from tokenflow.serving.structured import (
     structured_output_of,
     template_message,
 )
+from tokenflow.serving.tenants import KeyGate
 from tokenflow.serving.validation import (
     ApiError,
     Scores,
@@ -99,6 +101,7 @@ class OpenAIServing:
         new_id: Callable[[], str] = _new_hex_id,
         class_rules: ClassRules | None = None,
         tool_call_parser: str | None = None,
+        key_gate: KeyGate | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -110,7 +113,8 @@ class OpenAIServing:
         self._clock = clock
         self._wall_clock = wall_clock
         self._new_id = new_id
-        self._responder = Responder(engine, metrics, clock)
+        self.stream_owners = StreamOwners()  # whose each engine request is: streams.py
+        self._responder = Responder(engine, metrics, clock, self.stream_owners, key_gate)
 
     # -- entry points ---------------------------------------------------------------------------
     async def create_completion(
@@ -162,7 +166,8 @@ class OpenAIServing:
         if tool_call is not None:
             fmt: ResponseFormat = ToolCallFormat(self.token_texts, self._new_call_id)
         elif is_auto:
-            fmt = AutoToolCallFormat(self.token_texts, self._new_call_id)
+            names = [tool.function.name for tool in body.tools or ()]
+            fmt = AutoToolCallFormat(self.token_texts, self._new_call_id, names)
         else:
             fmt = ChatFormat(self.token_texts)
         # Under a forced tool call or tool_choice "auto" the format reads the text into tool
@@ -235,6 +240,7 @@ class OpenAIServing:
             echo=wants.echo,
             has_logprobs=wants.logprobs is not None,
             scores_prompt_only=wants.scores_prompt_only,
+            api_key=stated.api_key,
         )
 
     def check_model(self, model: str | None) -> str:

@@ -7,6 +7,13 @@ Gamma against the started streams' reading demand, KV blocks per tier and the la
 Every caller goes through one `StreamsWatch` per app: it takes at most one snapshot per
 `SNAPSHOT_INTERVAL_S` and shares it, so however many dashboards poll (and /metrics scrapes),
 the engine loop answers at most a few snapshot commands a second, between its steps.
+
+Where the server has keys, a key sees its own streams only (`owners.StreamOwners` knows which
+key sent each one, while it is in flight): the `limit` most urgent of them among the server's
+`MAX_LIMIT` most urgent (a stream released since the shared snapshot was taken is no longer
+listed).  An admin key (`--admin-api-key`) sees every stream, and so does everyone on an open
+server.  The totals, Gamma, the demand, the KV tiers and the moves are the whole server's for
+every caller: they tell how loaded it is, not whose streams are there.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -25,7 +32,10 @@ from pydantic import BaseModel
 
 from tokenflow.engine.client import EngineClient, EngineDead
 from tokenflow.engine.streams import StreamsSnapshot, StreamState
+from tokenflow.serving.auth import ApiKeys, bearer_token
+from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.owners import StreamOwners
 from tokenflow.serving.validation import ApiError
 
 DEFAULT_LIMIT = 64  # streams listed when the query does not say
@@ -216,6 +226,31 @@ class StreamsWatch:
         return snapshot
 
 
+@dataclass(frozen=True)
+class Viewer:
+    """Which streams a caller is shown: every one, or only those its key sent."""
+
+    sees_all: bool
+    api_key: str | None = None  # the caller's key (None: no key, so no stream is its own)
+
+
+def viewer_of(config: ServerConfig, authorization: str | None) -> Viewer:
+    """Who a caller with this Authorization header is: on an open server, or with an admin
+    key, one who sees every stream; else the owner of its key's streams."""
+    token = bearer_token(authorization)
+    if not config.allowed_keys or ApiKeys(config.admin_api_keys).holds(token):
+        return Viewer(sees_all=True)
+    return Viewer(sees_all=False, api_key=token)
+
+
+def owned_only(
+    snapshot: StreamsSnapshot, owners: StreamOwners, api_key: str | None, limit: int
+) -> StreamsSnapshot:
+    """The snapshot listing only the `limit` most urgent of `api_key`'s streams."""
+    owned = tuple(s for s in snapshot.streams if owners.is_owned_by(s.request_id, api_key))
+    return replace(snapshot, streams=owned[:limit])
+
+
 def streams_router() -> APIRouter:
     """The route; the app mounts it under /v1 with the /v1 guards (API key, drain)."""
     router = APIRouter()
@@ -225,10 +260,16 @@ def streams_router() -> APIRouter:
         request: Request,
         limit: Annotated[int, Query(ge=0, le=MAX_LIMIT)] = DEFAULT_LIMIT,
     ) -> Response:
-        """Every unfinished stream's buffer and state (the `limit` most urgent), the totals,
-        Gamma against the reading demand, the KV tiers and the latest moves."""
+        """Every unfinished stream's buffer and state (the `limit` most urgent; a key that is
+        not an admin's sees its own streams only), the totals, Gamma against the reading
+        demand, the KV tiers and the latest moves."""
         watch: StreamsWatch = request.app.state.streams_watch
-        snapshot = await watch.latest(limit)
+        viewer = viewer_of(request.app.state.config, request.headers.get("authorization"))
+        if viewer.sees_all:
+            snapshot = await watch.latest(limit)
+        else:
+            owners = request.app.state.serving.stream_owners
+            snapshot = owned_only(await watch.latest(MAX_LIMIT), owners, viewer.api_key, limit)
         body = streams_response(snapshot).model_dump_json()
         return Response(body, media_type="application/json")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from tokenflow.serving.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
@@ -99,10 +99,14 @@ class HermesToolCalls:
     `<tool_call>` (held until the next text or the finish tells).  A block is sent as one call
     delta (index, id, type, name and the arguments whole) when its closing tag arrives; a block
     that is not a JSON object with a string `name` stays content, as the model wrote it, and so
-    does a block the finish cuts off."""
+    does a block the finish cuts off.  So does a call of a function not among `tool_names`
+    (the request's tools): a client runs what comes back as a tool call, so only what it
+    offered may come back as one, and the text lets it see what the model wrote (as vLLM's
+    parser leaves a block it cannot read); an answer with no other call then finishes "stop"."""
 
-    def __init__(self, new_call_id: Callable[[], str]) -> None:
+    def __init__(self, new_call_id: Callable[[], str], tool_names: Collection[str]) -> None:
         self._new_call_id = new_call_id
+        self._tool_names = frozenset(tool_names)
         self._pending = ""  # text not sent yet: a possible opening tag's start, or an open block
         self._in_block = False
         self.content = ""  # sent as content so far
@@ -160,14 +164,15 @@ class HermesToolCalls:
             written = json.loads(block)
         except ValueError:
             return None
-        if not isinstance(written, dict) or not isinstance(written.get("name"), str):
-            return None
+        name = written.get("name") if isinstance(written, dict) else None
+        if not isinstance(name, str) or name not in self._tool_names:
+            return None  # not a call, or a call of a function the request did not offer
         arguments = written.get("arguments", {})
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
         return ToolCall(
             id=self._new_call_id(),
-            function=FunctionCall(name=written["name"], arguments=arguments),
+            function=FunctionCall(name=name, arguments=arguments),
         )
 
 
