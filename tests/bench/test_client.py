@@ -124,7 +124,7 @@ def test_errors_are_counted_not_raised() -> None:
             gate.set()
 
     threading.Thread(target=open_gate_once_all_others_are_refused, daemon=True).start()
-    with serve_in_thread(build_app(engine)) as url:
+    with serve_in_thread(build_app(engine, ServerConfig(max_queue_wait_s=0))) as url:
         run = asyncio.run(run_workload(burst(4, output_tokens=20), config(url)))
     assert run.num_failed == 3
     assert all("HTTP 429" in line for line in run.errors)

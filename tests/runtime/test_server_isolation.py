@@ -85,8 +85,10 @@ def test_a_request_failing_in_the_engine_fails_alone(served, solo, monkeypatch):
     poison = {**INNOCENT, "temperature": 0.7, "seed": POISON_SEED}
     innocent, failed = run_together(url, INNOCENT, poison)
     assert innocent.is_complete and innocent.text == solo
-    # Its own explicit error: a 500 if it failed before its first bytes, else an error frame.
-    assert failed.status in (200, 500) and "poisoned row" in failed.errors[0]
+    # Its own explicit error: a 500 if it failed before its first bytes, else an error frame;
+    # either way without the internal text (that goes to the server log).
+    assert failed.status in (200, 500) and "server log" in failed.errors[0]
+    assert "poisoned row" not in failed.errors[0]
     assert httpx.get(f"{url}/health").status_code == 200
     assert wait_until(lambda: engine.stats().num_running == 0)
 

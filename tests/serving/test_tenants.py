@@ -142,15 +142,17 @@ def test_a_key_at_its_bound_leaves_the_engine_to_the_others():
     engine = FakeEngine(gate=release, gate_at_token=1, max_num_requests=8)
     config = ServerConfig(api_keys=("hog", "other"), max_requests_per_key=2)
     body = {"prompt": "x", "max_tokens": 3, "stream": True}
-    with serve_in_thread(build_app(engine, config)) as url, httpx.Client(timeout=60) as http:
-        with http.stream("POST", url + COMPLETIONS, json=body, headers=bearer("hog")) as held:
-            assert held.status_code == 200
-            hog = http.post(url + COMPLETIONS, json={**body, "n": 8}, headers=bearer("hog"))
-            release.set()
-            other = http.post(
-                url + COMPLETIONS, json={"prompt": "y", "max_tokens": 1}, headers=bearer("other")
-            )
-            held.read()
+    hog_headers, other_body = bearer("hog"), {"prompt": "y", "max_tokens": 1}
+    with (
+        serve_in_thread(build_app(engine, config)) as url,
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", url + COMPLETIONS, json=body, headers=hog_headers) as held,
+    ):
+        assert held.status_code == 200
+        hog = http.post(url + COMPLETIONS, json={**body, "n": 8}, headers=hog_headers)
+        release.set()
+        other = http.post(url + COMPLETIONS, json=other_body, headers=bearer("other"))
+        held.read()
     assert hog.status_code == 429
     assert other.status_code == 200
     assert engine.num_refused == 0  # the engine itself never had to refuse anyone

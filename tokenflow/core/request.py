@@ -117,6 +117,10 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )
+        if self.min_tokens and self.structured_output is not None:
+            # The grammar decides where the value ends; forbidding the end before min_tokens
+            # could leave no token to sample.
+            raise ValueError("min_tokens cannot be combined with a structured output")
         if self.structured_output is not None and self.ignore_eos:
             # The grammar ends the output with an end-of-sequence token once the value is whole.
             raise ValueError("ignore_eos cannot be combined with a structured output")
@@ -169,6 +173,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     token_times_s: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens whose KV is valid (device or host copy)
+    # Prompt tokens whose KV a device prefix-cache hit gave it at its start (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens); 0 without a hit or prefix caching.
+    num_cached_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     last_consume_s: float = 0.0  # reader's consumption time of the newest token

@@ -32,7 +32,7 @@ class ServerConfig:
     max_requests_per_key: int = 0
     max_tokens_per_key: int = 0
     # When the engine is full, a request waits this long for a slot (freed slots go to the key
-    # served least: serving/tenants.py), then gets 429.
+    # served least: serving/tenants.py), then gets 429 (0: no wait, the engine's 429 at once).
     max_queue_wait_s: float = 10.0
     log_level: str = "info"
     # A keep-alive (a blank line, `app.KEEPALIVE`) after this many seconds without a frame on
@@ -112,7 +112,7 @@ class ServerConfig:
         return KeyLimits(
             max_choices=self.max_requests_per_key,
             max_tokens=self.max_tokens_per_key,
-            capacity_choices=capacity_choices,
+            capacity_choices=capacity_choices if self.max_queue_wait_s > 0 else 0,
             queue_timeout_s=self.max_queue_wait_s,
         )
 
@@ -189,7 +189,7 @@ class ServerConfig:
             type=float,
             default=defaults.max_queue_wait_s,
             help="when the engine is full, a request waits this long for a slot (freed slots "
-            "go to the API key served least), then gets 429",
+            "go to the API key served least), then gets 429 (0: 429 at once)",
         )
         server.add_argument("--log-level", default=defaults.log_level, choices=LOG_LEVELS)
         server.add_argument(

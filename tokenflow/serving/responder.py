@@ -63,6 +63,8 @@ WaitForDisconnect = Callable[[], Awaitable[None]]
 # How long a new request waits for the engine's answer before its 200 headers go out; refusals
 # are raised synchronously by `generate()`, so they always come back as real status codes.
 _ADMISSION_GRACE_S = 0.05
+# What a client is told of a failure inside the engine (the why goes to the server log only).
+_FAILED_MESSAGE = "the engine failed this request; the server log has the details"
 
 
 def _end(
@@ -186,9 +188,12 @@ class Responder:
             await self._release_all(submitted, progresses)
             message = "the engine ended the request without output"
             raise ApiError(500, message, type="server_error") from None
-        except Exception as exc:  # failed before its first delta: a 500 naming why
+        except Exception as exc:  # failed before its first delta: a 500, the why in the log
             await self._release_all(submitted, progresses)
-            raise ApiError(500, _engine_error_message(exc), type="server_error") from exc
+            logger.warning(
+                "a request failed before its first token: %s", _engine_error_message(exc)
+            )
+            raise ApiError(500, _FAILED_MESSAGE, type="server_error") from exc
         except BaseException:  # cancelled: free the requests
             await self._release_all(submitted, progresses)
             raise
@@ -268,7 +273,7 @@ class Responder:
         if isinstance(exc, StopAsyncIteration):
             message = "the engine ended the request without a finish reason"
         else:
-            message = "the engine failed this request; the server log has the details"
+            message = _FAILED_MESSAGE
         return ErrorInfo(message=message, type="server_error")
 
     async def _collect(

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
+from jinja2.exceptions import TemplateError
 
 from tokenflow.core.request import StructuredOutput
 from tokenflow.engine.client import (
@@ -60,11 +61,15 @@ from tokenflow.serving.validation import (
     chat_scores,
     check_chat_support,
     check_completion_support,
+    check_head_tokens,
     check_num_choices,
     check_prompt_chars,
     check_token_ids,
     completion_scores,
+    context_head_chars,
     resolve_max_tokens,
+    shortened,
+    template_refusal,
     with_seed_offset,
 )
 
@@ -252,13 +257,15 @@ class OpenAIServing:
             return self.engine.model_name
         raise ApiError(
             404,
-            f"The model `{model}` does not exist.",
+            f"The model `{shortened(model, 100)}` does not exist.",
             param="model",
             code="model_not_found",
         )
 
-    # Tokenizing runs in a worker thread: a long prompt on the event loop held every other
-    # request, /health included, for seconds.  A text no context could hold is refused first.
+    # Tokenizing runs in a worker thread, through the tokenizer's GIL-free path: a long prompt
+    # on the event loop held every other request, /health included, for seconds.  A text no
+    # context could hold is refused before it is tokenized (`check_prompt_chars`), and a long
+    # one whose head alone overflows the context is refused after tokenizing only that head.
     async def apply_chat_template(
         self,
         messages: list[ChatMessage],
@@ -274,14 +281,21 @@ class OpenAIServing:
             ids = await anyio.to_thread.run_sync(
                 self.engine.tokenizer.apply_chat_template, rendered, dumped, add_generation_prompt
             )
-        except Exception as exc:  # a template rejecting these messages (e.g. role order)
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        except TemplateError as exc:  # the template refusing these messages (e.g. role order)
+            raise ApiError(400, template_refusal(exc), param="messages") from None
+        except Exception as exc:  # anything else is ours: logged, not shown
+            logger.warning("the chat template failed: %r", exc)
+            raise ApiError(400, template_refusal(None), param="messages") from None
         return tuple(ids)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         """`text`'s token ids, off the event loop (400 if no prompt the context holds is it)."""
         self._check_chars(len(text))
-        encode = self.engine.tokenizer.encode
+        encode, max_model_len = self.engine.tokenizer.encode, self.engine.max_model_len
+        head_chars = context_head_chars(max_model_len)
+        if len(text) > head_chars:
+            head = await anyio.to_thread.run_sync(encode, text[:head_chars], False)
+            check_head_tokens(len(head), max_model_len, self.engine.tokenizer.max_token_chars)
         return tuple(await anyio.to_thread.run_sync(encode, text, add_special_tokens))
 
     async def _tokenize_prompts(

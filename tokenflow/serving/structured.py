@@ -32,7 +32,7 @@ from tokenflow.serving.protocol import (
     ToolCall,
     ToolDefinition,
 )
-from tokenflow.serving.validation import ApiError
+from tokenflow.serving.validation import ApiError, shortened
 
 AUTO_TOOL_FLAGS = "--enable-auto-tool-choice --tool-call-parser hermes"
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -180,12 +180,13 @@ def _named_tool(tools: list[ToolDefinition], name: str) -> ToolDefinition:
     names = ", ".join(t.function.name for t in tools)
     raise ApiError(
         400,
-        f"tool_choice names the function {name!r}, which is not in tools ({names})",
+        f"tool_choice names the function {shortened(name, 100)!r}, which is not in tools "
+        f"({shortened(names)})",
         param="tool_choice",
     )
 
 
 def _shown(choice: object) -> str:
     if isinstance(choice, NamedToolChoice):
-        return f"function {choice.function.name!r}"
-    return repr(choice)
+        return f"function {shortened(choice.function.name, 100)!r}"
+    return shortened(repr(choice), 100)

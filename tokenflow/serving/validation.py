@@ -87,6 +87,45 @@ def check_prompt_chars(num_chars: int, max_model_len: int, longest_token: int) -
         )
 
 
+# A prompt's head of this many characters per context token is tokenized first: text runs at
+# about 4 characters a token, so a head this long that overflows the context shows the whole
+# prompt cannot fit, without tokenizing the rest (up to 20x more at the character bound).
+HEAD_CHARS_PER_TOKEN = 8
+
+
+def context_head_chars(max_model_len: int) -> int:
+    """How many characters of a long prompt are tokenized first (`check_head_tokens`)."""
+    return max_model_len * HEAD_CHARS_PER_TOKEN
+
+
+def check_head_tokens(num_head_tokens: int, max_model_len: int, longest_token: int) -> None:
+    """Refuse a prompt whose head (`context_head_chars`) alone holds more tokens than the
+    context: cutting a text splits at most one token into pieces of the longest token's
+    characters, so past that margin the whole prompt is too long as well."""
+    if num_head_tokens > max_model_len + longest_token:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt's "
+            f"first {context_head_chars(max_model_len)} characters alone hold "
+            f"{num_head_tokens} tokens.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+
+
+def template_refusal(exc: Exception | None) -> str:
+    """What a client is told when the chat template refuses its messages: the template's own
+    message (`raise_exception` in the template, written for users), cut; otherwise no internals."""
+    if exc is None:
+        return "cannot apply the chat template to these messages"
+    return f"cannot apply the chat template: {shortened(str(exc))}"
+
+
+def shortened(text: str, limit: int = 200) -> str:
+    """A client's or a library's text as an error shows it: at most `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
     """Default to the rest of the context; refuse what cannot fit."""
     if num_prompt == 0:
@@ -207,7 +246,10 @@ def with_seed_offset(params: SamplingParams, offset: int) -> SamplingParams:
 
 def _unsupported(param: str, value: object) -> ApiError:
     return ApiError(
-        400, f"{param}={value!r} is not supported", param=param, code="unsupported_parameter"
+        400,
+        f"{param}={shortened(repr(value), 100)} is not supported",
+        param=param,
+        code="unsupported_parameter",
     )
 
 
