@@ -35,7 +35,8 @@ test-dashboard: install
 	$(BIN)/ruff check tests_dashboard
 	$(BIN)/python -m pytest tests_dashboard -p no:cacheprovider $(ARGS)
 
-# Hostile bodies, poison requests, disconnects and a storm against a live `tokenflow serve`
+# Hostile bodies, poison requests, disconnects, a storm and freeze probes (schemas, per-key
+# limits, maximal prompts, routes needing a key) against a live `tokenflow serve`
 # (tests_reliability/, docs/reliability.md): a few minutes on 2 cores, each test at most 10 minutes.
 test-reliability: install
 	$(BIN)/ruff check tests_reliability

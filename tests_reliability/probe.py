@@ -6,13 +6,18 @@ transport failure, a timeout, a 5xx, a stream without `data: [DONE]`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
+# The suite's server: dense float32 weights on one thread (greedy tokens independent of the
+# batch, so the innocent streams are exact) and two API keys.
+SERVE_ARGS = "--dtype float32 --num-threads 1 --api-key rel-a --api-key rel-b"
 INNOCENT = {
     "messages": [{"role": "user", "content": "Name three colours."}],
     "max_tokens": 24,
@@ -74,9 +79,37 @@ class Row:
             self.notes.append(f"lost: status {outcome.status}, {outcome.error or 'no error'}")
 
 
-def client(url: str, max_connections: int) -> httpx.AsyncClient:
+@dataclass
+class FrameTimes:
+    """When each `data:` frame of a stream arrived (monotonic seconds); `first` is set at the
+    first one."""
+
+    times_s: list[float] = field(default_factory=list)
+    first: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record(self) -> None:
+        self.times_s.append(time.monotonic())
+        self.first.set()
+
+
+def serve_args_keys(serve_args: Sequence[str]) -> tuple[str, ...]:
+    """The `--api-key` values of `tokenflow serve` options (empty: an open server)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--api-key", action="append", default=[])
+    return tuple(parser.parse_known_args(list(serve_args))[0].api_key)
+
+
+def client(url: str, max_connections: int, api_key: str | None) -> httpx.AsyncClient:
+    """A client of `url` that sends `api_key` as its bearer token (None: no key)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=32)
-    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits)
+    headers = {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+    return httpx.AsyncClient(base_url=url, timeout=600, limits=limits, headers=headers)
+
+
+async def alone(url: str, api_key: str | None, body: dict) -> Outcome:
+    """A stream of `body` with nothing else sent: the text it must produce beside anything."""
+    async with client(url, 4, api_key) as http:
+        return await send(http, body)
 
 
 async def send(
@@ -85,9 +118,10 @@ async def send(
     path: str = CHAT,
     max_frames: int | None = None,
     answered: asyncio.Event | None = None,
+    frames: FrameTimes | None = None,
 ) -> Outcome:
     """POST and read the whole answer (or only `max_frames` frames, then hang up); `answered`
-    is set once the response's status line has arrived."""
+    is set once the response's status line has arrived, `frames` records a stream's frames."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
     try:
@@ -95,7 +129,7 @@ async def send(
             if answered is not None:
                 answered.set()
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                return await _read_sse(response, max_frames)
+                return await _read_sse(response, max_frames, frames)
             data = json.loads(await response.aread() or b"null")
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         return Outcome(None, error=f"{type(err).__name__}: {err}")
@@ -107,13 +141,17 @@ async def send(
     return Outcome(response.status_code, error=error)
 
 
-async def _read_sse(response: httpx.Response, max_frames: int | None) -> Outcome:
+async def _read_sse(
+    response: httpx.Response, max_frames: int | None, frames: FrameTimes | None
+) -> Outcome:
     outcome = Outcome(response.status_code)
     finish, done, num_frames = None, False, 0
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue
         num_frames += 1
+        if frames is not None:
+            frames.record()
         if max_frames is not None and num_frames > max_frames:
             return Outcome(200, outcome.text, is_complete=True)  # we hung up on purpose
         if line == "data: [DONE]":

@@ -27,15 +27,17 @@ from tests_reliability.probe import (
 def run_category(
     name: str,
     url: str,
+    api_key: str | None,
     category: Callable[..., Awaitable[None]],
     rows: list[Row],
     max_connections: int = 48,
 ) -> Row:
-    """Run one category against `url`, then check /health; the category's tally."""
+    """Run one category against `url` with `api_key`, then check /health; the category's
+    tally."""
     row = Row(name)
 
     async def measured() -> None:
-        async with client(url, max_connections) as http:
+        async with client(url, max_connections, api_key) as http:
             started = time.monotonic()
             await category(http, row)
             row.seconds = time.monotonic() - started
@@ -53,19 +55,19 @@ def assert_clean(row: Row) -> None:
 
 
 def test_hostile_bodies_get_a_clear_4xx(
-    server_url: str, max_body_bytes: int, report_rows: list[Row]
+    server_url: str, api_key: str | None, max_body_bytes: int, report_rows: list[Row]
 ) -> None:
     async def hostile(http, row: Row) -> None:
         for body in hostile_bodies(max_body_bytes):
             row.add(await send(http, body))
 
-    row = run_category("hostile", server_url, hostile, report_rows)
+    row = run_category("hostile", server_url, api_key, hostile, report_rows)
     assert_clean(row)
     assert row.num_clear_4xx == row.num_sent
 
 
 def test_poison_requests_leave_the_innocent_stream_exact(
-    server_url: str, solo: Outcome, report_rows: list[Row]
+    server_url: str, api_key: str | None, solo: Outcome, report_rows: list[Row]
 ) -> None:
     async def poison(http, row: Row) -> None:
         for body in poison_bodies():
@@ -73,13 +75,13 @@ def test_poison_requests_leave_the_innocent_stream_exact(
             row.add(outcome)
             row.innocent_intact.append(innocent.is_complete and innocent.text == solo.text)
 
-    row = run_category("poison", server_url, poison, report_rows)
+    row = run_category("poison", server_url, api_key, poison, report_rows)
     assert_clean(row)
     assert row.num_complete == row.num_sent
 
 
 def test_dropped_streams_free_the_engine(
-    server_url: str, solo: Outcome, report_rows: list[Row]
+    server_url: str, api_key: str | None, solo: Outcome, report_rows: list[Row]
 ) -> None:
     async def disconnect(http, row: Row) -> None:
         body = {**INNOCENT, "max_tokens": 200, "stream_rate": 2}
@@ -92,11 +94,15 @@ def test_dropped_streams_free_the_engine(
         after = await send(http, INNOCENT)
         row.innocent_intact.append(after.is_complete and after.text == solo.text)
 
-    assert_clean(run_category("disconnect", server_url, disconnect, report_rows))
+    assert_clean(run_category("disconnect", server_url, api_key, disconnect, report_rows))
 
 
 def test_a_storm_completes_or_gets_a_clear_429(
-    server_url: str, solo: Outcome, storm_size: int, report_rows: list[Row]
+    server_url: str,
+    api_key: str | None,
+    solo: Outcome,
+    storm_size: int,
+    report_rows: list[Row],
 ) -> None:
     async def storm(http, row: Row) -> None:
         body = {**INNOCENT, "max_tokens": 8, "stream_rate": 4}
@@ -110,7 +116,7 @@ def test_a_storm_completes_or_gets_a_clear_429(
         row.innocent_intact.append(first.is_complete and first.text == solo.text)
         row.innocent_intact.append(await settles(http))
 
-    row = run_category("storm", server_url, storm, report_rows, storm_size + 16)
+    row = run_category("storm", server_url, api_key, storm, report_rows, storm_size + 16)
     assert_clean(row)
     refused = row.num_sent - row.num_complete
     assert refused == row.num_clear_4xx, "every storm request not served got a clear 429"

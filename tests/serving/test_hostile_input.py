@@ -115,3 +115,16 @@ async def test_an_error_does_not_echo_a_long_input_whole():
         answer = await http.post(COMPLETIONS, json=body)
     assert answer.status_code == 404
     assert len(answer.json()["error"]["message"]) < 300
+
+
+async def test_a_chat_far_past_the_context_is_refused_by_its_head():
+    engine = FakeEngine()
+    tokenizer = CountingTokenizer(engine.tokenizer)
+    engine.tokenizer = tokenizer
+    head = context_head_chars(engine.max_model_len)
+    messages = [{"role": "user", "content": "w " * head}, {"role": "user", "content": "w " * 9}]
+    async with _client(engine) as http:
+        answer = await http.post(CHAT, json={"messages": messages, "max_tokens": 1})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "context_length_exceeded"
+    assert tokenizer.num_chars_encoded == head  # the messages were never tokenized whole

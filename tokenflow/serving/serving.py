@@ -276,6 +276,7 @@ class OpenAIServing:
         model's chat template, as token ids (400 if it fails)."""
         rendered = [template_message(m) for m in messages]
         self._check_chars(sum(len(m["content"]) for m in rendered))
+        await self._check_head("".join(m["content"] for m in rendered))
         dumped = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
         try:
             ids = await anyio.to_thread.run_sync(
@@ -291,12 +292,18 @@ class OpenAIServing:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         """`text`'s token ids, off the event loop (400 if no prompt the context holds is it)."""
         self._check_chars(len(text))
-        encode, max_model_len = self.engine.tokenizer.encode, self.engine.max_model_len
+        await self._check_head(text)
+        encode = self.engine.tokenizer.encode
+        return tuple(await anyio.to_thread.run_sync(encode, text, add_special_tokens))
+
+    async def _check_head(self, text: str) -> None:
+        """A 400 when `text`'s head alone overflows the context (`check_head_tokens`), from
+        tokenizing that head only."""
+        tokenizer, max_model_len = self.engine.tokenizer, self.engine.max_model_len
         head_chars = context_head_chars(max_model_len)
         if len(text) > head_chars:
-            head = await anyio.to_thread.run_sync(encode, text[:head_chars], False)
-            check_head_tokens(len(head), max_model_len, self.engine.tokenizer.max_token_chars)
-        return tuple(await anyio.to_thread.run_sync(encode, text, add_special_tokens))
+            head = await anyio.to_thread.run_sync(tokenizer.encode, text[:head_chars], False)
+            check_head_tokens(len(head), max_model_len, tokenizer.max_token_chars)
 
     async def _tokenize_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]], echo: bool
