@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tokenflow.replicas.deployments import REPLICA_HEADER
+from tokenflow.replicas.ingress import REPLICA_HEADER
 
 KEY = "live-moves-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -12,15 +12,21 @@ import ray
 from ray import serve
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tokenflow.engine.client import EngineOverloaded
 from tokenflow.replicas.deployments import EngineReplica
 from tokenflow.serving.moves import MoveBook
+from tokenflow.serving.responder import _refusal
+from tokenflow.serving.tenants import KeyGate, KeyLimits, Work
+from tokenflow.serving.validation import ApiError
 
 RECORDER = "tokenflow-test-recorder"
 NAMESPACE = "tokenflow-tests"
-FAKE = "x-fake"  # busy-first: the first replica answers 429; busy-all: every replica does
+# busy-first: the first replica answers 429 (its engine full); busy-all: every replica does;
+# key-limited: a 429 of a per-key limit
+FAKE = "x-fake"
 CHUNKS = "x-fake-chunks"  # how many SSE frames a stream sends, 50 ms apart
 STREAM_ID = "x-fake-id"
 
@@ -53,6 +59,21 @@ class Recorder:
         self._cancelled.clear()
 
 
+def engine_full_429() -> bytes:
+    """A replica's 429 body when its engine is full, as the server makes it."""
+    error = _refusal(EngineOverloaded("the waiting queue is full", 1.0))
+    return error.body().model_dump_json().encode()
+
+
+async def key_limit_429() -> bytes:
+    """A 429 body of a key over its limit, as the server's gate makes it."""
+    try:
+        await KeyGate(KeyLimits(max_choices=1)).admit("a-key", Work(2, 10))
+    except ApiError as error:
+        return error.body().model_dump_json().encode()
+    raise AssertionError("the gate admitted more than the key's limit")
+
+
 class FakeReplica(EngineReplica):
     """An engine replica that answers from its request's headers (see the module docstring)."""
 
@@ -78,8 +99,9 @@ def _app(index: int, recorder) -> Starlette:
         await recorder.called.remote(index)
         fake = request.headers.get(FAKE, "")
         if fake == "busy-all" or (fake == "busy-first" and index == 0):
-            error = {"message": "full", "type": "server_error", "param": None, "code": None}
-            return JSONResponse({"error": error}, 429, headers={"Retry-After": "2"})
+            return _json(engine_full_429(), 429, headers={"Retry-After": "2"})
+        if fake == "key-limited":
+            return _json(await key_limit_429(), 429, headers={"Retry-After": "1"})
         num_chunks = int(request.headers.get(CHUNKS, "2"))
         stream_id = request.headers.get(STREAM_ID, "")
 
@@ -98,3 +120,7 @@ def _app(index: int, recorder) -> Starlette:
         return StreamingResponse(frames(), media_type="text/event-stream")
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+def _json(body: bytes, status: int, headers: dict[str, str]) -> Response:
+    return Response(body, status, headers, media_type="application/json")

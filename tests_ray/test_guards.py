@@ -10,9 +10,17 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
+from tests_ray.fakes import engine_full_429, key_limit_429
 from tokenflow.engine.client import EngineHealth
 from tokenflow.replicas.deployments import EngineReplica
-from tokenflow.replicas.guards import MAX_TRIES, health_problem, parse_body, read_body, should_retry
+from tokenflow.replicas.guards import (
+    MAX_TRIES,
+    can_go_elsewhere,
+    health_problem,
+    parse_body,
+    read_body,
+    should_retry,
+)
 from tokenflow.replicas.reports import MAX_ROUTED_TOKENS, route_facts
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.drain import Drain
@@ -115,9 +123,18 @@ def test_route_facts_survive_any_number_a_body_states():
 
 
 def test_a_refusal_is_offered_again_a_bounded_number_of_times():
-    assert should_retry(429, 1) and should_retry(503, 1) and should_retry(None, 1)
-    assert not should_retry(429, MAX_TRIES)  # then the 429 reaches the client
-    assert not should_retry(200, 1) and not should_retry(400, 1) and not should_retry(500, 1)
+    full = engine_full_429()
+    assert should_retry(429, full, 1) and should_retry(503, b"{}", 1) and should_retry(None, b"", 1)
+    assert not should_retry(429, full, MAX_TRIES)  # then the 429 reaches the client
+    for status in (200, 400, 500):
+        assert not should_retry(status, b"{}", 1)
+
+
+def test_a_per_key_429_never_goes_to_another_replica():
+    assert can_go_elsewhere(429, engine_full_429())
+    assert not can_go_elsewhere(429, asyncio.run(key_limit_429()))
+    for body in (b"", b"{}", b'{"error": {}}', b"[" * 5000, b'{"error": "full"}', b"\xff"):
+        assert not can_go_elsewhere(429, body)  # (what is not known to be a full engine)
 
 
 def test_health_fails_on_a_dead_or_stalled_engine_loop():

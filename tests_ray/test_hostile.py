@@ -1,8 +1,10 @@
 """Hostile clients against the Ray ingress, through Serve's HTTP proxy, with two fake replicas
 (`fakes.py`) that record what reaches them: the ingress refuses what it must before any replica
-sees it, offers a replica's 429 to the other replica, cancels a stream whose client left; Ray
-itself is on the loopback with its token authentication on."""
+sees it (a key past its limit, fleet-wide, among them), offers a full replica's 429 to the other
+replica but never a per-key limit's, cancels a stream whose client left, asks the key on its
+own routes too; Ray itself is on the loopback with its token authentication on."""
 
+import contextlib
 import json
 import socket
 import time
@@ -13,13 +15,16 @@ import ray
 from ray import serve
 
 from tests_ray.fakes import CHUNKS, FAKE, NAMESPACE, RECORDER, STREAM_ID, FakeReplica, Recorder
+from tests_ray.fleet import until
 from tokenflow.eval.compare import free_port
-from tokenflow.replicas.deployments import REPLICA_HEADER
 from tokenflow.replicas.guards import MAX_TRIES
+from tokenflow.replicas.ingress import REPLICA_HEADER
 from tokenflow.replicas.launch import APP_NAME, build_application, start_serve, stop_serve
 
 KEY = "test-key-1234"
+LIMITED_KEY = "test-key-at-its-limit"  # (its own key: the other tests' requests do not count)
 LIMIT = 8192  # --max-body-bytes
+PER_KEY = 2  # --max-requests-per-key: completions in flight per key, fleet-wide
 GOOD = {"prompt": "hi", "max_tokens": 4, "stream": True}
 
 
@@ -29,7 +34,8 @@ def port():
     start_serve("127.0.0.1", port, num_cpus=2, object_store_mib=128)
     recorder = Recorder.options(name=RECORDER, namespace=NAMESPACE).remote()
     ray.get(recorder.state.remote())  # (up, and held here: an actor nobody holds is collected)
-    serve_argv = ["--api-key", KEY, "--max-body-bytes", str(LIMIT)]
+    serve_argv = ["--api-key", KEY, "--api-key", LIMITED_KEY, "--max-body-bytes", str(LIMIT)]
+    serve_argv += ["--max-requests-per-key", str(PER_KEY)]
     application = build_application(2, "tokenflow", serve_argv, 0.5, replica_class=FakeReplica)
     serve.run(application, name=APP_NAME, route_prefix="/")
     yield port
@@ -146,6 +152,59 @@ def test_when_every_replica_is_full_the_429_passes_through_with_retry_after(port
     response = _post(port, json.dumps(GOOD).encode(), **{FAKE: "busy-all"})
     assert response.status_code == 429 and response.headers["retry-after"] == "2"
     assert len(_state(recorder)["calls"]) == MAX_TRIES
+
+
+def test_a_per_key_429_from_a_replica_is_not_offered_to_the_other(port, recorder):
+    response = _post(port, json.dumps(GOOD).encode(), **{FAKE: "key-limited"})
+    assert response.status_code == 429 and _error(response)["code"] == "rate_limit_exceeded"
+    assert len(_state(recorder)["calls"]) == 1
+
+
+def test_a_key_at_its_limit_gets_429_from_the_ingress_and_never_more_in_flight(port, recorder):
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    lines = []  # (each held: a reader dropped closes its stream)
+    with contextlib.ExitStack() as held:
+        for i in range(PER_KEY):  # streams of 20 s, held open: the key is at its limit
+            headers = {"authorization": f"Bearer {LIMITED_KEY}", CHUNKS: "400", STREAM_ID: f"h{i}"}
+            stream = held.enter_context(
+                httpx.stream("POST", url, json=GOOD, headers=headers, timeout=60)
+            )
+            lines.append(stream.iter_lines())
+            assert stream.status_code == 200 and next(lines[-1]).startswith("data: ")
+        refused = [_post(port, json.dumps(GOOD).encode(), key=LIMITED_KEY) for _ in range(6)]
+        assert [r.status_code for r in refused] == [429] * 6
+        assert all(_error(r)["code"] == "rate_limit_exceeded" for r in refused)
+        assert not any(REPLICA_HEADER in r.headers for r in refused)  # the ingress's answer
+        assert len(_state(recorder)["calls"]) == PER_KEY  # on both replicas together
+        assert _post(port, json.dumps(GOOD).encode()).status_code == 200  # (another key)
+    # the held streams' clients left: their key has room again once the ingress sees it
+    served = until(
+        lambda: _ok(_post(port, json.dumps(GOOD).encode(), key=LIMITED_KEY)), "room for the key"
+    )
+    assert served.text.endswith("data: [DONE]\n\n")
+
+
+def test_n_past_the_keys_limit_is_refused_before_any_replica_sees_it(port, recorder):
+    for n in (PER_KEY + 1, 128, 10**9):
+        body = json.dumps({**GOOD, "n": n}).encode()
+        response = _post(port, body, key=LIMITED_KEY)
+        assert response.status_code == 429 and _error(response)["code"] == "rate_limit_exceeded"
+        assert f"may have {PER_KEY} completions" in _error(response)["message"]
+    prompts = json.dumps({**GOOD, "prompt": ["a"] * (PER_KEY + 1)}).encode()
+    assert _post(port, prompts, key=LIMITED_KEY).status_code == 429
+    assert _state(recorder)["calls"] == []
+
+
+@pytest.mark.parametrize("path", ["/replicas", "/replicas/moves"])
+def test_the_ingress_own_routes_need_the_key(port, path):
+    url = f"http://127.0.0.1:{port}{path}"
+    refused = httpx.get(url, timeout=60)
+    assert refused.status_code == 401 and _error(refused)["code"] == "invalid_api_key"
+    assert httpx.get(url, headers={"authorization": f"Bearer {KEY}"}, timeout=60).status_code == 200
+
+
+def _ok(response: httpx.Response) -> httpx.Response | None:
+    return response if response.status_code == 200 else None
 
 
 def test_a_client_that_disconnects_cancels_its_replica_stream(port, recorder):

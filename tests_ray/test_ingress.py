@@ -1,7 +1,8 @@
 """The ingress's forwarding, without a cluster: a scripted `DeploymentHandle` stands for the
-replicas.  A refusal is offered to another replica, a bounded number of times; the replica
-call is cancelled whenever the client leaves before the replica's last chunk; an answer a
-replica hands off goes on from another replica in the same response."""
+replicas.  A full replica's refusal is offered to another replica, a bounded number of times,
+a per-key limit's never; each key's limits hold at the ingress, fleet-wide; the replica call is
+cancelled whenever the client leaves before the replica's last chunk; an answer a replica hands
+off goes on from another replica in the same response, covered by its first admission."""
 
 import asyncio
 import json
@@ -9,23 +10,29 @@ from dataclasses import replace
 
 from starlette.requests import Request
 
+from tests_ray.fakes import engine_full_429, key_limit_429
 from tokenflow.core.migration import StreamState
 from tokenflow.core.request import Consumption, SamplingParams
-from tokenflow.replicas.deployments import REPLICA_HEADER, Forwarder
 from tokenflow.replicas.guards import MAX_TRIES
+from tokenflow.replicas.ingress import REPLICA_HEADER, Forwarder
+from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.moves import MOVE_HEADER, StreamHandoff
 
 BODY = b'{"prompt": "hi", "max_tokens": 4, "stream": true}'
+KEY = "a-key"
+FULL = engine_full_429()  # a replica's 429 when its engine is full
 
 
 class _Stream:
-    """One replica call's answer: its first item, then its chunks (`block`: never answers)."""
+    """One replica call's answer: its first item, then its chunks (`block`: not before
+    `unblocked` is set)."""
 
     def __init__(self, status=200, replica="a", chunks=(), headers=(), block=False):
         start = {"status": status, "headers": list(headers), "replica": replica}
         self.items: list = [{**start, "replica_id": f"id-{replica}"}, *chunks]
         self.block = block
         self.waited = asyncio.Event()  # set once a read waits on a blocked stream
+        self.unblocked = asyncio.Event()
         self.cancelled = False
         self.num_read = 0
 
@@ -35,7 +42,8 @@ class _Stream:
     async def __anext__(self):
         if self.block:
             self.waited.set()
-            await asyncio.Event().wait()
+            await self.unblocked.wait()
+            self.block = False
         if isinstance(self.items[0] if self.items else None, Exception):
             raise self.items.pop(0)
         if not self.items:
@@ -94,7 +102,7 @@ def _handoff(num_sent_tokens: int) -> StreamHandoff:
     return StreamHandoff(state, "cmpl-1", 1700000000, num_sent_tokens, num_sent_tokens, 1)
 
 
-def _request(headers: tuple[tuple[bytes, bytes], ...] = ()) -> Request:
+def _request(headers: tuple[tuple[bytes, bytes], ...] = (), body: bytes = BODY) -> Request:
     sent = False
 
     async def receive():
@@ -102,7 +110,7 @@ def _request(headers: tuple[tuple[bytes, bytes], ...] = ()) -> Request:
         if sent:
             await asyncio.Event().wait()
         sent = True
-        return {"type": "http.request", "body": BODY, "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": False}
 
     scope = {
         "type": "http",
@@ -121,7 +129,11 @@ async def _answer(
     """The ingress's answer to one request: status, headers and body."""
     request = request or _request()
     forwarder = forwarder or Forwarder(handle, 4.0)
-    response = await forwarder.forward(request, "v1/completions")
+    return await _read(await forwarder.forward(request, "v1/completions"))
+
+
+async def _read(response):
+    """A response sent to a client that reads it to its end: status, headers and body."""
     messages: list[dict] = []
 
     async def send(message):
@@ -135,22 +147,22 @@ async def _answer(
 
 
 def test_a_429_is_offered_to_a_replica_that_has_not_refused_it():
-    busy = _Stream(429, "a", [b'{"error": {}}'], [("retry-after", "2")])
+    busy = _Stream(429, "a", [FULL], [("retry-after", "2")])
     free = _Stream(200, "b", [b"data: 1\n\n", b"data: [DONE]\n\n"])
     handle = _Handle(busy, free)
     status, headers, body = asyncio.run(_answer(handle))
     assert status == 200 and headers[REPLICA_HEADER.lower()] == "b"
     assert body == b"data: 1\n\ndata: [DONE]\n\n"
     assert handle.routes[0]["avoid"] == [] and handle.routes[1]["avoid"] == ["id-a"]
-    assert busy.cancelled and not free.cancelled  # the refusal's body is never read
+    assert busy.cancelled and not free.cancelled
 
 
 def test_when_every_try_is_refused_the_last_429_passes_through_with_retry_after():
-    refusals = [_Stream(429, r, [b'{"error": {}}']) for r in ("a", "b", "a", "b")]
+    refusals = [_Stream(429, r, [FULL[:10], FULL[10:]]) for r in ("a", "b", "a", "b")]
     handle = _Handle(*refusals)
     status, headers, body = asyncio.run(_answer(handle))
     assert status == 429 and headers["retry-after"] == "1"  # added where the replica gave none
-    assert body == b'{"error": {}}'
+    assert body == FULL  # (read to tell what it means, then passed on whole)
     assert len(handle.routes) == MAX_TRIES
     assert handle.routes[-1]["avoid"] == ["id-a", "id-b"]
 
@@ -304,3 +316,156 @@ def test_the_continuation_is_cancelled_when_the_client_leaves_while_it_opens():
 
 async def _ignore(message):
     """A client that reads whatever comes."""
+
+
+# -- each key's limits, held at the ingress -----------------------------------------------------
+OTHER_KEY = "another-key"
+
+
+def _keyed(body: bytes = BODY, key: str = KEY, method: str = "POST") -> Request:
+    """A request of `key`."""
+    request = _request(((b"authorization", f"Bearer {key}".encode()),), body)
+    request.scope["method"] = method
+    return request
+
+
+def _limited(handle: _Handle, **limits) -> Forwarder:
+    """The ingress of a fleet whose `tokenflow serve` options set these per-key limits."""
+    return Forwarder(handle, 4.0, ServerConfig(api_keys=(KEY, OTHER_KEY), **limits))
+
+
+def _error(response) -> dict:
+    return json.loads(response.body)["error"]
+
+
+def test_a_per_key_429_from_a_replica_is_never_offered_to_another():
+    limited = _Stream(429, "a", [asyncio.run(key_limit_429())], [("retry-after", "1")])
+    handle = _Handle(limited, _Stream(200, "b", [b"ok"]))
+    status, _, body = asyncio.run(_answer(handle))
+    assert status == 429 and json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+    assert len(handle.routes) == 1  # the other replica never saw it
+
+
+def test_a_key_at_its_limit_gets_429_from_the_ingress_and_no_replica_sees_it():
+    handle = _Handle(*(_Stream(200, r, FRAMES) for r in ("a", "b", "a", "b")))
+    forwarder = _limited(handle, max_requests_per_key=1)
+
+    async def three_requests():
+        first = await forwarder.forward(_keyed(), "v1/completions")  # (its answer is open)
+        refused = await forwarder.forward(_keyed(), "v1/completions")
+        other = await forwarder.forward(_keyed(key=OTHER_KEY), "v1/completions")
+        models = await forwarder.forward(_keyed(b"", method="GET"), "v1/models")
+        await _read(first)  # the first answer ends: its key has room again
+        again = await forwarder.forward(_keyed(), "v1/completions")
+        return refused, other, models, await _read(again)
+
+    refused, other, models, again = asyncio.run(three_requests())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert _error(refused)["code"] == "rate_limit_exceeded"
+    assert "1 completions in flight" in _error(refused)["message"]
+    assert other.status_code == 200 and models.status_code == 200  # (not this key's work)
+    assert again[0] == 200 and again[2] == b"".join(FRAMES)
+    assert len(handle.routes) == 4  # first, other key, models, again: never the refused one
+
+
+def test_every_choice_counts_against_the_keys_limit():
+    handle = _Handle()
+    forwarder = _limited(handle, max_requests_per_key=4)
+    for body in (
+        {"prompt": "hi", "n": 5},
+        {"prompt": ["a", "b", "c"], "n": 2},
+        {"prompt": [[1], [2], [3], [4], [5]]},
+        {"messages": [{"role": "user", "content": "hi"}], "n": 128},
+    ):
+        request = _keyed(json.dumps(body).encode())
+        response = asyncio.run(forwarder.forward(request, "v1/completions"))
+        assert (
+            response.status_code == 429 and "may have 4 completions" in _error(response)["message"]
+        )
+    assert handle.routes == []
+
+
+def test_prompt_and_max_tokens_count_against_the_keys_token_limit():
+    handle = _Handle(_Stream(200, "a", FRAMES))
+    forwarder = _limited(handle, max_tokens_per_key=1000)
+    # 2 choices of 101 prompt tokens (400 characters) + 500: 1202 tokens
+    body = {"prompt": "x" * 400, "max_tokens": 500, "n": 2}
+    response = asyncio.run(forwarder.forward(_keyed(json.dumps(body).encode()), "v1/completions"))
+    assert response.status_code == 429 and "1000 tokens" in _error(response)["message"]
+    no_max = json.dumps({"prompt": "hi"}).encode()  # 1 + reports.DEFAULT_MAX_TOKENS
+    assert asyncio.run(_answer(handle, _keyed(no_max), forwarder))[0] == 200
+    assert len(handle.routes) == 1
+
+
+def test_the_keys_work_is_released_when_its_client_leaves_mid_stream():
+    stream = _Stream(200, "a", [b"data: %d\n\n" % i for i in range(100)])
+    handle = _Handle(stream, _Stream(200, "b", FRAMES))
+    forwarder = _limited(handle, max_requests_per_key=1)
+
+    async def leave_after_two_chunks_then_ask_again():
+        response = await forwarder.forward(_keyed(), "v1/completions")
+        num_sent = 0
+        gone = asyncio.Event()
+
+        async def send(message):
+            nonlocal num_sent
+            num_sent += 1
+            if num_sent > 2:
+                gone.set()
+                await asyncio.Event().wait()
+
+        task = asyncio.ensure_future(response(_request().scope, _request().receive, send))
+        await gone.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return await _answer(handle, _keyed(), forwarder)
+
+    assert asyncio.run(leave_after_two_chunks_then_ask_again())[0] == 200
+    assert stream.cancelled
+
+
+def test_the_keys_work_is_released_when_its_client_leaves_before_a_replica_answers():
+    handle = _Handle(_Stream(block=True), _Stream(200, "b", FRAMES))
+    forwarder = _limited(handle, max_requests_per_key=1)
+
+    async def leave_then_ask_again():
+        task = asyncio.ensure_future(forwarder.forward(_keyed(), "v1/completions"))
+        await handle.streams[0].waited.wait()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return await _answer(handle, _keyed(), forwarder)
+
+    assert asyncio.run(leave_then_ask_again())[0] == 200
+
+
+def test_the_keys_work_is_released_when_no_replica_takes_the_request():
+    dead = [_Stream(200, r) for r in ("a", "b", "c")]
+    for stream in dead:
+        stream.items = [RuntimeError("the actor died")]
+    full = [_Stream(429, r, [FULL]) for r in ("a", "b", "c")]
+    handle = _Handle(*dead, *full, _Stream(200, "a", FRAMES))
+    forwarder = _limited(handle, max_requests_per_key=1)
+    assert asyncio.run(_answer(handle, _keyed(), forwarder))[0] == 503  # no replica answered
+    assert asyncio.run(_answer(handle, _keyed(), forwarder))[0] == 429  # every replica full
+    assert asyncio.run(_answer(handle, _keyed(), forwarder))[0] == 200
+
+
+def test_a_moved_answer_goes_on_under_its_first_admission():
+    handoff = _handoff(2)
+    taking = _Stream(200, "b", FRAMES[2:], block=True)  # (it has not answered yet)
+    handle = _Handle(_Stream(200, "a", [*FRAMES[:2], handoff]), taking)
+    forwarder = _limited(handle, max_requests_per_key=1)
+
+    async def ask_during_the_move():
+        response = await forwarder.forward(_keyed(), "v1/completions")
+        task = asyncio.ensure_future(response(_request().scope, _request().receive, _ignore))
+        await taking.waited.wait()  # the answer is between its two replicas
+        refused = await forwarder.forward(_keyed(), "v1/completions")
+        taking.unblocked.set()
+        await task
+        return refused
+
+    refused = asyncio.run(ask_during_the_move())
+    assert refused.status_code == 429  # the moved answer still holds its key's one completion
+    assert handle.handoffs == [None, handoff]  # its continuation was not admitted again
+    assert not taking.items  # (it went on to its end)

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from tests_ray.fleet import running_fleet
-from tokenflow.replicas.deployments import REPLICA_HEADER
+from tokenflow.replicas.ingress import REPLICA_HEADER
 from tokenflow.replicas.launch import drain
 
 KEY = "live-test-key"
@@ -76,7 +76,7 @@ def test_every_request_of_a_burst_completes_on_both_replicas(url):
     assert all(len(r["texts"]) == 24 for r in results)
     replicas = {r["replica"] for r in results}
     assert len(replicas) == 2  # the rule spread the burst
-    counts = httpx.get(f"{url}/replicas", timeout=30).json()
+    counts = httpx.get(f"{url}/replicas", headers=AUTH, timeout=30).json()
     assert sum(counts.values()) >= 8 and set(counts) >= replicas
 
 

@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from tests_ray.answers import (
+    AUTH,
     REPLICA_ARGV,
     check_whole,
     chunks_of,
@@ -68,7 +69,7 @@ def test_a_replica_that_joins_mid_burst_serves_requests_queued_on_the_other(flee
     planned_back = [p for p in every_move if p.move.target_id == first_id]
     moved_ids = {p.move.request_id for p in planned}
     moved = [r for r in results if any(c["id"] in moved_ids for c in chunks_of(r)[:1])]
-    continued = httpx.get(f"{url}/replicas/moves", timeout=30).json()
+    continued = httpx.get(f"{url}/replicas/moves", headers=AUTH, timeout=30).json()
     first_name = results[0]["replica"]
     first_moved_s = min((r["times_s"][0] for r in moved), default=float("inf"))
     if planned:

@@ -1,6 +1,7 @@
 """TokenFlowRequestRouter's choices follow the replicas' reports, and a moved request's planned
 replica (no cluster: Ray Serve's router object on hand-made candidates)."""
 
+import json
 from dataclasses import dataclass, replace
 
 from tokenflow.core.routing import CapacityPoint, LoadReport
@@ -12,6 +13,7 @@ from tokenflow.replicas.reports import (
     with_preferred,
 )
 from tokenflow.replicas.router import TokenFlowRequestRouter
+from tokenflow.serving.protocol import MAX_CHOICES
 
 
 @dataclass
@@ -127,3 +129,41 @@ def test_route_facts_read_the_rate_as_the_server_does():
     assert route_facts({"prompt": "x"}, {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 2.0
     assert route_facts({"prompt": "x"}, {}, 4.0)["rate_tps"] == 4.0
     assert route_facts({}, {}, 4.0)["rate_tps"] == 4.0
+
+
+def _facts(body: dict) -> dict:
+    return route_facts(parse_body(json.dumps(body).encode()), {}, 4.0)
+
+
+def test_route_facts_count_every_choice_a_body_starts():
+    assert _facts({"prompt": "hi"})["num_choices"] == 1
+    assert _facts({"prompt": "hi", "n": 3})["num_choices"] == 3
+    assert _facts({"messages": [{"role": "user", "content": "hi"}], "n": 5})["num_choices"] == 5
+    assert _facts({"prompt": ["a", "b", "c"], "n": 2})["num_choices"] == 6
+    assert _facts({"prompt": [[1, 2], [3, 4], [5]]})["num_choices"] == 3
+    assert _facts({"prompt": [1, 2, 3, 4], "n": 2})["num_choices"] == 2  # one token-id prompt
+
+
+def test_a_token_id_prompt_counts_its_length_in_tokens():
+    one = _facts({"prompt": list(range(1000)), "max_tokens": 10})
+    assert one["end_tokens"] == 1000 + 10
+    several = _facts({"prompt": [list(range(1000)), list(range(600))], "max_tokens": 10})
+    assert several["end_tokens"] == 800 + 10  # each choice holds its prompt: 800 on average
+    texts = _facts({"prompt": ["x" * 4000, "y" * 4000], "max_tokens": 10})
+    assert texts["end_tokens"] == 4000 // 4 + 1 + 10
+
+
+def test_a_body_cannot_state_more_choices_than_the_server_takes():
+    assert _facts({"prompt": "hi", "n": 10**9})["num_choices"] == MAX_CHOICES
+    for n in ("many", -3, 0, None, [2], 1e400):
+        assert _facts({"prompt": "hi", "n": n})["num_choices"] == 1
+
+
+def test_the_router_counts_every_choice_a_request_starts():
+    router = _router()
+    a = _Replica(_Id("a"), report_to_stats(_report(40.0)))  # readers at 4 tok/s: 4% each
+    b = _Replica(_Id("b"), report_to_stats(_report(50.0)))
+    body = {"prompt": "hi", "max_tokens": 16, "stream_rate": 4}
+    assert _choose(router, [a, b], json.dumps({**body, "n": 4}).encode())[0] == "a"
+    # "a" holds 56% once its 4 choices start, "b" 50%: the next request goes to "b"
+    assert _choose(router, [a, b], json.dumps(body).encode())[0] == "b"

@@ -198,3 +198,12 @@ def test_route_request_refuses_a_rate_no_reader_states():
     with pytest.raises(ValueError, match="rate"):
         route_request("r", 5000.0, 10, 10)
     assert route_request("r", 5000.0, 10, 10, Consumption.EAGER).rate_tps == math.inf
+
+
+def test_a_request_of_several_choices_counts_as_that_many_requests():
+    report = _report(demand_tps=100.0, num_running=4, num_free_blocks=100)
+    four = replace(_request(0), num_choices=4)
+    assert project(report, [four]) == project(report, [_request(i) for i in range(4)])
+    router = _router("least-outstanding", {"a": _report(), "b": _report()})
+    assert router.choose(four) == "a"
+    assert [router.choose(_request(i)) for i in range(1, 6)] == ["b", "b", "b", "b", "a"]

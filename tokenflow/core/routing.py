@@ -40,6 +40,8 @@ class RouteRequest:
     rate_tps: float  # the reader's rate (inf for an eager or batch request)
     lifetime_tokens: int  # prompt + half the output budget: its mean footprint over its life
     end_tokens: int  # prompt + max_tokens: the most it can hold
+    # Engine requests it starts (prompts x n), each of the sizes above: it counts this many times.
+    num_choices: int = 1
 
     @classmethod
     def of(cls, request: Request) -> RouteRequest:
@@ -55,11 +57,13 @@ def route_request(
     num_prompt_tokens: int,
     max_tokens: int,
     consumption: Consumption = Consumption.READER,
+    num_choices: int = 1,
 ) -> RouteRequest:
     """The routing facts of a request known only by its sizes (a router in front of the
     replicas sees the body, not the tokens): what `RouteRequest.of` reads of a core `Request`
     of these sizes, computed from the sizes alone, so a long prompt costs the router nothing
-    in proportion to its length.  ValueError for a reader's rate `Request` would refuse."""
+    in proportion to its length; `num_choices` such requests (prompts x n) when it starts
+    several.  ValueError for a reader's rate `Request` would refuse."""
     num_prompt = max(num_prompt_tokens, 1)
     max_tokens = max(max_tokens, 1)
     if consumption is not Consumption.READER:
@@ -67,7 +71,8 @@ def route_request(
     elif not is_reader_rate(rate_tps):
         raise ValueError(f"request {request_id}: {reader_rate_error(rate_tps)}")
     # Request.lifetime_tokens and Request.end_tokens, for a prompt of `num_prompt` tokens.
-    return RouteRequest(request_id, rate_tps, num_prompt + max_tokens // 2, num_prompt + max_tokens)
+    lifetime_tokens, end_tokens = num_prompt + max_tokens // 2, num_prompt + max_tokens
+    return RouteRequest(request_id, rate_tps, lifetime_tokens, end_tokens, max(num_choices, 1))
 
 
 @dataclass(frozen=True)
@@ -258,7 +263,7 @@ class LeastOutstandingRouter(Router):
     def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
         report = self.reports.get(replica_id)
         reported = report.num_unfinished if report else 0
-        return (reported + len(self.routed_since[replica_id]),)
+        return (reported + sum(r.num_choices for r in self.routed_since[replica_id]),)
 
 
 @dataclass
@@ -293,15 +298,15 @@ class Projection:
 def project(report: LoadReport, joining: Sequence[RouteRequest]) -> Projection:
     """`report`'s replica once `joining` (routed since the report, and a candidate) join it."""
     block_size = report.block_size
-    num_requests = report.num_unfinished + len(joining)
+    num_requests = report.num_unfinished + sum(r.num_choices for r in joining)
     blocks = report.num_lifetime_blocks + sum(
-        _blocks(r.lifetime_tokens, block_size) for r in joining
+        r.num_choices * _blocks(r.lifetime_tokens, block_size) for r in joining
     )
     point = report.capacity_at(blocks / num_requests if num_requests else 1.0)
     cap_tps = point.rate_cap_tps
     demand_tps = report.working_demand_tps + report.waiting_demand_tps
-    demand_tps += sum(min(r.rate_tps, cap_tps) for r in joining)
-    needed = sum(_blocks(r.end_tokens, block_size) for r in joining)
+    demand_tps += sum(r.num_choices * min(r.rate_tps, cap_tps) for r in joining)
+    needed = sum(r.num_choices * _blocks(r.end_tokens, block_size) for r in joining)
     spare = report.num_free_device_blocks + report.num_free_host_blocks - needed
     return Projection(load=demand_tps / point.gamma_tps, num_spare_blocks=spare)
 

@@ -1,5 +1,6 @@
 """What the ingress checks of a request's body before any replica sees it, when it offers a
-refused request to another replica, and what a replica's health is.
+refused request to another replica (`should_retry`: a full or draining replica's refusal, never
+a per-key limit's), and what a replica's health is.
 
 The ingress is the one process every stream passes through, so no client may make it do more
 than a request's worth of work: its API key is checked from the headers before the body is read
@@ -24,10 +25,15 @@ from tokenflow.serving.validation import ApiError
 if TYPE_CHECKING:  # (tokenflow.engine imports torch, which the ingress never needs)
     from tokenflow.engine.client import EngineHealth
 
-# A replica's refusal that another replica may accept: full (429), or draining / its engine
-# loop gone (503).  Nothing of the request was generated, so trying it elsewhere is safe.
-RETRY_STATUSES = frozenset({429, 503})
+# A replica's refusals: full (429) or a limit reached (429), draining or its engine loop gone
+# (503).  Nothing of the request was generated; whether another replica may take it is
+# `can_go_elsewhere`'s to say, from the refusal's body.
+REFUSAL_STATUSES = frozenset({429, 503})
 MAX_TRIES = 3  # replicas one request is offered to before the last refusal passes through
+# The error type of a 429 that says the replica's engine is full (`EngineOverloaded`, or a wait
+# for its share of the engine past its timeout); a per-key limit's is "rate_limit_error".
+ENGINE_FULL_TYPE = "server_overloaded"
+MAX_REFUSAL_BYTES = 16 << 10  # of a refusal's body read to tell what it means (an error: < 1 KiB)
 
 
 def too_large(max_bytes: int) -> ApiError:
@@ -73,12 +79,35 @@ def error_response(error: ApiError) -> Response:
     return Response(content, error.status_code, error.headers, media_type="application/json")
 
 
-def should_retry(status: int | None, num_tries: int, max_tries: int = MAX_TRIES) -> bool:
+def can_go_elsewhere(status: int | None, body: bytes = b"") -> bool:
+    """Whether another replica may take a request that one answered with `status` and `body`
+    (None: it failed before answering): a 503 (draining, its engine loop gone) or a 429 whose
+    error type says its engine is full (`ENGINE_FULL_TYPE`) may; any other 429 may not, above
+    all a per-key limit's (code "rate_limit_exceeded", type "rate_limit_error"): offered to
+    the next replica, a key would get its limit once per replica."""
+    if status is None or status == 503:
+        return True
+    return status == 429 and _error_type(body) == ENGINE_FULL_TYPE
+
+
+def should_retry(
+    status: int | None, body: bytes, num_tries: int, max_tries: int = MAX_TRIES
+) -> bool:
     """Whether to offer a request to another replica after its `num_tries`-th replica answered
-    `status` (None: the replica failed before answering).  Bounded, so a fleet that is full
-    everywhere costs a request `max_tries` refusals, then the last one reaches the client."""
-    refused = status is None or status in RETRY_STATUSES
-    return refused and num_tries < max_tries
+    `status` with `body` (`can_go_elsewhere`).  Bounded, so a fleet that is full everywhere
+    costs a request `max_tries` refusals, then the last one reaches the client."""
+    return can_go_elsewhere(status, body) and num_tries < max_tries
+
+
+def _error_type(body: bytes) -> str | None:
+    """The `type` of an `{"error": {...}}` body; None for any other body."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def health_problem(health: EngineHealth, stall_s: float) -> str | None:

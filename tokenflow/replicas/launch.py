@@ -36,12 +36,8 @@ from ray.serve.config import RequestRouterConfig
 from tokenflow.core.rebalance import MigrateMode
 from tokenflow.core.routing import ROUTER_NAMES
 from tokenflow.replicas.board import DEFAULT_MODE, MoveBoard
-from tokenflow.replicas.deployments import (
-    DrainSignal,
-    EngineReplica,
-    ingress_class,
-    server_config,
-)
+from tokenflow.replicas.deployments import DrainSignal, EngineReplica, server_config
+from tokenflow.replicas.ingress import ingress_class
 from tokenflow.replicas.router import TokenFlowRequestRouter
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ relaying from it into the same response, so the client sees one answer: no chunk
 repeated, one [DONE].
 """
 
-# No `from __future__ import annotations`, as in deployments.py: Ray pickles the ingress
+# No `from __future__ import annotations`, as in ingress.py: Ray pickles the ingress
 # class, whose module imports these, by value.
 import json
 import logging
@@ -35,8 +35,47 @@ class ReplicaCall:
     body: bytes
 
 
+class ReadAhead:
+    """A replica call whose first items were read ahead of its client (a refusal's body, to
+    tell what it means: `read`): they come again first, then the rest of the call.  Cancelled
+    as the call is."""
+
+    def __init__(self, stream: DeploymentResponseGenerator) -> None:
+        self._stream = stream
+        self._items: list[bytes | StreamHandoff] = []
+        self._is_exhausted = False
+
+    async def read(self, max_bytes: int) -> bytes:
+        """Read the call (once, after its first item) to its end, or past `max_bytes`: the
+        body read."""
+        num_bytes = 0
+        while num_bytes <= max_bytes:
+            try:
+                item = await self._stream.__anext__()
+            except StopAsyncIteration:
+                self._is_exhausted = True
+                break
+            self._items.append(item)
+            num_bytes += len(item) if isinstance(item, bytes) else 0
+        return b"".join(item for item in self._items if isinstance(item, bytes))
+
+    def __aiter__(self) -> "ReadAhead":
+        return self
+
+    async def __anext__(self) -> bytes | StreamHandoff:
+        if self._items:
+            return self._items.pop(0)
+        if self._is_exhausted:
+            raise StopAsyncIteration
+        return await self._stream.__anext__()
+
+    def cancel(self) -> None:
+        """Cancel the replica call."""
+        self._stream.cancel()
+
+
 # A replica call's first item (status, headers, replica) and the call.
-Opened = tuple[dict[str, object], DeploymentResponseGenerator]
+Opened = tuple[dict[str, object], DeploymentResponseGenerator | ReadAhead]
 # Opens the continuation of a handed-off answer on a replica not among those it left.
 Resume = Callable[[StreamHandoff, list[str]], Awaitable[Opened | None]]
 
@@ -63,19 +102,22 @@ class Relay(StreamingResponse):
     When the answer ends before the replica's last chunk (the client disconnected, or the
     ingress stopped), the replica call is cancelled there and then, so the replica aborts the
     request in its engine and frees its KV at once, not whenever Ray notices that the caller
-    is gone."""
+    is gone.  However it ends, `on_end` is called then (the ingress releases the request's
+    admission)."""
 
     def __init__(
         self,
-        stream: DeploymentResponseGenerator,
+        stream: DeploymentResponseGenerator | ReadAhead,
         status_code: int,
         headers: dict[str, str],
         replica_id: str = "",
         resume: Resume | None = None,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
         self._stream = stream
         self._replica_id = replica_id
         self._resume = resume
+        self._on_end = on_end
         self._is_finished = False
         super().__init__(self._chunks(), status_code=status_code, headers=headers)
 
@@ -113,6 +155,8 @@ class Relay(StreamingResponse):
         finally:
             if not self._is_finished:
                 self._stream.cancel()
+            if self._on_end is not None:
+                self._on_end()
 
 
 def error_frames(message: str) -> bytes:

@@ -10,6 +10,7 @@ from dataclasses import asdict, fields
 
 from tokenflow.core.request import Consumption, is_reader_rate
 from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest, route_request
+from tokenflow.serving.protocol import MAX_CHOICES
 
 REPORT_KEY = "tokenflow_load_report"
 AVOID_KEY = "avoid"  # in routing facts: replicas that refused the request already
@@ -40,20 +41,26 @@ def route_facts(
 ) -> dict[str, object]:
     """What the router may know of an OpenAI request body (`guards.parse_body`'s object),
     before any replica validates it: the rate as the server reads it (body `stream_rate`,
-    else X-Stream-Rate, else the default), the prompt's size in tokens (estimated from
-    characters) and max_tokens.  Only those few fields are read, each to a bounded depth, and
-    nothing is built in proportion to the prompt: the work is bounded by the body's size
-    (--max-body-bytes), the facts are a few numbers whatever the body holds."""
+    else X-Stream-Rate, else the default), its choices (prompts x `n`, at most the server's
+    MAX_CHOICES), each choice's prompt size in tokens (a token-id list its length, text
+    estimated from characters; several prompts their mean) and max_tokens.  Only those few
+    fields are read, each to a bounded depth, and nothing is built in proportion to the prompt:
+    the work is bounded by the body's size (--max-body-bytes), the facts are a few numbers
+    whatever the body holds.  (The ingress counts a key's work by the same facts:
+    `keys.work_of`.)"""
     rate = _rate(parsed.get("stream_rate")) or _rate(headers.get("x-stream-rate"))
     stream_class = parsed.get("stream_class") or headers.get("x-stream-class") or "reader"
     consumption = Consumption.READER if stream_class == "reader" else Consumption.EAGER
     max_tokens = _number(parsed.get("max_completion_tokens")) or _number(parsed.get("max_tokens"))
+    num_prompts, num_prompt_tokens = _prompts(parsed)
+    num_choices = min(num_prompts * _count(parsed.get("n")), MAX_CHOICES)
     facts = route_request(
         uuid.uuid4().hex,
         rate or default_rate_tps,
-        min(_prompt_tokens(parsed), MAX_ROUTED_TOKENS),
+        min(-(-num_prompt_tokens // num_prompts), MAX_ROUTED_TOKENS),
         int(min(max_tokens or DEFAULT_MAX_TOKENS, MAX_ROUTED_TOKENS)),
         consumption,
+        num_choices,
     )
     return asdict(facts)
 
@@ -104,18 +111,33 @@ def _rate(value: object) -> float | None:
     return rate if rate is not None and is_reader_rate(rate) else None
 
 
-def _prompt_tokens(parsed: dict[str, object]) -> int:
-    """The prompt's size: token ids counted, text at `_CHARS_PER_TOKEN` characters a token.
-    Strings are measured, never copied or serialized again."""
+def _count(value: object) -> int:
+    """A count a body states (`n`), as a whole number >= 1 (1 where it states none)."""
+    number = _number(value)
+    return max(int(number), 1) if number is not None else 1
+
+
+def _prompts(parsed: dict[str, object]) -> tuple[int, int]:
+    """(prompts, their tokens in all), read as the server reads `prompt`: one text, one
+    token-id list, or a list of either; a chat's messages are one prompt.  Strings are
+    measured, never copied or serialized again."""
     prompt = parsed.get("prompt")
-    if isinstance(prompt, list):
-        return sum(1 if isinstance(t, int) else _text_tokens(t) for t in prompt)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt), sum(_one_prompt_tokens(p) for p in prompt)
     if prompt is not None:
-        return _text_tokens(prompt)
+        return 1, _one_prompt_tokens(prompt)
     messages = parsed.get("messages")
     if not isinstance(messages, list):
-        return 1
-    return sum(_message_chars(m) for m in messages) // _CHARS_PER_TOKEN + 1
+        return 1, 1
+    return 1, sum(_message_chars(m) for m in messages) // _CHARS_PER_TOKEN + 1
+
+
+def _one_prompt_tokens(prompt: object) -> int:
+    """One prompt's size: a token-id list its length, text at `_CHARS_PER_TOKEN` characters a
+    token (1 for anything else: the replica refuses it)."""
+    if isinstance(prompt, list):
+        return max(len(prompt), 1)
+    return _text_tokens(prompt)
 
 
 def _message_chars(message: object) -> int:
