@@ -17,6 +17,7 @@ from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.metrics import RequestTrace, summarize
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.serving.app import build_app
+from tokenflow.serving.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,9 @@ def test_overload_gets_429_with_retry_after(tiny_model_dir):
         EngineArgs(model=tiny_model_dir, device="cpu", max_num_requests=1, max_num_seqs=1)
     )
     body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    no_wait = ServerConfig(max_queue_wait_s=0)  # the engine's own 429 at once, no queue
     try:
-        with serve_in_thread(build_app(engine)) as url:
+        with serve_in_thread(build_app(engine, no_wait)) as url:
 
             async def burst():
                 async with httpx.AsyncClient(base_url=url, timeout=60) as http:

@@ -62,7 +62,12 @@ async def test_completion_stream_with_usage_chunk(client: httpx.AsyncClient) -> 
     assert [c["choices"][0]["text"] for c in chunks[:2]] == [" t0", " t1"]
     assert chunks[1]["choices"][0]["finish_reason"] == "length"
     assert chunks[2]["choices"] == []
-    assert chunks[2]["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert chunks[2]["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_stop_finish_reasons_come_from_the_engine() -> None:
@@ -101,7 +106,12 @@ async def test_non_streaming_bodies(client: httpx.AsyncClient) -> None:
     assert data["choices"] == [
         {"index": 0, "text": " t0 t1", "logprobs": None, "finish_reason": "length"}
     ]
-    assert data["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert data["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     body = {
         "model": "fake-model",
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],

@@ -103,6 +103,7 @@ class TokenAppender:
             reason,
             () if sample.logprobs is None else (sample.logprobs,),
             sample.prompt_logprobs,
+            request.num_cached_tokens,
         )
 
     def _stop_reason(self, request: Request) -> FinishReason | None:

@@ -7,17 +7,26 @@ leading tokens whose KV has a current copy in the host tier.  The host tier is a
 cache behind the device: full blocks of running requests are copied as the write budget allows,
 so an eviction only has to copy the unsynced tail, and frees the synced blocks at once.
 
-Invariants (`check_integrity`): per tier free + owned == total; no block owned twice or both free
-and owned; synced_tokens never exceeds what the host table covers.
+With `KVConfig.prefix_caching` on, device blocks are shared between requests whose prompts begin
+alike (prefix_cache.py): a request starting fresh takes the cached blocks of its prompt's leading
+full blocks (`find_cached_prefix`, `allocate_with_prefix`), its computed full blocks are cached
+as they fill (`cache_full_blocks`), and a block is freed when its last owner releases it.  The
+host tier stays per request: a shared block is copied to each owner's host table (by
+write-through and by eviction alike).
+
+Invariants (`check_integrity`): per tier free + owned == total; no block owned twice (without
+prefix caching) or a block's reference count equals its owners (with it); no block both free and
+owned; synced_tokens never exceeds what the host table covers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
 from tokenflow.core.plan import BlockCopy, CopyKind
+from tokenflow.core.prefix_cache import NO_PREFIX, CachedPrefix, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,9 @@ class KVConfig:
     # Mechanism switches (ablations of the paper's §5-6; the defaults are the paper's design):
     offload: bool = True  # False: an eviction drops the KV (recompute) and nothing is written
     free_synced_on_evict: bool = True  # False: a victim's blocks wait for its whole eviction
+    # Share full device blocks between requests with a common prefix (prefix_cache.py); off,
+    # every block has one owner and every path is as it was before the cache existed.
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.num_device_blocks < 1:
@@ -65,6 +77,11 @@ class KVTierManager:
         self._load_blocks: dict[str, int] = {}  # request -> blocks its load copies in all
         self._num_blocks_to_load = 0  # of the loads in flight, blocks not yet planned
         self._release_after_step: list[int] = []  # device blocks whose eviction copy is in flight
+        self._prefix = (
+            PrefixCache(config.num_device_blocks, config.block_size)
+            if config.prefix_caching
+            else None
+        )
 
     # -- queries -----------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -73,7 +90,10 @@ class KVTierManager:
 
     @property
     def num_free_device_blocks(self) -> int:
-        return len(self._free_device)
+        """Device blocks allocation may take: plain free ones and cached-free ones."""
+        if self._prefix is None:
+            return len(self._free_device)
+        return len(self._free_device) + self._prefix.num_cached_free
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -82,7 +102,7 @@ class KVTierManager:
     @property
     def device_usage(self) -> float:
         """Fraction of device blocks not free (including blocks of evictions in flight)."""
-        return 1.0 - len(self._free_device) / self.config.num_device_blocks
+        return 1.0 - self.num_free_device_blocks / self.config.num_device_blocks
 
     @property
     def host_usage(self) -> float:
@@ -138,13 +158,82 @@ class KVTierManager:
         if num_tokens <= len(table) * self.block_size:  # the common decode step
             return True
         missing = self.blocks_for(num_tokens) - len(table)
-        if missing > len(self._free_device):
+        if missing > self.num_free_device_blocks:
             if not table:
                 del self._device_tables[request_id]
             return False
-        for _ in range(missing):
-            table.append(self._free_device.pop())
+        self._take_device_blocks(table, missing)
         return True
+
+    def _take_device_blocks(self, table: list[int], num: int) -> None:
+        """Append `num` free device blocks to `table` (the caller checked there are enough):
+        plain free ones first, then cached-free ones, least recently released first."""
+        free, cache = self._free_device, self._prefix
+        if cache is None:
+            for _ in range(num):
+                table.append(free.pop())
+            return
+        for _ in range(num):
+            if free:
+                block = free.pop()
+                cache.claim(block)
+            else:
+                block = cache.reuse_least_recent()
+            table.append(block)
+
+    def _release_device(self, blocks: list[int]) -> None:
+        """Drop one owner of each of `blocks` (a table or a slice of one, in table order).  They
+        are released last to first, so the cached-free order reuses a prefix's tail first."""
+        cache, free = self._prefix, self._free_device
+        if cache is None:
+            free.extend(reversed(blocks))
+            return
+        for block in reversed(blocks):
+            if cache.release(block):
+                free.append(block)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """The longest run of `token_ids`' leading full blocks whose KV the device tier caches,
+        capped to leave at least the last token to compute; empty without prefix caching.  Pure:
+        pass it to `allocate_with_prefix` before any other change of this manager."""
+        if self._prefix is None:
+            return NO_PREFIX
+        return self._prefix.find(token_ids)
+
+    def allocate_with_prefix(self, request_id: str, num_tokens: int, prefix: CachedPrefix) -> bool:
+        """Start a request's device table with the shared blocks of `prefix` (their KV is
+        computed: the request's first `prefix.num_tokens` tokens need none), then allocate
+        blocks up to `num_tokens` tokens.  False, changing nothing, if those do not fit.
+        ValueError if the request has a table already or `prefix` is stale."""
+        if request_id in self._device_tables:
+            raise ValueError(f"request {request_id} already has device blocks")
+        cache = self._prefix
+        if cache is None or not prefix.block_ids:
+            return self.allocate(request_id, num_tokens)
+        num_free = self.num_free_device_blocks - cache.num_cached_free_in(prefix)
+        missing = max(self.blocks_for(num_tokens) - len(prefix.block_ids), 0)
+        if missing > num_free:
+            return False
+        cache.share(prefix.block_ids)
+        table = self._device_tables[request_id] = list(prefix.block_ids)
+        self._take_device_blocks(table, missing)
+        cache.begin(request_id, prefix)
+        return True
+
+    def cache_full_blocks(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        token_ids_from: Callable[[int, int], Sequence[int]],
+    ) -> None:
+        """Cache the request's full device blocks whose KV is computed (its first
+        `num_computed_tokens` tokens), keyed by the tokens `token_ids_from(position, count)`
+        gives; call after each step that computed tokens of it (hashes only the blocks filled
+        since the last call).  A no-op without prefix caching or a device table."""
+        table = self._device_tables.get(request_id)
+        if self._prefix is not None and table is not None:
+            self._prefix.cache_full_blocks(request_id, table, num_computed_tokens, token_ids_from)
 
     # -- write-through --------------------------------------------------------------------------
     def plan_write_through(
@@ -215,8 +304,9 @@ class KVTierManager:
             for i in range(first_unsynced, needed)
         )
         synced_now = first_unsynced if self.config.free_synced_on_evict else 0
-        self._free_device.extend(reversed(device[:synced_now]))
-        self._free_device.extend(reversed(device[needed:]))
+        self._release_device(device[:synced_now])
+        self._release_device(device[needed:])
+        # (keeps the request's reference: a block shared with another owner stays theirs)
         self._release_after_step.extend(device[synced_now:needed])
         self._device_tables.pop(request_id, None)
         self._end_load(request_id)
@@ -258,11 +348,16 @@ class KVTierManager:
         return self._loaded_blocks.get(request_id, 0) >= self.blocks_for(num_tokens)
 
     def free_device(self, request_id: str) -> int:
-        """Release a request's device blocks, keeping its host copy; returns blocks freed."""
+        """Release a request's device blocks, keeping its host copy; returns the blocks that
+        became free (a block another request shares stays owned)."""
         device = self._device_tables.pop(request_id, [])
         self._end_load(request_id)
-        self._free_device.extend(reversed(device))
-        return len(device)
+        if self._prefix is None:
+            self._free_device.extend(reversed(device))
+            return len(device)
+        num_free = self.num_free_device_blocks
+        self._release_device(device)
+        return self.num_free_device_blocks - num_free
 
     def _end_load(self, request_id: str) -> None:
         """Forget a request's load (done or not): its unplanned blocks leave the queue."""
@@ -275,20 +370,26 @@ class KVTierManager:
         self.free_device(request_id)
         self._free_host.extend(reversed(self._host_tables.pop(request_id, [])))
         self._synced_tokens.pop(request_id, None)
+        if self._prefix is not None:
+            self._prefix.forget(request_id)
 
     def end_step(self) -> None:
         """The step's copies are done: release the device blocks of finished evictions."""
-        self._free_device.extend(reversed(self._release_after_step))
+        self._release_device(self._release_after_step)
         self._release_after_step.clear()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any tier's bookkeeping is inconsistent."""
-        self._check_tier(
-            "device",
-            self.config.num_device_blocks,
-            self._free_device + self._release_after_step,
-            self._device_tables,
-        )
+        if self._prefix is None:
+            self._check_tier(
+                "device",
+                self.config.num_device_blocks,
+                self._free_device + self._release_after_step,
+                self._device_tables,
+            )
+        else:
+            tables, pinned = self._device_tables.values(), self._release_after_step
+            self._prefix.check(tables, pinned, self._free_device)
         self._check_tier("host", self.config.num_host_blocks, self._free_host, self._host_tables)
         for request_id, synced in self._synced_tokens.items():
             covered = len(self._host_tables.get(request_id, ())) * self.block_size

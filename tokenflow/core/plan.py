@@ -194,6 +194,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # of new_token_ids, when the request asks
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token
+    num_cached_tokens: int = 0  # prompt tokens whose KV a prefix-cache hit gave the request
 
     @property
     def is_finished(self) -> bool:

@@ -5,6 +5,10 @@
 (`ChunkBuilder`, chunker.py) -> copies (loads, then write-through).  `update()` applies the
 step: the executor's tokens meet the requests kept in chunk order (`TokenAppender`,
 appender.py), and the requests that stopped are finished here.
+
+With prefix caching on (`KVConfig.prefix_caching`), a request starting fresh shares the cached
+blocks of its prompt's leading full blocks and computes from the first token after them, and
+`update()` caches the full blocks each step computed before finished requests release theirs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ from tokenflow.core.plan import (
 )
 from tokenflow.core.policies.base import Moves, Policy, Preemption, SchedulingView, Start
 from tokenflow.core.queues import RequestQueues
-from tokenflow.core.request import FinishReason, PreemptMode, Request, RequestState
+from tokenflow.core.request import (
+    FinishReason,
+    PreemptMode,
+    Request,
+    RequestState,
+    SamplingParams,
+)
 from tokenflow.core.step_budget import StepBudget
 
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
@@ -34,6 +44,13 @@ def reserved_blocks(kv: KVTierManager, remaining_output_tokens: int, ratio: floa
     """Device blocks admission keeps free for the residents' growth: `ratio` of the output
     they may still generate (the new-token ratio, `SchedulerConfig.decayed_new_token_ratio`)."""
     return kv.blocks_for(int(remaining_output_tokens * ratio))
+
+
+def computes_whole_prompt(params: SamplingParams) -> bool:
+    """Whether a request must compute every prompt token even where its prefix is cached: prompt
+    logprobs need every position's logits, and a repetition penalty's executor learns the
+    prompt's tokens from the chunks (tokenflow/model/penalties.py)."""
+    return params.prompt_logprobs is not None or params.repetition_penalty != 1.0
 
 
 class Scheduler:
@@ -58,6 +75,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_loads_total = 0
         self.num_recomputes_total = 0
+        self.num_prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0  # of them, found cached
         self._num_seen = 0
         self._step_index = 0
         self._released: list[str] = []
@@ -229,12 +248,34 @@ class Scheduler:
                 if request.state is RequestState.PREEMPTED and request.num_computed_tokens:
                     self.kv.drop(request.request_id)  # recompute chosen over a reload
                     request.num_computed_tokens = 0
-                if not self.kv.allocate(request.request_id, request.num_tokens):
+                if not self._allocate_start(request):
                     return
                 if request.state is RequestState.PREEMPTED:
                     self.num_recomputes_total += 1
                 state = RequestState.RUNNING
             self.queues.enter_device(request, state)
+
+    def _allocate_start(self, request: Request) -> bool:
+        """Device blocks for a request starting by computing (False: they do not fit).  With
+        prefix caching, a never-started one shares the cached blocks of its prompt's leading
+        full blocks and computes from the token after them (`Request.num_cached_tokens`),
+        unless its sampling needs the whole prompt computed (`computes_whole_prompt`)."""
+        kv = self.kv
+        if not (
+            kv.config.prefix_caching
+            and request.state is RequestState.WAITING
+            and request.num_computed_tokens == 0
+            and not computes_whole_prompt(request.sampling_params)
+        ):
+            return kv.allocate(request.request_id, request.num_tokens)
+        prefix = kv.find_cached_prefix(request.prompt_token_ids)
+        if not kv.allocate_with_prefix(request.request_id, request.num_tokens, prefix):
+            return False
+        request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens.
+        self.num_prefix_queried_tokens += request.num_prompt_tokens
+        self.num_prefix_hit_tokens += prefix.num_tokens
+        return True
 
     # -- chunks ---------------------------------------------------------------------------------
     def _build_chunks(self, now_s: float, chunk_tokens: int | None) -> list[ScheduledChunk]:
@@ -354,6 +395,8 @@ class Scheduler:
             outputs += self._appender.append_prefills(
                 prefills, prefilling, sampled[num_decodes:], now_s
             )
+        if self.kv.config.prefix_caching:
+            self._cache_computed_blocks(decoding, prefilling)
         for output in outputs:
             if output.finish_reason is not None:
                 self._finish(self.requests[output.request_id], output.finish_reason)
@@ -361,6 +404,22 @@ class Scheduler:
         self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
         self._decay_new_token_ratio()
         return outputs
+
+    def _cache_computed_blocks(self, decoding: list[Request], prefilling: list[Request]) -> None:
+        """Cache the full blocks the step computed (prefix caching on): those of each prompt
+        chunk, and of each decode whose token filled its block; before any finished request
+        releases its blocks (a released cached block stays reusable)."""
+        kv, block_size, running = self.kv, self.kv.block_size, RequestState.RUNNING
+        for request in decoding:
+            if not request.num_computed_tokens % block_size and request.state is running:
+                kv.cache_full_blocks(
+                    request.request_id, request.num_computed_tokens, request.token_ids_from
+                )
+        for request in prefilling:
+            if request.state is running:
+                kv.cache_full_blocks(
+                    request.request_id, request.num_computed_tokens, request.token_ids_from
+                )
 
     def _decay_new_token_ratio(self) -> None:
         self.new_token_ratio = self.config.decayed_new_token_ratio(

@@ -68,6 +68,7 @@ class GenerationDelta:
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # of token_ids, when the request asks
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # on the first, if asked
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class EngineStats:
     num_loads_total: int
     num_recomputes_total: int
     buffer_slack_s: tuple[float, ...]  # per running stream: seconds of reading left in its buffer
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the device prefix cache
+    prefix_cache_hits_total: int = 0  # of them, found cached (their KV reused)
 
 
 @dataclass(frozen=True)

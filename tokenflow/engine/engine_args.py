@@ -59,6 +59,9 @@ class EngineArgs:
     compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
     executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
     llama_cpp_repack: bool = False  # llama-cpp: let ggml repack weights for AMX/AVX kernels
+    # Requests whose prompts begin alike share the KV of their common full blocks (vLLM's
+    # automatic prefix caching; tokenflow/core/prefix_cache.py).
+    enable_prefix_caching: bool = True
     # Structured outputs' grammars compile in this many worker processes, each compile killed
     # past this deadline (tokenflow/model/grammar_compile.py).
     grammar_compile_workers: int = 1
@@ -127,6 +130,12 @@ class EngineArgs:
             return built
         base = tokenflow_defaults(resolve_device(built.device).type)
         return replace(built, tokenflow=policy_config(args, base))
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether the engine shares cached prefix blocks: asked for, and with the torch
+        executor (llama.cpp's keeps its own context and starts every prompt at position 0)."""
+        return self.enable_prefix_caching and self.executor == "torch"
 
     def tokenflow_for(self, device_type: str) -> TokenFlowConfig:
         """The TokenFlow policy these arguments run on a `device_type` engine."""
@@ -209,6 +218,14 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
         help="llama-cpp executor: let ggml repack weights into its CPU-specific layouts (AMX; "
         "AVX2/AVX-512 for Q4_0, Q4_K, IQ4_NL).  Off by default: it crashed on a CPU reporting "
         "AMX, and on x86 without AMX it leaves the shipped Q4_1 model's weights as they are",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=EngineArgs.enable_prefix_caching,
+        help="reuse the KV of a prompt's leading full blocks that an earlier request computed "
+        "(a shared system prompt, a conversation's history); usage.prompt_tokens_details."
+        "cached_tokens says how many (vLLM's flag pair)",
     )
     group.add_argument(
         "--grammar-compile-timeout-s",

@@ -99,7 +99,11 @@ class LLMEngine:
         )
         num_host_blocks = args.host_kv_tokens // args.block_size
         kv_config = KVConfig(
-            built.num_device_blocks, num_host_blocks, args.block_size, built.block_bytes
+            built.num_device_blocks,
+            num_host_blocks,
+            args.block_size,
+            built.block_bytes,
+            prefix_caching=args.uses_prefix_cache,
         )
         tokenflow = args.tokenflow_for(self.device.type)
         policy = make_policy(args.policy, scheduler_config, tokenflow)
@@ -282,6 +286,8 @@ class LLMEngine:
             buffer_slack_s=tuple(
                 r.slack_s(now) for r in running if r.state is RequestState.RUNNING
             ),
+            prefix_cache_queries_total=s.num_prefix_queried_tokens,
+            prefix_cache_hits_total=s.num_prefix_hit_tokens,
         )
 
     def streams(self, limit: int) -> StreamsSnapshot:

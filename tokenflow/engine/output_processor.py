@@ -150,6 +150,7 @@ class OutputProcessor:
             finish_reason=finish,
             logprobs=output.new_logprobs,
             prompt_logprobs=output.prompt_logprobs,
+            num_cached_tokens=output.num_cached_tokens,
         )
 
     def aborted(self, request_id: str) -> GenerationDelta | None:

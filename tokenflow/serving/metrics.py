@@ -57,6 +57,16 @@ class EngineStatsCollector(Collector):
             stats.host_kv_usage,
         )
         yield _counter(
+            "tokenflow_prefix_cache_queries",
+            "Prompt tokens looked up in the device prefix cache (vLLM's prefix_cache_queries).",
+            stats.prefix_cache_queries_total,
+        )
+        yield _counter(
+            "tokenflow_prefix_cache_hits",
+            "Prompt tokens found in the device prefix cache, their KV reused.",
+            stats.prefix_cache_hits_total,
+        )
+        yield _counter(
             "tokenflow_preemptions", "Preemptions since start.", stats.num_preemptions_total
         )
         yield _counter(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tokenflow.core.plan import TokenLogprobs
 from tokenflow.core.request import Consumption, SamplingParams
-from tokenflow.serving.protocol import UsageInfo
+from tokenflow.serving.protocol import PromptTokensDetails, UsageInfo
 from tokenflow.serving.tenants import Work
 
 
@@ -79,6 +79,7 @@ class Progress:
     """What has been produced so far for one choice."""
 
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # of its prompt, from the engine's prefix cache
     num_deltas: int = 0
     text_parts: list[str] = field(default_factory=list)
     tokens: list[ShownToken] = field(default_factory=list)  # with logprobs only
@@ -92,8 +93,15 @@ class Progress:
 
 def usage_of(prepared: PreparedRequest, progresses: list[Progress]) -> UsageInfo:
     """Token counts so far, summed over the choices (each prompt counted once)."""
-    num_prompt = sum(len(c.prompt_token_ids) for c in prepared.choices if c.is_first_of_prompt)
+    pairs = zip(prepared.choices, progresses, strict=True)
+    firsts = [(c, p) for c, p in pairs if c.is_first_of_prompt]
+    num_prompt = sum(len(c.prompt_token_ids) for c, _ in firsts)
     num_output = 0 if prepared.scores_prompt_only else sum(p.num_output_tokens for p in progresses)
     return UsageInfo(
-        prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output
+        prompt_tokens=num_prompt,
+        completion_tokens=num_output,
+        total_tokens=num_prompt + num_output,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(p.num_cached_tokens for _, p in firsts)
+        ),
     )

@@ -208,10 +208,17 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # -- responses ----------------------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    """OpenAI's `usage.prompt_tokens_details`."""
+
+    cached_tokens: int  # prompt tokens whose KV was reused (the prefix cache), not computed
+
+
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(_Response):

@@ -251,6 +251,7 @@ class Responder:
                 metrics.observe_inter_token(now - progress.last_delta_s, num_new, stream_class)
             progress.last_delta_s = now
         progress.num_output_tokens += num_new
+        progress.num_cached_tokens = max(progress.num_cached_tokens, delta.num_cached_tokens)
         progress.text_parts.append(delta.text)
         record_scores(prepared, choice, progress, delta)
         if delta.finish_reason is not None:

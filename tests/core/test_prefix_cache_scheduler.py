@@ -1,0 +1,187 @@
+"""The device prefix cache through the scheduler, with a fake executor (block size 4)."""
+
+import random
+
+import pytest
+
+from tests.core.helpers import FakeExecutor, ManualClock, make_request, run_to_completion
+from tests.core.test_randomized import TIGHT
+from tokenflow.core.config import SchedulerConfig
+from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.policies import POLICY_NAMES, make_policy
+from tokenflow.core.request import Request, RequestState, SamplingParams
+from tokenflow.core.scheduler import Scheduler
+
+CONFIG = SchedulerConfig(link_bytes_per_s=1e6, initial_decode_step_s=0.01, chunk_tokens=32)
+
+
+def make_core(
+    policy: str = "fcfs",
+    prefix_caching: bool = True,
+    num_device_blocks: int = 64,
+    num_host_blocks: int = 256,
+    config: SchedulerConfig = CONFIG,
+) -> tuple[EngineCore, ManualClock, FakeExecutor]:
+    """A core whose every step runs `check_integrity` (EngineCore's check_integrity)."""
+    clock = ManualClock()
+    executor = FakeExecutor(clock, 0.01)
+    kv = KVConfig(num_device_blocks, num_host_blocks, 4, 1000, prefix_caching=prefix_caching)
+    scheduler = Scheduler(config, kv, make_policy(policy, config))
+    return EngineCore(scheduler, executor, clock, check_integrity=True), clock, executor
+
+
+def first_chunk_of(core: EngineCore, request_id: str):
+    """Step until a chunk of `request_id` is planned; that chunk."""
+    for _ in range(100):
+        plan, _ = core.step()
+        for chunk in plan.chunks:
+            if chunk.request_id == request_id:
+                return chunk
+    raise AssertionError(f"{request_id} was never scheduled")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked"])
+def test_a_second_prompt_with_a_common_prefix_starts_computing_after_it(policy):
+    core, clock, _ = make_core(policy)
+    a = make_request("a", num_prompt=22, max_tokens=8)  # tokens 3..24: 5 full blocks
+    core.add_request(a)
+    core.step()  # a's prompt is computed: its 5 full blocks are cached
+    b = make_request("b", num_prompt=30, max_tokens=5)  # tokens 3..32: agrees on 22
+    core.add_request(b)
+    chunk = first_chunk_of(core, "b")
+    assert (chunk.start_position, chunk.num_tokens) == (20, 10)
+    assert chunk.block_table_start == 0 and len(chunk.new_block_ids) == 8  # its whole table
+    assert chunk.new_block_ids[:5] == core.scheduler.kv.device_block_ids("a")[:5]
+    assert b.num_cached_tokens == 20 and a.num_cached_tokens == 0
+    run_to_completion(core, clock)
+    assert b.output_token_ids == [100 + (30 + j) % 50 for j in range(5)]
+    kv = core.scheduler.kv
+    assert kv.num_free_device_blocks == kv.config.num_device_blocks
+
+
+def test_an_identical_prompt_leaves_its_last_block_to_compute():
+    core, clock, _ = make_core()
+    core.add_request(make_request("a", num_prompt=20, max_tokens=2))  # exactly 5 full blocks
+    run_to_completion(core, clock)  # a is gone: its cached blocks are cached-free
+    b = make_request("b", num_prompt=20, max_tokens=2)
+    core.add_request(b)
+    chunk = first_chunk_of(core, "b")
+    assert (chunk.start_position, chunk.num_tokens) == (16, 4) and chunk.samples_token
+    assert b.num_cached_tokens == 16
+
+
+def test_without_prefix_caching_every_prompt_is_computed_whole():
+    core, clock, _ = make_core(prefix_caching=False)
+    core.add_request(make_request("a", num_prompt=22, max_tokens=8))
+    core.step()
+    b = make_request("b", num_prompt=30, max_tokens=5)
+    core.add_request(b)
+    chunk = first_chunk_of(core, "b")
+    assert (chunk.start_position, chunk.num_tokens, b.num_cached_tokens) == (0, 30, 0)
+
+
+@pytest.mark.parametrize("sampling", [{"prompt_logprobs": 1}, {"repetition_penalty": 1.2}])
+def test_a_request_whose_sampling_reads_the_whole_prompt_computes_it(sampling):
+    """Prompt logprobs need every position's logits; a repetition penalty, every prompt token
+    in the chunks (the executor learns them there)."""
+    core, clock, _ = make_core()
+    core.add_request(make_request("a", num_prompt=22, max_tokens=8))
+    core.step()
+    b = make_request("b", num_prompt=30, max_tokens=5, **sampling)
+    core.add_request(b)
+    chunk = first_chunk_of(core, "b")
+    assert (chunk.start_position, b.num_cached_tokens) == (0, 0)
+
+
+def test_a_next_turn_reuses_the_blocks_of_the_previous_reply():
+    """A conversation: turn 2's prompt is turn 1's prompt, its reply and a new message, so it
+    reuses the blocks the reply's decodes filled, up to the one its last step filled."""
+    core, clock, _ = make_core()
+    first = make_request("turn1", num_prompt=10, max_tokens=7)  # 17 tokens, 16 with KV
+    core.add_request(first)
+    run_to_completion(core, clock)
+    prompt = first.prompt_token_ids + tuple(first.output_token_ids) + (5, 6, 7)
+    second = Request("turn2", prompt, SamplingParams(max_tokens=3), 20.0, clock.t)
+    core.add_request(second)
+    chunk = first_chunk_of(core, "turn2")
+    assert (chunk.start_position, second.num_cached_tokens) == (16, 16)
+
+
+def test_a_restart_by_recompute_does_not_look_the_cache_up():
+    """Only a request that never started looks up the cache (an imported stream resumes by
+    recompute from position 0, as before prefix caching)."""
+    core, clock, _ = make_core()
+    core.add_request(make_request("a", num_prompt=22, max_tokens=8))
+    core.step()
+    b = make_request("b", num_prompt=30, max_tokens=8)
+    core.add_request(b)
+    assert first_chunk_of(core, "b").start_position == 20
+    core.step()
+    moved = core.scheduler.import_stream(core.scheduler.export_stream("b"))
+    chunk = first_chunk_of(core, "b")
+    assert (chunk.start_position, moved.num_cached_tokens) == (0, 0)
+
+
+SYSTEM_PROMPTS = (tuple(range(1000, 1013)), tuple(range(2000, 2006)), ())
+
+
+def drive(policy: str, seed: int) -> tuple[list, list[Request], EngineCore]:
+    """test_randomized's tight setup, with prompts that open with one of a few system prompts
+    and aborts; returns the plans, the requests and the core."""
+    rng = random.Random(seed)
+    core, clock, executor = make_core(
+        policy, num_device_blocks=40, num_host_blocks=60, config=TIGHT
+    )
+    requests = []
+    for i in range(30):
+        system = rng.choice(SYSTEM_PROMPTS)
+        prompt = system + tuple(rng.randrange(3, 9) for _ in range(rng.randint(1, 14)))
+        request = Request(
+            request_id=f"r{i:02d}",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=rng.randint(1, 40)),
+            rate_tps=rng.choice([2.0, 5.0, 20.0, 200.0]),
+            arrival_s=rng.uniform(0, 1.5),
+            eos_token_ids=(2,),
+        )
+        requests.append(request)
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    steps = 0
+    while pending or core.has_work:
+        while pending and pending[0].arrival_s <= clock.t:
+            core.add_request(pending.pop(0))
+        if rng.random() < 0.02 and core.scheduler.requests:
+            victim = sorted(core.scheduler.requests)[rng.randrange(len(core.scheduler.requests))]
+            assert core.abort(victim)
+            core.scheduler.kv.check_integrity()
+        plan, _ = core.step()
+        if plan.is_empty:
+            clock.t += 0.005
+        steps += 1
+        assert steps < 50_000, f"{policy} made no progress"
+    return executor.plans, requests, core
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workloads_with_shared_prefixes_keep_every_invariant(policy, seed):
+    plans, requests, core = drive(policy, seed)
+    assert sum(r.num_cached_tokens for r in requests) > 0  # the cache was hit
+    for request in requests:
+        assert request.state in (RequestState.FINISHED, RequestState.ABORTED)
+        if request.state is RequestState.FINISHED:
+            expected = [
+                100 + (request.num_prompt_tokens + j) % 50 for j in range(request.num_output_tokens)
+            ]
+            assert request.output_token_ids == expected
+    kv = core.scheduler.kv
+    assert kv.num_free_device_blocks == kv.config.num_device_blocks
+    assert kv.num_free_host_blocks == kv.config.num_host_blocks
+
+
+def test_the_shared_prefix_workload_preempts_and_is_deterministic():
+    first, _, core = drive("tokenflow", 3)
+    assert core.scheduler.num_preemptions_total > 0 and core.scheduler.num_loads_total > 0
+    second, _, _ = drive("tokenflow", 3)
+    assert first == second
