@@ -9,7 +9,7 @@ Each run starts `tokenflow serve` (the embedded SmolLM2, its defaults plus --ser
 - **cold**: the first turn of a conversation on a system prompt of about 2,000 tokens, alone;
 - **second turn**: the same conversation's next turn (its history: the system prompt, the
   first question and answer, a new question), alone, against a cold prompt of its length (the
-  same history with its first character changed, so that no block matches);
+  same history behind a changed first block, so that no block matches);
 - **burst**: `--users` users arriving together, each with the shared system prompt and a
   question of their own, read at 4 tok/s: P99 TTFT and the mean stall of their readers (the
   stall of a reader who reads at its rate from its first token, `tokenflow.eval.metrics`).
@@ -105,7 +105,8 @@ async def one_run(url: str, users: int, num_repeats: int) -> dict[str, float]:
             {"role": "user", "content": "And the shovel?"},
         ]
         second = await ask(http, history)
-        unmatched = [{**system, "content": "Y" + system["content"][1:]}, *history[1:]]
+        # The same history behind one changed first block: no block's key matches.
+        unmatched = [{**system, "content": "Note. " + system["content"]}, *history[1:]]
         cold_same_length = await ask(http, unmatched)
         questions = [f"Question {i}: is tool number {i} covered?" for i in range(users)]
         burst = await asyncio.gather(
@@ -140,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1, help="A B B A rounds")
     parser.add_argument("--users", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=40, help="of the system text (~2k tok)")
+    parser.add_argument("--repeats", type=int, default=56, help="of the system text (~2k tok)")
     parser.add_argument("--serve-args", default="", help="more `tokenflow serve` options")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     args = parser.parse_args(argv)

@@ -123,3 +123,22 @@ def flat_report(
         num_host_blocks=0,
         prefill_token_s=prefill_token_s,
     )
+
+
+def run_with_aborts(core, clock, pending: list, rng, policy: str, with_aborts: bool = True) -> None:
+    """Step `core` until `pending` (sorted by arrival) has all arrived and every request ended,
+    aborting a random live request now and then (`with_aborts`); the core's own checks run
+    after every step, `check_integrity` after every abort too."""
+    steps = 0
+    while pending or core.has_work:
+        while pending and pending[0].arrival_s <= clock.t:
+            core.add_request(pending.pop(0))
+        if with_aborts and rng.random() < 0.02 and core.scheduler.requests:
+            victim = sorted(core.scheduler.requests)[rng.randrange(len(core.scheduler.requests))]
+            assert core.abort(victim)
+            core.scheduler.kv.check_integrity()
+        plan, _ = core.step()
+        if plan.is_empty:
+            clock.t += 0.005
+        steps += 1
+        assert steps < 50_000, f"{policy} made no progress"

@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from tests.core.helpers import FakeExecutor, ManualClock, make_request, run_to_completion
+from tests.core.helpers import (
+    FakeExecutor,
+    ManualClock,
+    make_request,
+    run_to_completion,
+    run_with_aborts,
+)
 from tests.core.test_randomized import TIGHT
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.engine_core import EngineCore
@@ -146,20 +152,7 @@ def drive(policy: str, seed: int) -> tuple[list, list[Request], EngineCore]:
             eos_token_ids=(2,),
         )
         requests.append(request)
-    pending = sorted(requests, key=lambda r: r.arrival_s)
-    steps = 0
-    while pending or core.has_work:
-        while pending and pending[0].arrival_s <= clock.t:
-            core.add_request(pending.pop(0))
-        if rng.random() < 0.02 and core.scheduler.requests:
-            victim = sorted(core.scheduler.requests)[rng.randrange(len(core.scheduler.requests))]
-            assert core.abort(victim)
-            core.scheduler.kv.check_integrity()
-        plan, _ = core.step()
-        if plan.is_empty:
-            clock.t += 0.005
-        steps += 1
-        assert steps < 50_000, f"{policy} made no progress"
+    run_with_aborts(core, clock, sorted(requests, key=lambda r: r.arrival_s), rng, policy)
     return executor.plans, requests, core
 
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tests.core.helpers import make_core, make_request
+from tests.core.helpers import make_core, make_request, run_with_aborts
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.policies import POLICY_NAMES
 from tokenflow.core.request import RequestState
@@ -45,20 +45,7 @@ def drive(policy: str, seed: int, with_aborts: bool = True):
             )
         )
     requests.sort(key=lambda r: r.arrival_s)
-    pending = list(requests)
-    steps = 0
-    while pending or core.has_work:
-        while pending and pending[0].arrival_s <= clock.t:
-            core.add_request(pending.pop(0))  # check_integrity runs after every step
-        if with_aborts and rng.random() < 0.02 and core.scheduler.requests:
-            victim = sorted(core.scheduler.requests)[rng.randrange(len(core.scheduler.requests))]
-            assert core.abort(victim)
-            core.scheduler.kv.check_integrity()
-        plan, _ = core.step()
-        if plan.is_empty:
-            clock.t += 0.005
-        steps += 1
-        assert steps < 50_000, f"{policy} made no progress"
+    run_with_aborts(core, clock, list(requests), rng, policy, with_aborts)
     return ex.plans, requests, core
 
 
