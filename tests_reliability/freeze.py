@@ -3,7 +3,7 @@ innocent greedy stream (started first, still streaming when the probe is answere
 /health is polled every HEALTH_POLL_S.  Each must get its clear 4xx at once: a schema too
 costly to compile, work over its key's limit, a prompt past the context, a route without a key.
 
-The live suite asserts on them (test_freeze.py); `benchmarks/freeze_probes.py` times them.
+The live suite asserts on them and reports their times (test_freeze.py).
 """
 
 from __future__ import annotations

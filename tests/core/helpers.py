@@ -7,7 +7,7 @@ from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import SampledToken, StepPlan, StepResult
 from tokenflow.core.policies import make_policy
-from tokenflow.core.request import Consumption, Request, SamplingParams
+from tokenflow.core.request import Consumption, Request, RequestState, SamplingParams
 from tokenflow.core.routing import CapacityPoint, LoadReport
 from tokenflow.core.scheduler import Scheduler
 
@@ -142,3 +142,18 @@ def run_with_aborts(core, clock, pending: list, rng, policy: str, with_aborts: b
             clock.t += 0.005
         steps += 1
         assert steps < 50_000, f"{policy} made no progress"
+
+
+def assert_every_request_ended_whole(requests, core) -> None:
+    """Each request finished or was aborted, a finished one with exactly the fake model's
+    tokens (they depend only on position: pauses lost nothing), and both tiers are free."""
+    for request in requests:
+        assert request.state in (RequestState.FINISHED, RequestState.ABORTED)
+        if request.state is RequestState.FINISHED:
+            expected = [
+                100 + (request.num_prompt_tokens + j) % 50 for j in range(request.num_output_tokens)
+            ]
+            assert request.output_token_ids == expected
+    kv = core.scheduler.kv
+    assert kv.num_free_device_blocks == kv.config.num_device_blocks
+    assert kv.num_free_host_blocks == kv.config.num_host_blocks

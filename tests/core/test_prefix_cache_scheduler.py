@@ -7,6 +7,7 @@ import pytest
 from tests.core.helpers import (
     FakeExecutor,
     ManualClock,
+    assert_every_request_ended_whole,
     make_request,
     run_to_completion,
     run_with_aborts,
@@ -16,7 +17,7 @@ from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import POLICY_NAMES, make_policy
-from tokenflow.core.request import Request, RequestState, SamplingParams
+from tokenflow.core.request import Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
 
 CONFIG = SchedulerConfig(link_bytes_per_s=1e6, initial_decode_step_s=0.01, chunk_tokens=32)
@@ -161,16 +162,7 @@ def drive(policy: str, seed: int) -> tuple[list, list[Request], EngineCore]:
 def test_random_workloads_with_shared_prefixes_keep_every_invariant(policy, seed):
     plans, requests, core = drive(policy, seed)
     assert sum(r.num_cached_tokens for r in requests) > 0  # the cache was hit
-    for request in requests:
-        assert request.state in (RequestState.FINISHED, RequestState.ABORTED)
-        if request.state is RequestState.FINISHED:
-            expected = [
-                100 + (request.num_prompt_tokens + j) % 50 for j in range(request.num_output_tokens)
-            ]
-            assert request.output_token_ids == expected
-    kv = core.scheduler.kv
-    assert kv.num_free_device_blocks == kv.config.num_device_blocks
-    assert kv.num_free_host_blocks == kv.config.num_host_blocks
+    assert_every_request_ended_whole(requests, core)
 
 
 def test_the_shared_prefix_workload_preempts_and_is_deterministic():

@@ -28,12 +28,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import xgrammar
 
 from tokenflow.core.request import StructuredOutput
-from tokenflow.model.schema_limits import GrammarError, SchemaTooComplex, check_schema
+from tokenflow.model.schema_limits import GrammarError, SchemaTooComplex, check_schema, shortened
 
 logger = logging.getLogger(__name__)
 
@@ -137,18 +137,19 @@ class GrammarCompiler:
                 self._cache_bytes -= evicted.memory_size_bytes
 
 
-class CompileWorker:
+class CompileWorker(Protocol):
     """What `GrammarCompiler` needs of a worker (a process here; a stub in tests)."""
 
     def compile(self, schema_text: str, timeout_s: float, origin: str) -> str:
         """The serialized grammar; GrammarError if it cannot be compiled in `timeout_s`."""
-        raise NotImplementedError
+        ...
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Stop the worker (a compile in flight is abandoned)."""
+        ...
 
 
-class ProcessWorker(CompileWorker):
+class ProcessWorker:
     """One compile process, started on first use and killed (then restarted on the next use)
     when a compile passes its deadline."""
 
@@ -227,7 +228,7 @@ def compiler_message(err: BaseException) -> str:
     text = str(err).strip()
     line = text.splitlines()[0] if text else ""
     line = _CHECK_FAILED.sub("", _LOCATION_PREFIX.sub("", line)).strip() or "invalid schema"
-    return line if len(line) <= 200 else line[:200] + "..."
+    return shortened(line)
 
 
 __all__ = [

@@ -90,7 +90,9 @@ def _schemas(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict[str, 
         value = node.get(keyword)
         if isinstance(value, dict):
             for name, child in value.items():
-                yield from _schemas(child, f"{path}.{keyword}.{_short(name)}", depth + 1)
+                yield from _schemas(
+                    child, f"{path}.{keyword}.{shortened(str(name), 40)}", depth + 1
+                )
 
 
 def _check_node(node: dict[str, Any], path: str, totals: _Totals) -> None:
@@ -197,7 +199,6 @@ def _unenforced(path: str, keyword: str, where: str = "") -> SchemaTooComplex:
     )
 
 
-def _short(name: object, limit: int = 40) -> str:
-    """A client's name, cut so an error never echoes a long input whole."""
-    text = str(name)
+def shortened(text: str, limit: int = 200) -> str:
+    """A client's text as an error quotes it: at most `limit` characters (never echoed whole)."""
     return text if len(text) <= limit else text[:limit] + "..."
