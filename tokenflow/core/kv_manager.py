@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from tokenflow.core.plan import BlockCopy, CopyKind
-from tokenflow.core.prefix_cache import NO_PREFIX, CachedPrefix, PrefixCache
+from tokenflow.core.prefix_cache import NO_PREFIX, RETENTIONS, CachedPrefix, PrefixCache
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ class KVConfig:
     # Share full device blocks between requests with a common prefix (prefix_cache.py); off,
     # every block has one owner and every path is as it was before the cache existed.
     prefix_caching: bool = False
+    # Which cached blocks no request holds are reused first (prefix_cache.py): "reading" by the
+    # readers' expected next turn, "lru" least recently released first (vLLM's rule).
+    prefix_retention: str = "reading"
+    # Think time the reading rule expects between a reader's last token read and the next turn.
+    expected_think_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.num_device_blocks < 1:
@@ -51,6 +56,13 @@ class KVConfig:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")
         if self.block_size < 1 or self.block_bytes < 1:
             raise ValueError("block_size and block_bytes must be >= 1")
+        if self.prefix_retention not in RETENTIONS:
+            raise ValueError(
+                f"prefix_retention must be one of {', '.join(RETENTIONS)}, "
+                f"got {self.prefix_retention!r}"
+            )
+        if not self.expected_think_s >= 0:
+            raise ValueError(f"expected_think_s must be >= 0, got {self.expected_think_s}")
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class KVTierManager:
             if config.prefix_caching
             else None
         )
+        self._host_prefix: PrefixCache | None = None
 
     # -- queries -----------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -98,6 +111,16 @@ class KVTierManager:
     @property
     def num_free_host_blocks(self) -> int:
         return len(self._free_host)
+
+    @property
+    def num_cached_device_blocks(self) -> int:
+        """Device blocks the prefix cache keys (held or cached-free); 0 without caching."""
+        return 0 if self._prefix is None else self._prefix.num_cached
+
+    @property
+    def num_cached_host_blocks(self) -> int:
+        """Host blocks the prefix cache keys (held or cached-free); 0 without caching."""
+        return 0 if self._host_prefix is None else self._host_prefix.num_cached
 
     @property
     def device_usage(self) -> float:

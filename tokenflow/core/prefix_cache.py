@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+RETENTIONS = ("reading", "lru")  # orders of reuse of cached-free blocks (KVConfig.prefix_retention)
 ROOT_BLOCK_HASH = 0  # the chain's parent of block 0 (an int: its hash is the same every run)
 
 

@@ -176,6 +176,9 @@ class Request:
     # Prompt tokens whose KV a device prefix-cache hit gave it at its start (OpenAI's
     # usage.prompt_tokens_details.cached_tokens); 0 without a hit or prefix caching.
     num_cached_tokens: int = 0
+    # The client's session hint (OpenAI's prompt_cache_key): a request that names one expects a
+    # next turn, so its cached blocks are kept by its reader's clock (prefix_cache.py).
+    session_key: str | None = None
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     last_consume_s: float = 0.0  # reader's consumption time of the newest token

@@ -76,7 +76,8 @@ class Scheduler:
         self.num_loads_total = 0
         self.num_recomputes_total = 0
         self.num_prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.num_prefix_hit_tokens = 0  # of them, found cached
+        self.num_prefix_hit_tokens = 0  # of them, found cached on the device
+        self.num_prefix_host_hit_tokens = 0  # of them, found cached in the host tier after that
         self._num_seen = 0
         self._step_index = 0
         self._released: list[str] = []
