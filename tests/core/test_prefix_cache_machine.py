@@ -1,5 +1,9 @@
 """Random sequences of KV manager operations with prefix caching on (a Hypothesis state machine).
 
+Both tiers cache: starts share the device's run and the host's, and may load the host's part;
+releases say when they expect their blocks back and the clock moves, so the reading retention
+reorders what it gives up (the machine runs under both retentions).
+
 Beside `check_integrity`, a model of the memory checks what sharing must never break: each
 block's content is recorded as the token prefix up to its end when a request writes it (and
 copied along with the copy plans), so a request holding a block whose KV is not that of its own
@@ -14,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.prefix_cache import ROOT_BLOCK_HASH, chain_hash
+from tokenflow.core.retention import NOT_EXPECTED
 
 BS = 4
 NUM_REQUESTS = 5
@@ -25,10 +30,19 @@ BASES = (
 )
 
 
+RETURNS = st.sampled_from([NOT_EXPECTED, 1.0, 30.0])  # when a release expects its blocks back
+
+
 class PrefixCacheMachine(RuleBasedStateMachine):
+    retention = "reading"
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVTierManager(KVConfig(8, 16, BS, block_bytes=100, prefix_caching=True))
+        config = KVConfig(
+            8, 16, BS, block_bytes=100, prefix_caching=True, prefix_retention=self.retention
+        )
+        self.kv = KVTierManager(config)
+        self.now_s = 0.0
         self.tokens: dict[str, list[int]] = {}  # request -> its known tokens
         self.computed: dict[str, int] = {}  # request -> tokens whose KV it has
         self.where: dict[str, str] = {}  # request -> "device", "host" or "loading"
@@ -60,17 +74,36 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         base=st.sampled_from(BASES),
         cut=st.integers(3, 12),
         tail=st.lists(st.integers(0, 1), max_size=4),
+        load_host=st.booleans(),
     )
-    def start(self, data, base, cut, tail):
+    def start(self, data, base, cut, tail, load_host):
         rid, prompt = self._draw(data, None), base[:cut] + tuple(tail)
-        prefix = self.kv.find_cached_prefix(prompt)
-        assert prefix.num_tokens < len(prompt) and prefix.num_tokens % BS == 0
-        if self.kv.allocate_with_prefix(rid, len(prompt), prefix):
-            self.tokens[rid], self.computed[rid] = list(prompt), prefix.num_tokens
-            self.where[rid] = "device"
-            assert self.kv.device_block_ids(rid)[: len(prefix.block_ids)] == prefix.block_ids
+        hit = self.kv.find_prefix(prompt)
+        cached = hit.num_cached_tokens(load_host)
+        assert cached < len(prompt) and cached % BS == 0
+        if self.kv.allocate_with_prefix(rid, len(prompt), hit, load_host):
+            self.tokens[rid], self.computed[rid] = list(prompt), cached
+            loading = load_host and hit.num_host_load_blocks
+            self.where[rid] = "loading" if loading else "device"
+            shared = self.kv.device_block_ids(rid)[: len(hit.device_block_ids)]
+            assert shared == hit.device_block_ids
         else:
             assert self.kv.num_device_blocks_of(rid) == 0
+
+    @rule()
+    def other_traffic(self):
+        """Other work takes every free device block for a moment: the device's cached-free
+        blocks are reused (their host copies stay)."""
+        num_free = self.kv.num_free_device_blocks
+        if num_free and self.kv.allocate("other", num_free * BS):
+            for block in self.kv.device_block_ids("other"):
+                self.device[block] = ("other",)
+            self.kv.drop("other")
+
+    @rule(seconds=st.sampled_from([0.5, 5.0, 40.0]))
+    def tick(self, seconds):
+        self.now_s += seconds
+        self.kv.set_time(self.now_s)
 
     @precondition(
         lambda self: any(self.computed[r] < len(self.tokens[r]) for r in self._in("device"))
@@ -101,7 +134,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(done), label="request")
         self.tokens[rid].append(token)
         if not self.kv.allocate(rid, len(self.tokens[rid])):
-            self.kv.drop(rid)  # no block for it: preempted by recompute (and gone, here)
+            self.kv.drop(rid, self.now_s + 1.0)  # no block: preempted by recompute (gone here)
             self._forget(rid)
 
     @rule(budget=st.integers(1, 6))
@@ -109,15 +142,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         residents = sorted(r for r, w in self.where.items() if w == "device")
         candidates = [(r, self.computed[r]) for r in residents]
         for copy in self.kv.plan_write_through(candidates, budget):
+            assert self.kv._host_prefix.refcount(copy.dst_block_id) == 1, "write to a shared block"
             self.host[copy.dst_block_id] = self.device[copy.src_block_id]
 
     @precondition(lambda self: any(self.computed[r] for r in self._in("device")))
-    @rule(data=st.data())
-    def evict(self, data):
+    @rule(data=st.data(), return_s=RETURNS)
+    def evict(self, data, return_s):
         rid = data.draw(st.sampled_from([r for r in self._in("device") if self.computed[r]]))
-        plan = self.kv.evict(rid, self.computed[rid])
+        plan = self.kv.evict(rid, self.computed[rid], self.now_s + return_s)
         if plan is None:
             return
+        for copy in plan.copies:
+            assert self.kv._host_prefix.refcount(copy.dst_block_id) == 1, "evict to a shared one"
         self.evicting[rid] = [(c.src_block_id, c.dst_block_id) for c in plan.copies]
         self.where[rid] = "host"
 
@@ -140,17 +176,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.where[rid] = "device"
 
     @precondition(lambda self: self._in("loading"))
-    @rule(data=st.data())
-    def free_device(self, data):
+    @rule(data=st.data(), return_s=RETURNS)
+    def free_device(self, data, return_s):
         rid = self._draw(data, "loading")
-        self.kv.free_device(rid)  # preempted while loading: its host copy stays
+        self.kv.free_device(rid, self.now_s + return_s)  # paused while loading: host copy stays
         self.where[rid] = "host"
 
     @precondition(lambda self: self.where)
-    @rule(data=st.data())
-    def drop(self, data):
+    @rule(data=st.data(), return_s=RETURNS)
+    def drop(self, data, return_s):
         rid = data.draw(st.sampled_from(sorted(self.where)), label="request")
-        self.kv.drop(rid)  # finished, aborted, or preempted by recompute
+        self.kv.drop(rid, self.now_s + return_s)  # finished, aborted, or paused by recompute
         self._forget(rid)
 
     @rule()
@@ -177,8 +213,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             )
             tokens, computed = self.tokens[rid], self.computed[rid]
             for index in range(self.kv.blocks_for(computed)):
-                expected = tuple(tokens[: min(computed, (index + 1) * BS)])
-                assert memory.get(table[index]) == expected, f"{rid}: block {index} is not its KV"
+                # Its computed tokens' KV, or more of its own tokens' (a shared full block)
+                content = memory.get(table[index], ())
+                assert len(content) >= min(computed, (index + 1) * BS), f"{rid}: block {index}"
+                assert content == tuple(tokens[: len(content)]), f"{rid}: block {index} not its KV"
 
     @invariant()
     def no_block_being_copied_out_is_free(self):
@@ -189,13 +227,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_cached_block_holds_the_tokens_of_its_key(self):
-        for key, block in self.kv._prefix._block_of.items():
-            content = self.device[block]
-            assert len(content) % BS == 0, f"block {block} is cached before it is full"
-            parent = ROOT_BLOCK_HASH
-            for start in range(0, len(content), BS):
-                parent = chain_hash(parent, content[start : start + BS])
-            assert parent == key, f"block {block} holds other tokens than its key's"
+        for cache, memory in ((self.kv._prefix, self.device), (self.kv._host_prefix, self.host)):
+            for key, block in cache._block_of.items():
+                content = memory[block]
+                assert len(content) % BS == 0, f"block {block} is cached before it is full"
+                parent = ROOT_BLOCK_HASH
+                for start in range(0, len(content), BS):
+                    parent = chain_hash(parent, content[start : start + BS])
+                assert parent == key, f"{cache.name} block {block} holds other tokens"
 
     def teardown(self):
         for rid in list(self.where):
@@ -210,3 +249,11 @@ PrefixCacheMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None, derandomize=True
 )
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+class LruPrefixCacheMachine(PrefixCacheMachine):
+    retention = "lru"
+
+
+LruPrefixCacheMachine.TestCase.settings = PrefixCacheMachine.TestCase.settings
+TestLruPrefixCacheMachine = LruPrefixCacheMachine.TestCase

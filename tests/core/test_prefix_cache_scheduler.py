@@ -17,7 +17,7 @@ from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import POLICY_NAMES, make_policy
-from tokenflow.core.request import Request, SamplingParams
+from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
 
 CONFIG = SchedulerConfig(link_bytes_per_s=1e6, initial_decode_step_s=0.01, chunk_tokens=32)
@@ -170,3 +170,119 @@ def test_the_shared_prefix_workload_preempts_and_is_deterministic():
     assert core.scheduler.num_preemptions_total > 0 and core.scheduler.num_loads_total > 0
     second, _, _ = drive("tokenflow", 3)
     assert first == second
+
+
+# -- one prefill per prefix, the host tier, and what the policy counts ------------------------
+@pytest.mark.parametrize("policy", ["fcfs", "chunked", "tokenflow"])
+def test_requests_arriving_together_on_one_prompt_prefill_it_once(policy):
+    """n > 1, or users arriving together on one system prompt: the first computes the shared
+    blocks, the others wait for them and compute only their own tail."""
+    core, clock, executor = make_core(policy)
+    requests = [make_request(f"r{i}", num_prompt=30, max_tokens=4) for i in range(4)]
+    for request in requests:
+        core.add_request(request)
+    run_to_completion(core, clock)
+    prompt_tokens = sum(
+        c.num_tokens for p in executor.plans for c in p.chunks if c.start_position < 30
+    )
+    assert [r.num_cached_tokens for r in requests] == [0, 28, 28, 28]
+    assert prompt_tokens == 30 + 3 * 2  # the prompt once, then each one's last two tokens
+
+
+def test_a_host_hit_the_policy_loads_starts_loading_and_is_counted():
+    """The device lost a finished stream's blocks, the host kept them: a newcomer on the same
+    prompt loads them (the link is fast here) instead of computing them."""
+    fast_link = SchedulerConfig(link_bytes_per_s=1e9, initial_decode_step_s=0.01, chunk_tokens=32)
+    core, clock, executor = make_core(
+        "tokenflow", num_device_blocks=16, num_host_blocks=64, config=fast_link
+    )  # (a 40-token prompt: 9 full blocks before its last token)
+    first = make_request("a", num_prompt=40, max_tokens=2, rate=1000.0)
+    core.add_request(first)
+    run_to_completion(core, clock)
+    kv = core.scheduler.kv
+    num_host = min(kv.num_cached_host_blocks, 9)  # written through, kept; the last token computes
+    assert num_host >= 2
+    assert kv.allocate("other", 16 * 4)  # other work takes the whole device
+    kv.drop("other")
+    assert kv.num_cached_device_blocks == 0
+    second = make_request("b", num_prompt=40, max_tokens=2)
+    core.add_request(second)
+    plan, _ = core.step()
+    assert [c.src_block_id for c in plan.host_to_device] == kv._host_tables["b"][:num_host]
+    run_to_completion(core, clock)
+    assert second.num_cached_tokens == 4 * num_host
+    assert core.scheduler.num_prefix_host_hit_tokens == 4 * num_host
+    assert second.output_token_ids == first.output_token_ids
+
+
+def test_a_host_hit_is_computed_when_the_link_is_slower_than_computing():
+    slow_link = SchedulerConfig(link_bytes_per_s=1.0, initial_decode_step_s=0.01, chunk_tokens=32)
+    core, clock, executor = make_core(
+        "tokenflow", num_device_blocks=16, num_host_blocks=64, config=slow_link
+    )
+    core.add_request(make_request("a", num_prompt=40, max_tokens=2, rate=1000.0))
+    run_to_completion(core, clock)
+    kv = core.scheduler.kv
+    assert kv.allocate("other", 16 * 4)
+    kv.drop("other")
+    second = make_request("b", num_prompt=40, max_tokens=2)
+    core.add_request(second)
+    run_to_completion(core, clock)
+    assert not any(p.host_to_device for p in executor.plans)
+    assert second.num_cached_tokens == 0 and core.scheduler.num_prefix_host_hit_tokens == 0
+
+
+def test_admission_charges_only_the_prompt_tokens_a_start_computes():
+    core, clock, _ = make_core("tokenflow")
+    core.add_request(make_request("a", num_prompt=200, max_tokens=2, rate=1000.0))
+    run_to_completion(core, clock)
+    scheduler = core.scheduler
+    b = make_request("b", num_prompt=210, max_tokens=2)
+    scheduler.add_request(b)
+    view = scheduler.view(clock.t)
+    assert view.start_tokens(b) == 210 - 200
+    assert view.start_blocks(b) == 53  # its cached-free prefix leaves the free memory too
+    no_cache, clock2, _ = make_core("tokenflow", prefix_caching=False)
+    no_cache.scheduler.add_request(make_request("b", num_prompt=210, max_tokens=2))
+    view2 = no_cache.scheduler.view(clock2.t)
+    assert view2.start_tokens(view2.waiting[0]) == 210
+
+
+def test_a_shared_block_counts_once_in_the_residents_footprints_and_pausing_frees_only_private():
+    core, clock, _ = make_core("fcfs")
+    for rid in ("a", "b"):
+        core.add_request(make_request(rid, num_prompt=41, max_tokens=30))
+    for _ in range(6):
+        core.step()
+        clock.t += 0.01
+    kv, view = core.scheduler.kv, core.scheduler.view(clock.t)
+    a, b = (core.scheduler.requests[rid] for rid in ("a", "b"))
+    shared = 10  # the prompt's 10 full blocks
+    assert kv.num_private_device_blocks("a") == kv.num_device_blocks_of("a") - shared
+    assert view.shared_blocks(a) == view.shared_blocks(b) == shared / 2
+    total = kv.num_device_blocks_of("a") + kv.num_device_blocks_of("b") - shared
+    charged = sum(kv.num_charged_device_blocks(r) for r in ("a", "b"))
+    assert charged == pytest.approx(total)
+
+
+def test_a_finished_readers_blocks_outlast_an_abandoned_requests():
+    """Reading retention: an eager request without a session is not expected back, a reader is
+    (after reading its answer and thinking); the eager one's blocks go first."""
+    core, clock, _ = make_core("fcfs", num_device_blocks=24)
+    reader = make_request("reader", num_prompt=40, max_tokens=2, rate=2.0)
+    eager = Request(
+        "eager",
+        tuple(range(500, 540)),
+        SamplingParams(max_tokens=2),
+        20.0,
+        0.0,
+        eos_token_ids=(2,),
+        consumption=Consumption.EAGER,
+    )
+    for request in (reader, eager):
+        core.add_request(request)
+    run_to_completion(core, clock)
+    kv = core.scheduler.kv
+    assert kv.allocate("other", 14 * 4)  # 4 plain blocks, then 10 cached-free ones
+    assert kv.find_prefix(reader.prompt_token_ids).num_device_tokens == 36
+    assert kv.find_prefix(eager.prompt_token_ids).num_device_tokens == 0

@@ -7,12 +7,20 @@ leading tokens whose KV has a current copy in the host tier.  The host tier is a
 cache behind the device: full blocks of running requests are copied as the write budget allows,
 so an eviction only has to copy the unsynced tail, and frees the synced blocks at once.
 
-With `KVConfig.prefix_caching` on, device blocks are shared between requests whose prompts begin
-alike (prefix_cache.py): a request starting fresh takes the cached blocks of its prompt's leading
-full blocks (`find_cached_prefix`, `allocate_with_prefix`), its computed full blocks are cached
-as they fill (`cache_full_blocks`), and a block is freed when its last owner releases it.  The
-host tier stays per request: a shared block is copied to each owner's host table (by
-write-through and by eviction alike).
+With `KVConfig.prefix_caching` on, both tiers share blocks between requests whose tokens begin
+alike (prefix_cache.py), and keep the blocks no request holds until their memory is needed, in
+the order of `KVConfig.prefix_retention` (retention.py):
+- the device: a request starting fresh takes the cached blocks of its prompt's leading full
+  blocks (`find_prefix`, `allocate_with_prefix`); its computed full blocks are cached as they
+  fill (`cache_full_blocks`);
+- the host: a full block written through or evicted is cached under the same key once its copy
+  is done (`end_step`), and a block whose key the host holds already is shared, not copied.  A
+  finished stream's blocks stay there, cached-free; a device block reused for other KV leaves
+  its host copy.  A request starting fresh shares the host's run of its leading blocks as its
+  host table, and may load the part the device lacks instead of computing it.
+The host's run is looked up from block 0, as the device's: write-through copies a stream's
+blocks in order and both retentions give a prefix's tail up before its head, so a prefix cached
+in the host tier is (almost always) whole from its first block.
 
 Invariants (`check_integrity`): per tier free + owned == total; no block owned twice (without
 prefix caching) or a block's reference count equals its owners (with it); no block both free and
@@ -26,7 +34,8 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from tokenflow.core.plan import BlockCopy, CopyKind
-from tokenflow.core.prefix_cache import NO_PREFIX, RETENTIONS, CachedPrefix, PrefixCache
+from tokenflow.core.prefix_cache import RETENTIONS, PrefixCache, extend_chain
+from tokenflow.core.retention import NOT_EXPECTED, make_retention
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,32 @@ class KVConfig:
 
 
 @dataclass(frozen=True)
+class PrefixHit:
+    """The leading full blocks of a prompt whose KV the tiers cache, each run from block 0."""
+
+    block_hashes: tuple[int, ...]  # the keys of the longer run's blocks, in order
+    device_block_ids: tuple[int, ...]  # cached on the device
+    host_block_ids: tuple[int, ...]  # cached in the host tier
+    block_size: int
+
+    @property
+    def num_device_tokens(self) -> int:
+        """Leading tokens whose KV the device holds (shared at a start: no compute, no copy)."""
+        return len(self.device_block_ids) * self.block_size
+
+    @property
+    def num_host_load_blocks(self) -> int:
+        """Blocks after the device's run that the host holds (a start may load them)."""
+        return max(len(self.host_block_ids) - len(self.device_block_ids), 0)
+
+    def num_cached_tokens(self, load_host: bool) -> int:
+        """Leading tokens a start need not compute: the device's run, and the host's beyond it
+        when it loads them."""
+        extra = self.num_host_load_blocks if load_host else 0
+        return self.num_device_tokens + extra * self.block_size
+
+
+@dataclass(frozen=True)
 class EvictionPlan:
     """What offloading a request takes: the copies of its unsynced blocks (their device blocks
     are released at `end_step()`; the synced ones were released at once)."""
@@ -89,12 +124,24 @@ class KVTierManager:
         self._load_blocks: dict[str, int] = {}  # request -> blocks its load copies in all
         self._num_blocks_to_load = 0  # of the loads in flight, blocks not yet planned
         self._release_after_step: list[int] = []  # device blocks whose eviction copy is in flight
-        self._prefix = (
-            PrefixCache(config.num_device_blocks, config.block_size)
-            if config.prefix_caching
-            else None
-        )
+        self._prefix: PrefixCache | None = None  # the device's prefix cache
         self._host_prefix: PrefixCache | None = None
+        if config.prefix_caching:
+            patience_s = config.expected_think_s
+            retention = config.prefix_retention
+            self._prefix = PrefixCache(
+                "device", config.num_device_blocks, make_retention(retention, patience_s)
+            )
+            self._host_prefix = PrefixCache(
+                "host", config.num_host_blocks, make_retention(retention, patience_s)
+            )
+        # Per request, with prefix caching: the keys of its leading full blocks (computed, or
+        # given by a hit), and how many leading device table entries were offered a key.
+        self._hashes: dict[str, list[int]] = {}
+        self._device_keyed: dict[str, int] = {}
+        self._return_after_step: list[float] = []  # when the evicting owners expect them back
+        self._host_keys_after_step: dict[int, int] = {}  # host block -> key, being copied to
+        self._now_s = 0.0  # the time retention ranks by (`set_time`)
 
     # -- queries -----------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -110,7 +157,10 @@ class KVTierManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._free_host)
+        """Host blocks allocation may take: plain free ones and cached-free ones."""
+        if self._host_prefix is None:
+            return len(self._free_host)
+        return len(self._free_host) + self._host_prefix.num_cached_free
 
     @property
     def num_cached_device_blocks(self) -> int:
@@ -130,7 +180,7 @@ class KVTierManager:
     @property
     def host_usage(self) -> float:
         total = self.config.num_host_blocks
-        return 0.0 if total == 0 else 1.0 - len(self._free_host) / total
+        return 0.0 if total == 0 else 1.0 - self.num_free_host_blocks / total
 
     def device_block_ids(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._device_tables.get(request_id, ()))
@@ -142,6 +192,28 @@ class KVTierManager:
 
     def num_device_blocks_of(self, request_id: str) -> int:
         return len(self._device_tables.get(request_id, ()))
+
+    def num_private_device_blocks(self, request_id: str) -> int:
+        """Device blocks of a request that no other owner holds (what pausing it frees)."""
+        table, cache = self._device_tables.get(request_id, ()), self._prefix
+        if cache is None:
+            return len(table)
+        return sum(1 for block in table if cache.refcount(block) == 1)
+
+    def num_charged_device_blocks(self, request_id: str) -> float:
+        """A request's device blocks, each at 1 / its owners: summed over every owner, a shared
+        block counts once."""
+        table, cache = self._device_tables.get(request_id, ()), self._prefix
+        if cache is None:
+            return float(len(table))
+        return sum(1.0 / cache.refcount(block) for block in table)
+
+    def num_cached_free_in_hit(self, hit: PrefixHit) -> int:
+        """Device blocks of `hit` that no request holds (a start sharing them takes them out
+        of the free memory)."""
+        if self._prefix is None:
+            return 0
+        return self._prefix.num_cached_free_in(hit.device_block_ids, hit.block_hashes)
 
     def synced_tokens(self, request_id: str) -> int:
         return self._synced_tokens.get(request_id, 0)
@@ -190,7 +262,7 @@ class KVTierManager:
 
     def _take_device_blocks(self, table: list[int], num: int) -> None:
         """Append `num` free device blocks to `table` (the caller checked there are enough):
-        plain free ones first, then cached-free ones, least recently released first."""
+        plain free ones first, then cached-free ones in the retention's order."""
         free, cache = self._free_device, self._prefix
         if cache is None:
             for _ in range(num):
@@ -201,47 +273,104 @@ class KVTierManager:
                 block = free.pop()
                 cache.claim(block)
             else:
-                block = cache.reuse_least_recent()
+                block = cache.reuse(self._now_s)
             table.append(block)
 
-    def _release_device(self, blocks: list[int]) -> None:
-        """Drop one owner of each of `blocks` (a table or a slice of one, in table order).  They
-        are released last to first, so the cached-free order reuses a prefix's tail first."""
+    def _take_host_block(self) -> int:
+        """One free host block (the caller checked there is one), as `_take_device_blocks`."""
+        cache = self._host_prefix
+        if cache is None:
+            return self._free_host.pop()
+        if self._free_host:
+            block = self._free_host.pop()
+            cache.claim(block)
+            return block
+        return cache.reuse(self._now_s)
+
+    def _release_device(self, blocks: list[int], return_s: float = NOT_EXPECTED) -> None:
+        """Drop one owner of each of `blocks` (a table or a slice of one, in table order), which
+        expects them back at `return_s` (retention.py).  They are released last to first, so a
+        prefix's tail goes before its head in the release order."""
         cache, free = self._prefix, self._free_device
         if cache is None:
             free.extend(reversed(blocks))
             return
+        now_s = self._now_s
         for block in reversed(blocks):
-            if cache.release(block):
+            if cache.release(block, return_s, now_s):
                 free.append(block)
 
-    # -- prefix cache ---------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
-        """The longest run of `token_ids`' leading full blocks whose KV the device tier caches,
-        capped to leave at least the last token to compute; empty without prefix caching.  Pure:
-        pass it to `allocate_with_prefix` before any other change of this manager."""
-        if self._prefix is None:
-            return NO_PREFIX
-        return self._prefix.find(token_ids)
+    def _release_host(self, blocks: list[int], return_s: float) -> None:
+        """`_release_device` for host blocks; one whose copy is in flight is not keyed when it
+        lands (the block may be reused first)."""
+        cache, free = self._host_prefix, self._free_host
+        if cache is None:
+            free.extend(reversed(blocks))
+            return
+        now_s, pending = self._now_s, self._host_keys_after_step
+        for block in reversed(blocks):
+            if cache.release(block, return_s, now_s):
+                free.append(block)
+                pending.pop(block, None)
 
-    def allocate_with_prefix(self, request_id: str, num_tokens: int, prefix: CachedPrefix) -> bool:
-        """Start a request's device table with the shared blocks of `prefix` (their KV is
-        computed: the request's first `prefix.num_tokens` tokens need none), then allocate
-        blocks up to `num_tokens` tokens.  False, changing nothing, if those do not fit.
-        ValueError if the request has a table already or `prefix` is stale."""
+    # -- prefix cache ---------------------------------------------------------------------------
+    def set_time(self, now_s: float) -> None:
+        """The time retention ranks cached-free blocks by (the scheduler sets it each step)."""
+        self._now_s = now_s
+
+    def find_prefix(
+        self, token_ids: Sequence[int], block_hashes: Sequence[int] | None = None
+    ) -> PrefixHit:
+        """The longest runs of `token_ids`' leading full blocks that each tier caches, capped to
+        leave at least the last token to compute (its logits are needed); empty without prefix
+        caching.  `block_hashes`, the keys of its full blocks, if known (else they are hashed
+        here).  Pure: pass it to `allocate_with_prefix` before any other change."""
+        device, host = self._prefix, self._host_prefix
+        if device is None or host is None:
+            return PrefixHit((), (), (), self.block_size)
+        if block_hashes is None:
+            hashes: list[int] = []
+            extend_chain(hashes, token_ids, self.block_size)
+            block_hashes = hashes
+        keys = block_hashes[: (len(token_ids) - 1) // self.block_size]
+        device_ids, host_ids = device.find(keys), host.find(keys)
+        num_keys = max(len(device_ids), len(host_ids))
+        hit_keys = tuple(keys[:num_keys])
+        return PrefixHit(hit_keys, tuple(device_ids), tuple(host_ids), self.block_size)
+
+    def allocate_with_prefix(
+        self, request_id: str, num_tokens: int, hit: PrefixHit, load_host: bool = False
+    ) -> bool:
+        """Start a request's tables from `hit`: its device table with the shared device blocks
+        (their KV needs no compute), then blocks up to `num_tokens` tokens; its host table with
+        the shared host blocks (write-through need not copy them).  With `load_host`, the host
+        blocks after the device's run are loaded as a resume's are (`plan_load`).  False,
+        changing nothing, if the blocks do not fit.  ValueError if the request has a table
+        already or `hit` is stale."""
         if request_id in self._device_tables:
             raise ValueError(f"request {request_id} already has device blocks")
-        cache = self._prefix
-        if cache is None or not prefix.block_ids:
+        device, host = self._prefix, self._host_prefix
+        if device is None or host is None:
             return self.allocate(request_id, num_tokens)
-        num_free = self.num_free_device_blocks - cache.num_cached_free_in(prefix)
-        missing = max(self.blocks_for(num_tokens) - len(prefix.block_ids), 0)
+        keys, shared = hit.block_hashes, hit.device_block_ids
+        num_free = self.num_free_device_blocks - device.num_cached_free_in(shared, keys)
+        host.num_cached_free_in(hit.host_block_ids, keys)  # (raises if stale)
+        missing = max(self.blocks_for(num_tokens) - len(shared), 0)
         if missing > num_free:
             return False
-        cache.share(prefix.block_ids)
-        table = self._device_tables[request_id] = list(prefix.block_ids)
+        device.share(shared)
+        table = self._device_tables[request_id] = list(shared)
         self._take_device_blocks(table, missing)
-        cache.begin(request_id, prefix)
+        self._hashes[request_id] = list(keys)
+        self._device_keyed[request_id] = len(shared)
+        if hit.host_block_ids:
+            host.share(hit.host_block_ids)
+            self._host_tables[request_id] = list(hit.host_block_ids)
+            self._synced_tokens[request_id] = len(hit.host_block_ids) * self.block_size
+        if load_host and hit.num_host_load_blocks:
+            self._loaded_blocks[request_id] = len(shared)
+            self._load_blocks[request_id] = len(hit.host_block_ids)
+            self._num_blocks_to_load += hit.num_host_load_blocks
         return True
 
     def cache_full_blocks(
@@ -250,13 +379,52 @@ class KVTierManager:
         num_computed_tokens: int,
         token_ids_from: Callable[[int, int], Sequence[int]],
     ) -> None:
-        """Cache the request's full device blocks whose KV is computed (its first
+        """Cache the request's full device blocks whose KV is in place (its first
         `num_computed_tokens` tokens), keyed by the tokens `token_ids_from(position, count)`
         gives; call after each step that computed tokens of it (hashes only the blocks filled
         since the last call).  A no-op without prefix caching or a device table."""
-        table = self._device_tables.get(request_id)
-        if self._prefix is not None and table is not None:
-            self._prefix.cache_full_blocks(request_id, table, num_computed_tokens, token_ids_from)
+        cache, table = self._prefix, self._device_tables.get(request_id)
+        if cache is None or table is None:
+            return
+        num_full = num_computed_tokens // self.block_size
+        keyed = self._device_keyed.get(request_id, 0)
+        if num_full <= keyed:
+            return
+        hashes, bs = self._hashes.setdefault(request_id, []), self.block_size
+        if len(hashes) < num_full:
+            extend_chain(
+                hashes, token_ids_from(len(hashes) * bs, (num_full - len(hashes)) * bs), bs
+            )
+        for index in range(keyed, num_full):
+            cache.key(table[index], hashes[index])
+        self._device_keyed[request_id] = num_full
+
+    def _host_block_for(
+        self, request_id: str, index: int, host: list[int]
+    ) -> tuple[int, bool] | None:
+        """(the host block that is to hold block `index` of a request, whether it must be
+        copied there), the block appended to its table `host` if past its end; None when the
+        host tier is full.  A full block whose key the host caches is shared, not copied; one
+        copied to a new host block is keyed once the copy is done (`end_step`)."""
+        if index < len(host):  # (a tail an eviction copied, or a block a hit shared: cached)
+            block = host[index]
+            cache = self._host_prefix
+            return block, cache is None or not cache.is_cached(block)
+        hashes, cache = self._hashes.get(request_id, ()), self._host_prefix
+        key = hashes[index] if cache is not None and index < len(hashes) else None
+        if key is not None and cache is not None:
+            cached = cache.block_of(key)
+            if cached is not None:
+                cache.share((cached,))
+                host.append(cached)
+                return cached, False
+        if not self.num_free_host_blocks:
+            return None
+        block = self._take_host_block()
+        host.append(block)
+        if key is not None:
+            self._host_keys_after_step[block] = key
+        return block, True
 
     # -- write-through --------------------------------------------------------------------------
     def plan_write_through(
@@ -266,36 +434,32 @@ class KVTierManager:
 
         `candidates` are (request id, computed tokens) pairs, most-likely-to-be-preempted first.
         Only full blocks are written: the partial tail changes every step and is copied by an
-        eviction instead.  Stops at `budget_blocks` copies or when the host tier is full.
+        eviction instead.  Stops at `budget_blocks` copies or when the host tier is full; a
+        block the host caches already is shared, not copied.
         """
         copies: list[BlockCopy] = []
         if not self.config.offload:
             return copies
-        bs, synced, free_host = self.block_size, self._synced_tokens, self._free_host
+        bs, synced = self.block_size, self._synced_tokens
         device_tables, host_tables = self._device_tables, self._host_tables
         add, kind, make = copies.append, CopyKind.WRITE_THROUGH, BlockCopy
-        left = budget_blocks  # copies still allowed
         for request_id, num_tokens in candidates:
-            if left <= 0:
+            if len(copies) >= budget_blocks:
                 break
             first = synced.get(request_id, 0) // bs
             last = num_tokens // bs  # exclusive: number of full blocks
             device = device_tables.get(request_id)
             if device is None or first >= last:
                 continue
-            host = host_tables.get(request_id)
-            if host is None:
-                host = host_tables[request_id] = []
-            end = last if last < first + left else first + left
+            host = host_tables.setdefault(request_id, [])
             index = first
-            while index < end:
-                if index >= len(host):
-                    if not free_host:
-                        break
-                    host.append(free_host.pop())
-                add(make(request_id, kind, device[index], host[index]))
+            while index < last and len(copies) < budget_blocks:
+                target = self._host_block_for(request_id, index, host)
+                if target is None:
+                    break
+                if target[1]:
+                    add(make(request_id, kind, device[index], target[0]))
                 index += 1
-            left -= index - first
             if index > first:
                 synced[request_id] = index * bs
             if not host:
@@ -303,38 +467,45 @@ class KVTierManager:
         return copies
 
     # -- eviction, loading, release ---------------------------------------------------------------
-    def evict(self, request_id: str, num_tokens: int) -> EvictionPlan | None:
+    def evict(
+        self, request_id: str, num_tokens: int, return_s: float = NOT_EXPECTED
+    ) -> EvictionPlan | None:
         """Offload a request: free its synced device blocks now, copy the unsynced rest.
 
         Returns None, changing nothing, when the host tier cannot take the rest or offloading is
         off (the caller then drops the KV for recompute).  Copied device blocks are released at
         `end_step()`; so are the synced ones when `free_synced_on_evict` is off (no load-evict
-        overlap: the memory is reusable only once the eviction completes).
+        overlap: the memory is reusable only once the eviction completes).  The request expects
+        its blocks back at `return_s` (its reader's dry time: retention.py).
         """
         device = self._device_tables.get(request_id, [])
         host = self._host_tables.get(request_id, [])
         needed = self.blocks_for(num_tokens)
         if not self.config.offload:
             return None
-        if needed - len(host) > len(self._free_host) or len(device) < needed:
+        if needed - len(host) > self.num_free_host_blocks or len(device) < needed:
             return None
         host = self._host_tables.setdefault(request_id, host)
-        while len(host) < needed:
-            host.append(self._free_host.pop())
         first_unsynced = min(self._synced_tokens.get(request_id, 0) // self.block_size, needed)
-        copies = tuple(
-            BlockCopy(request_id, CopyKind.EVICT, device[i], host[i])
-            for i in range(first_unsynced, needed)
-        )
+        copies = []
+        for index in range(first_unsynced, needed):
+            target = self._host_block_for(request_id, index, host)
+            assert target is not None  # (room was checked above)
+            if target[1]:
+                copies.append(BlockCopy(request_id, CopyKind.EVICT, device[index], target[0]))
         synced_now = first_unsynced if self.config.free_synced_on_evict else 0
-        self._release_device(device[:synced_now])
-        self._release_device(device[needed:])
+        self._release_device(device[:synced_now], return_s)
+        self._release_device(device[needed:], return_s)
         # (keeps the request's reference: a block shared with another owner stays theirs)
-        self._release_after_step.extend(device[synced_now:needed])
+        pinned = device[synced_now:needed]
+        self._release_after_step.extend(pinned)
+        self._return_after_step.extend(return_s for _ in pinned)
         self._device_tables.pop(request_id, None)
+        self._device_keyed.pop(request_id, None)
         self._end_load(request_id)
-        self._synced_tokens[request_id] = num_tokens
-        return EvictionPlan(copies)
+        # (a host hit may have given it more than it computed: those blocks stay synced)
+        self._synced_tokens[request_id] = max(num_tokens, self._synced_tokens.get(request_id, 0))
+        return EvictionPlan(tuple(copies))
 
     def begin_load(self, request_id: str, num_tokens: int) -> bool:
         """Reserve device blocks for a resumed request whose KV is in the host tier."""
@@ -370,16 +541,18 @@ class KVTierManager:
         """True once every block of a loading request has been planned for copying."""
         return self._loaded_blocks.get(request_id, 0) >= self.blocks_for(num_tokens)
 
-    def free_device(self, request_id: str) -> int:
+    def free_device(self, request_id: str, return_s: float = NOT_EXPECTED) -> int:
         """Release a request's device blocks, keeping its host copy; returns the blocks that
-        became free (a block another request shares stays owned)."""
+        became free (a block another request shares stays owned).  The request expects them
+        back at `return_s` (retention.py)."""
         device = self._device_tables.pop(request_id, [])
         self._end_load(request_id)
+        self._device_keyed.pop(request_id, None)  # (blocks it gets back are keyed anew)
         if self._prefix is None:
             self._free_device.extend(reversed(device))
             return len(device)
         num_free = self.num_free_device_blocks
-        self._release_device(device)
+        self._release_device(device, return_s)
         return self.num_free_device_blocks - num_free
 
     def _end_load(self, request_id: str) -> None:
@@ -388,18 +561,33 @@ class KVTierManager:
         if loaded is not None:
             self._num_blocks_to_load -= max(self._load_blocks.pop(request_id) - loaded, 0)
 
-    def drop(self, request_id: str) -> None:
-        """Forget a request in both tiers (finish, abort, or preemption by recompute)."""
-        self.free_device(request_id)
-        self._free_host.extend(reversed(self._host_tables.pop(request_id, [])))
+    def drop(self, request_id: str, return_s: float = NOT_EXPECTED) -> None:
+        """Forget a request in both tiers (finish, abort, or preemption by recompute); with
+        prefix caching its cached blocks stay, expected back at `return_s` (retention.py)."""
+        self.free_device(request_id, return_s)
+        self._release_host(self._host_tables.pop(request_id, []), return_s)
         self._synced_tokens.pop(request_id, None)
-        if self._prefix is not None:
-            self._prefix.forget(request_id)
+        self._hashes.pop(request_id, None)
 
     def end_step(self) -> None:
-        """The step's copies are done: release the device blocks of finished evictions."""
-        self._release_device(self._release_after_step)
+        """The step's copies are done: release the device blocks of finished evictions, and
+        cache the host blocks that now hold a copy of a keyed block."""
+        if self._prefix is None:
+            self._release_device(self._release_after_step)
+        else:
+            now_s, cache, free = self._now_s, self._prefix, self._free_device
+            for block, return_s in zip(
+                self._release_after_step, self._return_after_step, strict=True
+            ):
+                if cache.release(block, return_s, now_s):
+                    free.append(block)
+            self._return_after_step.clear()
         self._release_after_step.clear()
+        host = self._host_prefix
+        if host is not None:
+            for block, key in self._host_keys_after_step.items():
+                host.key(block, key)  # (still held: a block released meanwhile left the list)
+            self._host_keys_after_step.clear()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any tier's bookkeeping is inconsistent."""
@@ -413,7 +601,12 @@ class KVTierManager:
         else:
             tables, pinned = self._device_tables.values(), self._release_after_step
             self._prefix.check(tables, pinned, self._free_device)
-        self._check_tier("host", self.config.num_host_blocks, self._free_host, self._host_tables)
+        if self._host_prefix is None:
+            self._check_tier(
+                "host", self.config.num_host_blocks, self._free_host, self._host_tables
+            )
+        else:
+            self._host_prefix.check(self._host_tables.values(), (), self._free_host)
         for request_id, synced in self._synced_tokens.items():
             covered = len(self._host_tables.get(request_id, ())) * self.block_size
             assert synced <= covered, f"{request_id}: {synced} synced tokens, host holds {covered}"

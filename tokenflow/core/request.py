@@ -21,6 +21,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from tokenflow.core.prefix_cache import extend_chain
+
 # A reader's rate, tokens/s, from any source (a body, a header, a key's class, a default, the
 # vLLM bridge): below the floor one token would take over 1,000 s, and 1 / rate stops being a
 # time the clocks can add to (1e-309 made it infinite); above the cap it is no reader.
@@ -188,6 +190,8 @@ class Request:
     stop_token_set: frozenset[int] = field(init=False)  # tokens that end it (after min_tokens)
     end_tokens: int = field(init=False)  # prompt + max_tokens: the longest it can grow
     lifetime_tokens: int = field(init=False)  # prompt + max_tokens // 2: its mean length
+    # The chain keys of the prompt's full blocks (prefix_cache.py), hashed at the first lookup.
+    _prompt_hashes: list[int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -221,6 +225,22 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while some known tokens still need their KV computed before a token is sampled."""
         return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether it must compute every prompt token even where its prefix is cached: prompt
+        logprobs need every position's logits, and a repetition penalty's executor learns the
+        prompt's tokens from the chunks (tokenflow/model/penalties.py)."""
+        params = self.sampling_params
+        return params.prompt_logprobs is not None or params.repetition_penalty != 1.0
+
+    def prompt_block_hashes(self, block_size: int) -> list[int]:
+        """The chain keys of the prompt's full blocks of `block_size` tokens (one engine, one
+        block size: hashed once); read them, never modify them."""
+        if self._prompt_hashes is None:
+            self._prompt_hashes = []
+            extend_chain(self._prompt_hashes, self.prompt_token_ids, block_size)
+        return self._prompt_hashes
 
     @property
     def is_reader(self) -> bool:

@@ -6,9 +6,13 @@
 step: the executor's tokens meet the requests kept in chunk order (`TokenAppender`,
 appender.py), and the requests that stopped are finished here.
 
-With prefix caching on (`KVConfig.prefix_caching`), a request starting fresh shares the cached
-blocks of its prompt's leading full blocks and computes from the first token after them, and
-`update()` caches the full blocks each step computed before finished requests release theirs.
+With prefix caching on (`KVConfig.prefix_caching`), a request starting fresh shares the device's
+cached blocks of its prompt's leading full blocks, loads the host's beyond them when the policy
+says so (`Start.by_load`), and computes from the first token after them; one whose next block
+another resident is computing right now waits a step for it (one prefill per prefix: `n > 1`
+and users arriving together on one system prompt prefill it once).  `update()` caches the full
+blocks each step computed before finished requests release theirs.  Each release says when its
+request expects the blocks back (`_return_s`), which the retention ranks them by.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from tokenflow.core.request import (
     PreemptMode,
     Request,
     RequestState,
-    SamplingParams,
 )
+from tokenflow.core.retention import NOT_EXPECTED, expected_return_s
 from tokenflow.core.step_budget import StepBudget
 
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
@@ -44,13 +48,6 @@ def reserved_blocks(kv: KVTierManager, remaining_output_tokens: int, ratio: floa
     """Device blocks admission keeps free for the residents' growth: `ratio` of the output
     they may still generate (the new-token ratio, `SchedulerConfig.decayed_new_token_ratio`)."""
     return kv.blocks_for(int(remaining_output_tokens * ratio))
-
-
-def computes_whole_prompt(params: SamplingParams) -> bool:
-    """Whether a request must compute every prompt token even where its prefix is cached: prompt
-    logprobs need every position's logits, and a repetition penalty's executor learns the
-    prompt's tokens from the chunks (tokenflow/model/penalties.py)."""
-    return params.prompt_logprobs is not None or params.repetition_penalty != 1.0
 
 
 class Scheduler:
@@ -84,6 +81,7 @@ class Scheduler:
         self._evict_copies: list[BlockCopy] = []
         self._loads_completing: list[Request] = []
         self._step_started_s = 0.0
+        self._now_s = 0.0  # the time of the last schedule or update
         # The last plan, kept for `update`: it walks its chunks beside their requests (kept in
         # chunk order by the chunk builder) instead of looking each one up.
         self._planned: StepPlan | None = None
@@ -128,9 +126,21 @@ class Scheduler:
         request.state = (
             RequestState.ABORTED if reason is FinishReason.ABORT else RequestState.FINISHED
         )
-        self.kv.drop(request.request_id)
+        self.kv.drop(request.request_id, self._return_s(request))
         del self.requests[request.request_id]
         self._released.append(request.request_id)
+
+    def _return_s(self, request: Request) -> float:
+        """When a request that lets go of its KV blocks expects them back (retention.py): a
+        paused one when its reader runs dry; a finished one at its reader's next message, if
+        it expects one (a reader, or a client that named its session); an aborted one never."""
+        if request.state is RequestState.ABORTED:
+            return NOT_EXPECTED
+        if not request.is_finished:
+            return request.dry_s
+        expects_next_turn = request.is_reader or request.session_key is not None
+        read_done_s = request.last_consume_s if request.is_reader else self._now_s
+        return expected_return_s(read_done_s, expects_next_turn, self.kv.config.expected_think_s)
 
     # -- streams moving between engines (tokenflow/core/migration.py) -------------------------
     def export_stream(self, request_id: str) -> StreamState:
@@ -191,7 +201,8 @@ class Scheduler:
     def schedule(self, now_s: float, step_budget: StepBudget | None = None) -> StepPlan:
         """Plan one step at time `now_s`, within `step_budget`'s tokens if given (else the
         policy's own prefill rule, `Policy.prefill_chunk_tokens`)."""
-        self._step_started_s = now_s
+        self._step_started_s = self._now_s = now_s
+        self.kv.set_time(now_s)
         chunk_tokens = self.policy.prefill_chunk_tokens
         if step_budget is not None:
             num_decodes = sum(1 for r in self.running if not r.is_prefilling)
@@ -221,14 +232,15 @@ class Scheduler:
         """Take a resident request off the device: offload its KV or drop it for recompute."""
         if request.state not in (RequestState.RUNNING, RequestState.LOADING):
             raise ValueError(f"cannot preempt {request.request_id} in state {request.state.value}")
+        rid, return_s = request.request_id, self._return_s(request)
         if request.state is RequestState.LOADING:
-            self.kv.free_device(request.request_id)  # its host copy is complete and kept
+            self.kv.free_device(rid, return_s)  # its host copy is complete and kept
         elif mode is PreemptMode.OFFLOAD and (
-            eviction := self.kv.evict(request.request_id, request.num_computed_tokens)
+            eviction := self.kv.evict(rid, request.num_computed_tokens, return_s)
         ):
             self._evict_copies.extend(eviction.copies)
         else:
-            self.kv.drop(request.request_id)
+            self.kv.drop(rid, return_s)
             request.num_computed_tokens = 0
         self.queues.pause(request)
         self._chunks.forget(request.request_id)  # its next table comes whole
@@ -236,47 +248,83 @@ class Scheduler:
         self.num_preemptions_total += 1
 
     def _apply_starts(self, starts: tuple[Start, ...]) -> None:
+        promised: set[int] | None = None  # keys residents are computing (built when needed)
         for start in starts:
             request = self.requests[start.request_id]
             if len(self.running) >= self.config.max_num_seqs:
                 return
-            if start.by_load:
+            if request.state is RequestState.WAITING:
+                if self.kv.config.prefix_caching and not request.computes_whole_prompt:
+                    promised = self._promised_keys() if promised is None else promised
+                    if self._waits_for_prefix(request, promised):
+                        continue
+                state = self._start_fresh(request, load_host=start.by_load)
+                if state is None:
+                    return
+                if promised is not None:
+                    promised.update(self._keys_to_compute(request))
+            elif start.by_load:
                 if not self.kv.begin_load(request.request_id, request.num_computed_tokens):
                     return
                 state = RequestState.LOADING
                 self.num_loads_total += 1
             else:
-                if request.state is RequestState.PREEMPTED and request.num_computed_tokens:
-                    self.kv.drop(request.request_id)  # recompute chosen over a reload
+                if request.num_computed_tokens:
+                    self.kv.drop(request.request_id, request.dry_s)  # recompute over a reload
                     request.num_computed_tokens = 0
-                if not self._allocate_start(request):
+                if not self.kv.allocate(request.request_id, request.num_tokens):
                     return
-                if request.state is RequestState.PREEMPTED:
-                    self.num_recomputes_total += 1
+                self.num_recomputes_total += 1
                 state = RequestState.RUNNING
             self.queues.enter_device(request, state)
 
-    def _allocate_start(self, request: Request) -> bool:
-        """Device blocks for a request starting by computing (False: they do not fit).  With
-        prefix caching, a never-started one shares the cached blocks of its prompt's leading
-        full blocks and computes from the token after them (`Request.num_cached_tokens`),
-        unless its sampling needs the whole prompt computed (`computes_whole_prompt`)."""
-        kv = self.kv
-        if not (
-            kv.config.prefix_caching
-            and request.state is RequestState.WAITING
-            and request.num_computed_tokens == 0
-            and not computes_whole_prompt(request.sampling_params)
-        ):
-            return kv.allocate(request.request_id, request.num_tokens)
-        prefix = kv.find_cached_prefix(request.prompt_token_ids)
-        if not kv.allocate_with_prefix(request.request_id, request.num_tokens, prefix):
-            return False
-        request.num_computed_tokens = request.num_cached_tokens = prefix.num_tokens
-        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens.
+    def _start_fresh(self, request: Request, load_host: bool) -> RequestState | None:
+        """Device blocks for a never-started request (None: they do not fit), and the state it
+        starts in.  With prefix caching it shares the cached blocks of its prompt's leading
+        full blocks (`Request.num_cached_tokens`), loading the host's beyond the device's when
+        `load_host` (it starts loading), unless it computes its whole prompt
+        (`Request.computes_whole_prompt`)."""
+        kv, rid = self.kv, request.request_id
+        if not kv.config.prefix_caching or request.computes_whole_prompt:
+            return RequestState.RUNNING if kv.allocate(rid, request.num_tokens) else None
+        hashes = request.prompt_block_hashes(kv.block_size)
+        hit = kv.find_prefix(request.prompt_token_ids, hashes)
+        load_host = load_host and hit.num_host_load_blocks > 0
+        if not kv.allocate_with_prefix(rid, request.num_tokens, hit, load_host):
+            return None
+        request.num_computed_tokens = request.num_cached_tokens = hit.num_cached_tokens(load_host)
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens, per tier.
         self.num_prefix_queried_tokens += request.num_prompt_tokens
-        self.num_prefix_hit_tokens += prefix.num_tokens
-        return True
+        self.num_prefix_hit_tokens += hit.num_device_tokens
+        if not load_host:
+            return RequestState.RUNNING
+        self.num_prefix_host_hit_tokens += request.num_cached_tokens - hit.num_device_tokens
+        self.num_loads_total += 1
+        return RequestState.LOADING
+
+    def _keys_to_compute(self, request: Request) -> list[int]:
+        """The keys of the prompt's full blocks a resident has yet to compute."""
+        hashes = request.prompt_block_hashes(self.kv.block_size)
+        return hashes[request.num_computed_tokens // self.kv.block_size :]
+
+    def _promised_keys(self) -> set[int]:
+        """The keys of the prompt blocks residents are computing (or loading) now."""
+        promised: set[int] = set()
+        for request in self.running:
+            if request.is_prefilling and not request.computes_whole_prompt:
+                promised.update(self._keys_to_compute(request))
+        return promised
+
+    def _waits_for_prefix(self, request: Request, promised: set[int]) -> bool:
+        """Whether a waiting request's first block past its cached prefix is one a resident is
+        computing: it starts once that is cached, computing only what follows."""
+        if not promised:
+            return False
+        bs = self.kv.block_size
+        hashes = request.prompt_block_hashes(bs)
+        hit = self.kv.find_prefix(request.prompt_token_ids, hashes)
+        index = len(hit.block_hashes)
+        return index < (request.num_prompt_tokens - 1) // bs and hashes[index] in promised
 
     # -- chunks ---------------------------------------------------------------------------------
     def _build_chunks(self, now_s: float, chunk_tokens: int | None) -> list[ScheduledChunk]:
@@ -374,6 +422,8 @@ class Scheduler:
         if plan is not self._planned:
             raise ValueError(f"step {plan.step_index} is not the last plan, or applied already")
         self._planned = None
+        self._now_s = now_s
+        self.kv.set_time(now_s)
         decoding, prefilling = self._chunks.decoding, self._chunks.prefilling
         sampled = result.sampled
         num_decodes = len(decoding)

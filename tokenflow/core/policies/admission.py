@@ -100,7 +100,7 @@ class _PauseQueue:
             tail_blocks = unsynced_blocks(kv, paused)
             if tail_blocks <= self._host_room:
                 self._host_room -= tail_blocks
-                freed += kv.num_device_blocks_of(paused.request_id)
+                freed += kv.num_private_device_blocks(paused.request_id)
                 freed += self._view.reserve_blocks(paused)
         return freed
 
@@ -150,7 +150,7 @@ def admit(
         demand_tps = demand_of(request)
         if size >= limit or (size and rate + demand_tps > spare_rate_tps):
             break
-        batch_tokens = tokens + request.num_tokens
+        batch_tokens = tokens + view.start_tokens(request)
         if admitted and prefill_price_s(view, batch_tokens) > prefill_budget_s:
             break
         if stalls_residents(view, batch_tokens, prefill_stall_s):
@@ -193,14 +193,15 @@ def waiting_within_budget(
     tokens = 0
     for request in view.waiting:
         idle = not (waiting or has_other_work)
-        prefill_s = prefill_price_s(view, tokens + request.num_tokens) if waiting else 0.0
+        start_tokens = view.start_tokens(request)
+        prefill_s = prefill_price_s(view, tokens + start_tokens) if waiting else 0.0
         if not idle and (demand_of(request) > spare_rate_tps or prefill_s > prefill_budget_s):
             break
         if not idle and not waiting and prefill_budget_s <= 0.0:
             break
-        if stalls_residents(view, tokens + request.num_tokens, prefill_stall_s):
+        if stalls_residents(view, tokens + start_tokens, prefill_stall_s):
             break
         spare_rate_tps -= demand_of(request)
-        tokens += request.num_tokens
+        tokens += start_tokens
         waiting.append(request)
     return waiting

@@ -8,13 +8,13 @@ that does not fit.  Mechanism (block allocation, copies, OOM handling) lives in 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
-from tokenflow.core.kv_manager import KVConfig
-from tokenflow.core.request import PreemptMode, Request
+from tokenflow.core.kv_manager import KVConfig, PrefixHit
+from tokenflow.core.request import PreemptMode, Request, RequestState
 
 
 # Preemption and Start are treated as immutable; not frozen because frozen dataclasses are
@@ -59,6 +59,11 @@ class KVState(Protocol):
     def num_evicting_blocks(self) -> int: ...
     @property
     def num_queued_load_blocks(self) -> int: ...
+    def find_prefix(
+        self, token_ids: Sequence[int], block_hashes: Sequence[int] | None = None
+    ) -> PrefixHit: ...
+    def num_private_device_blocks(self, request_id: str) -> int: ...
+    def num_charged_device_blocks(self, request_id: str) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -77,18 +82,87 @@ class SchedulingView:
     num_reserved_blocks: int  # kept free for the residents' future tokens (`reserve_blocks`)
     num_preemptions_total: int
     num_requests_seen: int
+    # Prefix lookups of waiting requests, made once per view (`prefix_hit`).
+    _hits: dict[str, PrefixHit] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def seconds_per_block(self) -> float:
+        """Link time of one block, one direction."""
+        return self.kv.config.block_bytes / self.config.link_bytes_per_s
+
+    @property
+    def num_queued_io_blocks(self) -> int:
+        """Blocks the link must move before a new load starts: the eviction queue and the
+        blocks of loads in flight not yet copied."""
+        return self.kv.num_evicting_blocks + self.kv.num_queued_load_blocks
+
+    def loads_faster(self, num_blocks: int, num_tokens: int, queued_blocks: int) -> bool:
+        """Whether loading `num_blocks` from the host, behind `queued_blocks` on the link, takes
+        no longer than computing `num_tokens` tokens (the rule for resumes and host hits)."""
+        io_s = (queued_blocks + num_blocks) * self.seconds_per_block
+        return io_s <= self.estimator.prefill_time_s(num_tokens)
+
+    def prefix_hit(self, request: Request) -> PrefixHit:
+        """What the tiers cache of a waiting request's prompt (nothing for another state, or
+        one that computes its whole prompt: `Request.computes_whole_prompt`)."""
+        hit = self._hits.get(request.request_id)
+        if hit is None:
+            kv = self.kv
+            if request.state is RequestState.WAITING and not request.computes_whole_prompt:
+                hashes = request.prompt_block_hashes(kv.block_size)
+                hit = kv.find_prefix(request.prompt_token_ids, hashes)
+            else:
+                hit = PrefixHit((), (), (), kv.block_size)
+            self._hits[request.request_id] = hit
+        return hit
+
+    def loads_prefix(self, request: Request) -> bool:
+        """Whether a waiting request loads the host's part of its cached prefix (it has one and
+        loading it is faster than computing it)."""
+        hit = self.prefix_hit(request)
+        num_blocks = hit.num_host_load_blocks
+        return bool(num_blocks) and self.loads_faster(
+            num_blocks, num_blocks * hit.block_size, self.num_queued_io_blocks
+        )
+
+    def start_tokens(self, request: Request) -> int:
+        """Tokens a start computes: none for a reload, else its tokens less the cached prefix
+        it starts from."""
+        if request.state is not RequestState.WAITING:
+            computed = request.num_computed_tokens
+            return 0 if self.kv.has_host_copy(request.request_id, computed) else request.num_tokens
+        cached = self.prefix_hit(request).num_cached_tokens(self.loads_prefix(request))
+        return request.num_tokens - cached
+
+    def shared_blocks(self, request: Request) -> float:
+        """Device blocks of a request that other requests hold too, each counted at its share:
+        a resident's blocks held by k tables count 1/k each in its footprint, so sums over
+        residents count a shared block once; a waiting request's cached prefix that residents
+        hold counts nothing more."""
+        if request.state is RequestState.WAITING:
+            hit = self.prefix_hit(request)
+            device_ids = hit.device_block_ids
+            return len(device_ids) - self.kv.num_cached_free_in_hit(hit)
+        rid = request.request_id
+        return self.kv.num_device_blocks_of(rid) - self.kv.num_charged_device_blocks(rid)
 
     def start_for(self, request: Request) -> Start:
-        """Load when the host tier holds the request's KV, else recompute it."""
+        """Load when the host tier holds the request's KV, else recompute it; a waiting request
+        computes, loading the host's part of its cached prefix when that is faster."""
+        if request.state is RequestState.WAITING:
+            return Start(request.request_id, self.loads_prefix(request))
         by_load = self.kv.has_host_copy(request.request_id, request.num_computed_tokens)
         return Start(request.request_id, by_load)
 
     def start_blocks(self, request: Request) -> int:
-        """Device blocks a start needs (a decode's next block comes later): the host copy's
-        blocks for a load, else the request's tokens."""
+        """Device blocks a start takes from the free ones (a decode's next block comes later):
+        the host copy's blocks for a load, else the request's tokens, less the cached prefix
+        that residents hold (it shares those)."""
         computed = request.num_computed_tokens
-        by_load = self.kv.has_host_copy(request.request_id, computed)
-        return self.kv.blocks_for(computed if by_load else request.num_tokens)
+        if request.state is not RequestState.WAITING:
+            by_load = self.kv.has_host_copy(request.request_id, computed)
+            return self.kv.blocks_for(computed if by_load else request.num_tokens)
+        return self.kv.blocks_for(request.num_tokens) - int(self.shared_blocks(request))
 
     def reserve_blocks(self, request: Request) -> int:
         """Blocks kept free for a request's future tokens (SGLang's new-token ratio); the
@@ -168,7 +242,7 @@ def fcfs_starts(
     for request in candidates:
         start = view.start_for(request)
         need = view.start_blocks(request)
-        tokens = 0 if start.by_load else request.num_tokens
+        tokens = view.start_tokens(request)
         if num_resident >= max_num_seqs:
             break
         if need + view.reserve_blocks(request) > free:

@@ -126,11 +126,6 @@ def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
     return worst_s
 
 
-def seconds_per_block(view: SchedulingView) -> float:
-    """Link time of one block, one direction."""
-    return view.kv.config.block_bytes / view.config.link_bytes_per_s
-
-
 @dataclass(frozen=True)
 class Prices:
     """What a decision prices every member with: the link, and the paused members' resumes."""
@@ -143,7 +138,7 @@ class Prices:
     @classmethod
     def at(cls, config: TokenFlowConfig, view: SchedulingView) -> Prices:
         """The prices in `view`'s state."""
-        per_block_s = seconds_per_block(view)
+        per_block_s = view.seconds_per_block
         resume_s = {
             r.request_id: resume_price_s(r, view.kv, per_block_s, view.estimator)
             for r in view.preempted
@@ -165,7 +160,9 @@ class Member:
 
     request: Request
     utility: float
-    footprint_blocks: int  # device blocks to hold it through the next interval
+    # Device blocks to hold it through the next interval, a shared block at its share
+    # (`SchedulingView.shared_blocks`)
+    footprint_blocks: float
     is_resident: bool  # on the device now (running or loading)
     # Seconds of reading buffered beyond a safe pause (`pause_margin_s`); -inf: not pausable
     pause_margin_s: float
@@ -231,7 +228,8 @@ def member(
     return Member(
         request=r,
         utility=utility(config, buffered_s, resident),
-        footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size),
+        footprint_blocks=interval_footprint_blocks(r, growth, view.kv.block_size)
+        - view.shared_blocks(r),
         is_resident=resident,
         pause_margin_s=pause_margin_s(config, view, r, prices),
         is_urgent=started and slack_s < config.critical_slack_s,

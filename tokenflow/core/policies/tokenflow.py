@@ -71,7 +71,7 @@ from tokenflow.core.policies.pricing import (
     prefill_hold_s,
     prefill_price_s,
 )
-from tokenflow.core.policies.resume import queued_io_blocks, resume_start
+from tokenflow.core.policies.resume import resume_start
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _OFF_DEVICE = (RequestState.WAITING, RequestState.PREEMPTED)
@@ -187,7 +187,7 @@ class TokenFlowPolicy(Policy):
         self.num_degraded_decisions += int(degraded)
         admitted = self._admission(view, last, capacity, demand_tps, degraded, started)
         newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
-        hold_s = prefill_hold_s(view, sum(r.num_tokens for r in admitted.requests))
+        hold_s = prefill_hold_s(view, sum(map(view.start_tokens, admitted.requests)))
         kept = [m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf) for m in started]
         max_batch = paced_batch(view, started_requests, demand_tps)
         selected = select(
@@ -199,7 +199,7 @@ class TokenFlowPolicy(Policy):
         )
         chosen = {m.request.request_id for m in selected}
         left_out = [r for r in view.running if r.request_id not in chosen]
-        queued = queued_io_blocks(view)
+        queued = view.num_queued_io_blocks
         resumed = [m.request for m in selected if not m.is_resident]
         return Decision(
             next_decision_s=view.now_s + cfg.schedule_interval_s,
@@ -305,7 +305,7 @@ class TokenFlowPolicy(Policy):
                 last,
                 spare_rate_tps=last.spare_rate_tps - sum(map(last.demand_tps, new)),
                 prefill_budget_s=last.prefill_budget_s
-                - prefill_price_s(view, sum(r.num_tokens for r in new)),
+                - prefill_price_s(view, sum(map(view.start_tokens, new))),
             )
         return last, starts
 
