@@ -4,8 +4,11 @@ whatever the block boundaries and the prefill chunking; the reused count is repo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from tokenflow.core.policies import make_policy
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
@@ -69,3 +72,35 @@ def test_greedy_tokens_are_the_same_with_caching_on_and_off(
     assert on[2][1] >= shared  # the first turn's whole history
     assert on[3][1] == 32  # 48 tokens: two blocks reused, the third computed
     assert all(cached == 0 for _, cached in off)
+
+
+def flush_device_cache(engine: LLMEngine) -> None:
+    """Other work takes every free device block for a moment: the device's cached blocks are
+    reused, their host copies stay."""
+    kv = engine.scheduler.kv
+    assert kv.allocate("other", kv.num_free_device_blocks * kv.block_size)
+    kv.drop("other")
+    assert kv.num_cached_device_blocks == 0
+
+
+@pytest.mark.parametrize("link_bytes_per_s", [1e12, 1.0], ids=["reloaded", "recomputed"])
+def test_a_host_tier_hit_gives_the_same_tokens_reloaded_or_recomputed(
+    tiny_model_dir, prompts, link_bytes_per_s, monkeypatch
+):
+    """A finished stream's written-through blocks stay in the host tier; a later prompt on them
+    loads them when the link is faster than computing them, else computes them.  (Computing is
+    priced at 1 ms a token here, not by the measured steps, so the choice is the link's.)"""
+    engine = engine_of(tiny_model_dir, True)
+    engine.scheduler.config = replace(engine.scheduler.config, link_bytes_per_s=link_bytes_per_s)
+    engine.scheduler.policy = make_policy("tokenflow", engine.scheduler.config)  # writes through
+    monkeypatch.setattr(type(engine.scheduler.estimator), "prefill_time_s", lambda _, n: n / 1e3)
+    [(first, _)] = run_in_turn(engine, prompts[:1])
+    assert engine.scheduler.kv.num_cached_host_blocks > 0
+    flush_device_cache(engine)
+    [(again, cached)] = run_in_turn(engine, prompts[:1])
+    host_hits = engine.scheduler.num_prefix_host_hit_tokens
+    assert again == first
+    if link_bytes_per_s > 1.0:
+        assert cached == host_hits > 0 and engine.scheduler.num_loads_total == 1
+    else:
+        assert cached == host_hits == 0
