@@ -34,13 +34,12 @@ def test_models_list_and_retrieve_show_the_served_model(
         {"store": False},
         {"service_tier": "auto"},
         {"reasoning_effort": "low"},
-        {"prompt_cache_key": "conversation-1"},
         {"safety_identifier": "user-hash"},
         {"parallel_tool_calls": False},
     ],
     ids=lambda fields: next(iter(fields)),
 )
-def test_accepted_no_op_field_leaves_the_answer_unchanged(
+def test_an_accepted_field_that_changes_no_token_leaves_the_answer_unchanged(
     client: openai.OpenAI, model_id: str, fields: dict
 ) -> None:
     answer = client.chat.completions.create(
@@ -118,3 +117,23 @@ def test_one_connection_serves_streams_and_whole_answers(base_url: str, model_id
     asyncio.run(requests())
     assert len(local_ports) == 4
     assert len(set(local_ports)) == 1, f"connections not kept alive: {local_ports}"
+
+
+def test_a_prompt_cache_key_keeps_the_answer_and_reports_its_cached_tokens(
+    client: openai.OpenAI, model_id: str
+) -> None:
+    """OpenAI's session hint (it decides how long the prefix cache keeps the session's blocks);
+    a repeated prompt reports the full blocks it reused."""
+    answers = [
+        client.chat.completions.create(
+            model=model_id,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            prompt_cache_key="conversation-1",
+        )
+        for _ in range(2)
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    details = answers[1].usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens and details.cached_tokens % 16 == 0

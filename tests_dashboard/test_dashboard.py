@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ API_KEY = "page-key"
 STREAMS_PATH = "/v1/tokenflow/streams"
 MAX_TOKENS = 1000
 NUM_STREAMS = 6  # of 4 + 1000 tokens (63 blocks) where the device tier holds 128 blocks
+SHARED_PROMPT = "You are a careful assistant who answers in short sentences. " * 4  # 3+ blocks
 # (long answers: the tiny model makes hundreds of tokens a second, and the streams must still
 # be generating when the page is captured)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -98,10 +100,19 @@ def warm_up(url: str) -> None:
     assert response.status_code == 200, response.text
 
 
-def num_unfinished(url: str) -> int:
+def streams(url: str) -> dict:
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    data = httpx.get(f"{url}{STREAMS_PATH}", headers=headers, timeout=60).json()
-    return data["totals"]["num_unfinished"]
+    return httpx.get(f"{url}{STREAMS_PATH}", headers=headers, timeout=60).json()
+
+
+def num_unfinished(url: str) -> int:
+    return streams(url)["totals"]["num_unfinished"]
+
+
+def percent(share: float) -> str:
+    """`share` as the page writes it: 100 x share by JavaScript's toFixed(1), which takes the
+    larger of two equally near values (Python's format would round half to even)."""
+    return str(Decimal(100 * share).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
 
 
 def dump_dom(url: str, profile: Path) -> str:
@@ -147,3 +158,31 @@ def test_the_page_polls_and_draws_a_bar_per_stream(tiny_model_dir, tmp_path):
     assert {state for state, _ in rows} <= {"waiting", "running", "loading", "paused"}
     assert still_unfinished >= 1  # (the page saw the burst, not its end)
     assert "<canvas" in dom and "policy tokenflow" in dom
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (make test-dashboard)")
+def test_the_page_shows_the_cached_blocks_per_tier_and_the_prefix_hit_rate(
+    tiny_model_dir, tmp_path
+):
+    args = EngineArgs(model=tiny_model_dir, device="cpu", max_model_len=1024)
+    engine = AsyncEngine(args)
+    app = build_app(engine, ServerConfig(api_keys=(API_KEY,)))
+    body = {"prompt": SHARED_PROMPT, "max_tokens": 4, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        with serve_in_thread(app) as url:
+            for _ in range(2):  # the second finds the first's full blocks cached
+                response = httpx.post(f"{url}/v1/completions", json=body, headers=headers,
+                                      timeout=600)  # fmt: skip
+                assert response.status_code == 200, response.text
+            shown = streams(url)  # (idle from here on: the page sees the same numbers)
+            dom = dump_dom(url, tmp_path / "profile")
+    finally:
+        engine.close()
+    kv, prefix = shown["kv"], shown["prefix_cache"]
+    assert kv["device_cached_blocks"] >= 3 and prefix["device_hit_tokens_total"] >= 32
+    page = dom.split("<script", 1)[0][-4000:]  # the drawn page, without its script
+    cached = f"{kv['device_cached_blocks']} device, {kv['host_cached_blocks']} host"
+    assert f"cached blocks <b>{cached}</b>" in page, page
+    rate = f"{percent(prefix['hit_rate'])}% of {prefix['queried_tokens_total']} tok"
+    assert f"prefix hits <b>{rate}</b>" in page, page

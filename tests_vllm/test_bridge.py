@@ -327,6 +327,50 @@ def test_a_pause_the_pool_holds_nothing_of_is_a_recompute_and_drops_the_written_
     bridge.kv.check_integrity()
 
 
+def _sharing_a_prefix(bridge: PolicyBridge) -> tuple[FakeRequest, FakeRequest]:
+    """Two streams of 64 computed tokens (4 blocks each) whose first 3 blocks vLLM's prefix
+    cache shares: 5 blocks in use, each stream holding 1 of them alone."""
+    prompt = [1] * 60
+    a = FakeRequest("a", prompt, num_computed_tokens=64, output_token_ids=[1] * 10)
+    b = FakeRequest("b", prompt, num_computed_tokens=64, output_token_ids=[2] * 10)
+    for request in (a, b):
+        bridge.track(request, 1.0, 0.0)
+    return a, b
+
+
+def test_blocks_shared_through_the_prefix_cache_are_the_placeholders():
+    bridge = make_bridge(offload_block_bytes=4096)
+    a, b = _sharing_a_prefix(bridge)
+    view = bridge.view([a, b], [], PoolState(5, {"a": 1, "b": 1}), now_s=1.0)
+    assert view.kv.num_free_device_blocks == 5  # = vLLM's, each shared block counted once
+    assert view.kv.num_device_blocks_of("a") == view.kv.num_device_blocks_of("b") == 1
+    assert view.kv.num_device_blocks_of(OTHER_OWNER) == 3
+    view.kv.check_integrity()
+
+
+def test_a_paused_sharer_offloads_its_whole_computed_kv():
+    # The host KV connector stores all 4 blocks of the paused stream, the shared ones too: the
+    # mirror's copy covers them although the stream held one block alone (and none was free).
+    bridge = make_bridge(offload_block_bytes=4096)
+    a, b = _sharing_a_prefix(bridge)
+    bridge.view([a, b], [], PoolState(0, {"a": 1, "b": 1}), now_s=1.0)
+    bridge.preempted("a", num_offloaded_tokens=64)
+    assert bridge.num_offloads == 1 and bridge.kv.has_host_copy("a", 64)
+    assert bridge.kv.num_device_blocks_of("a") == 0
+    view = bridge.view([b], [a], PoolState(1, {"b": 4}), now_s=2.0)  # b alone holds the prefix
+    assert view.kv.num_free_device_blocks == 1 and view.start_for(view.preempted[0]).by_load
+    view.kv.check_integrity()
+
+
+def test_vllm_pool_writes_through_only_the_blocks_a_sharer_holds_alone():
+    bridge = make_bridge(vllm_pool=True, offload_block_bytes=4096)
+    a, b = _sharing_a_prefix(bridge)
+    view = bridge.view([a, b], [], PoolState(5, {"a": 1, "b": 1}), now_s=1.0)
+    assert bridge.kv.synced_tokens("a") == bridge.kv.synced_tokens("b") == 16
+    assert unsynced_blocks(view.kv, bridge.requests["a"]) == 3  # priced as the larger pause
+    view.kv.check_integrity()
+
+
 def _random_run_bridge(offload: str) -> PolicyBridge:
     config = SchedulerConfig(max_num_seqs=8)
     is_pool = offload == "pool"

@@ -101,6 +101,7 @@ class FakeEngine:
     aborted_ids: list[str] = field(default_factory=list)
     submitted: list[tuple[str, SamplingParams, float]] = field(default_factory=list)
     consumptions: list[Consumption] = field(default_factory=list)  # each generate()'s class
+    session_keys: list[str | None] = field(default_factory=list)  # each generate()'s hint
     num_finished: int = 0
     num_refused: int = 0  # generate() calls refused with EngineOverloaded
     death: str | None = None  # health() reports the loop dead, generate() raises EngineDead
@@ -126,6 +127,8 @@ class FakeEngine:
         sampling_params: SamplingParams,
         rate_tps: float,
         consumption: Consumption = Consumption.READER,
+        *,
+        session_key: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         if self.death is not None:
             raise EngineDead(self.death)
@@ -137,6 +140,7 @@ class FakeEngine:
             raise EngineRequestError(f"prompt longer than {limit} tokens")
         self.submitted.append((request_id, sampling_params, rate_tps))
         self.consumptions.append(consumption)
+        self.session_keys.append(session_key)
         self.active_ids.append(request_id)
         try:
             await asyncio.sleep(self.first_token_delay_s)
@@ -210,6 +214,11 @@ class FakeEngine:
             num_loads_total=2,
             num_recomputes_total=1,
             buffer_slack_s=tuple(1.5 for _ in self.active_ids),
+            prefix_cache_queries_total=40,
+            prefix_cache_hits_total=24,
+            prefix_cache_host_hits_total=8,
+            num_cached_device_blocks=3,
+            num_cached_host_blocks=2,
         )
 
     def health(self) -> EngineHealth:
@@ -235,6 +244,11 @@ class FakeEngine:
             num_device_blocks=4,
             num_host_blocks_used=2,
             num_host_blocks=4,
+            num_cached_device_blocks=3,
+            num_cached_host_blocks=2,
+            num_prefix_queried_tokens=40,
+            num_prefix_hit_tokens=24,
+            num_prefix_host_hit_tokens=8,
             num_preemptions_total=3,
             num_loads_total=2,
             num_recomputes_total=1,

@@ -93,13 +93,19 @@ def test_an_idle_server_answers_every_engine_field(served):
     assert data["object"] == "tokenflow.streams" and data["policy"] == "tokenflow"
     assert isinstance(data["capacity_tps"], float) and data["capacity_tps"] > 0
     assert data["demand_tps"] == 0 and data["streams"] == []
-    kv = engine.engine.scheduler.kv.config
+    kv, stats = engine.engine.scheduler.kv.config, engine.stats()  # (idle: no step changes it)
     assert data["kv"] == {
         "device_used_blocks": 0,
         "device_total_blocks": kv.num_device_blocks,
+        "device_cached_blocks": stats.num_cached_device_blocks,
         "host_used_blocks": 0,
         "host_total_blocks": kv.num_host_blocks,
+        "host_cached_blocks": stats.num_cached_host_blocks,
     }
+    prefix = data["prefix_cache"]
+    assert prefix["queried_tokens_total"] == stats.prefix_cache_queries_total
+    assert prefix["device_hit_tokens_total"] == stats.prefix_cache_hits_total
+    assert prefix["host_hit_tokens_total"] == stats.prefix_cache_host_hits_total
     assert set(data["totals"].values()) == {0}
     for name in ("num_preemptions_total", "num_loads_total", "num_recomputes_total"):
         assert isinstance(data[name], int)

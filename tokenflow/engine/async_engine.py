@@ -107,6 +107,7 @@ class _Add:
     sink: _DeltaSink
     loop: asyncio.AbstractEventLoop
     grammar: CompiledGrammar | None  # its structured output's, compiled off the engine thread
+    session_key: str | None  # the client's session hint (OpenAI's prompt_cache_key)
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,8 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         rate_tps: float,
         consumption: Consumption = Consumption.READER,
+        *,
+        session_key: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Submit and stream deltas; raises before the first delta if refused."""
         prompt = list(prompt_token_ids)
@@ -204,7 +207,17 @@ class AsyncEngine:
             raise EngineRequestError(str(err)) from None
         grammar = await self._compiled(sampling_params)
         sink, loop = _DeltaSink(), asyncio.get_running_loop()
-        add = _Add(request_id, prompt, sampling_params, rate_tps, consumption, sink, loop, grammar)
+        add = _Add(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=sampling_params,
+            rate_tps=rate_tps,
+            consumption=consumption,
+            sink=sink,
+            loop=loop,
+            grammar=grammar,
+            session_key=session_key,
+        )
         self._submit(add)
         async for delta in self._deltas(request_id, sink):
             yield delta
@@ -451,6 +464,7 @@ class AsyncEngine:
                     command.rate_tps,
                     command.consumption,
                     command.grammar,
+                    session_key=command.session_key,
                 )
         except ValueError as err:
             self._send(command, EngineRequestError(str(err)))

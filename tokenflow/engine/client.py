@@ -84,8 +84,11 @@ class EngineStats:
     num_loads_total: int
     num_recomputes_total: int
     buffer_slack_s: tuple[float, ...]  # per running stream: seconds of reading left in its buffer
-    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the device prefix cache
-    prefix_cache_hits_total: int = 0  # of them, found cached (their KV reused)
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of them, found cached on the device (their KV reused)
+    prefix_cache_host_hits_total: int = 0  # of them, found cached in the host tier after that
+    num_cached_device_blocks: int = 0  # device blocks the prefix cache keys (held or free)
+    num_cached_host_blocks: int = 0  # host blocks the prefix cache keys (held or free)
 
 
 @dataclass(frozen=True)
@@ -135,9 +138,12 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams,
         rate_tps: float,
         consumption: Consumption = Consumption.READER,
+        *,
+        session_key: str | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Submit a request and stream its deltas; `rate_tps` is its reader's tokens/s, or
-        math.inf for a client that uses each token at once (`consumption` eager or batch).
+        math.inf for a client that uses each token at once (`consumption` eager or batch);
+        `session_key` is the client's session hint (OpenAI's `prompt_cache_key`, None: none).
 
         Raises EngineOverloaded, EngineRequestError or EngineDead before the first delta if it
         cannot be accepted; RequestFailed or EngineDead later if it fails mid-way.

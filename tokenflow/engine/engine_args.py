@@ -19,6 +19,7 @@ from tokenflow.core.config import (
     tokenflow_defaults,
 )
 from tokenflow.core.policies import POLICY_NAMES
+from tokenflow.core.prefix_cache import RETENTIONS
 from tokenflow.core.request import is_reader_rate, reader_rate_error
 
 if TYPE_CHECKING:
@@ -62,6 +63,9 @@ class EngineArgs:
     # Requests whose prompts begin alike share the KV of their common full blocks (vLLM's
     # automatic prefix caching; tokenflow/core/prefix_cache.py).
     enable_prefix_caching: bool = True
+    # Which cached blocks no request holds are reused first: "reading" by when their readers
+    # are expected back, "lru" least recently released (tokenflow/core/retention.py).
+    prefix_retention: str = "reading"
     # Structured outputs' grammars compile in this many worker processes, each compile killed
     # past this deadline (tokenflow/model/grammar_compile.py).
     grammar_compile_workers: int = 1
@@ -226,6 +230,14 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
         help="reuse the KV of a prompt's leading full blocks that an earlier request computed "
         "(a shared system prompt, a conversation's history); usage.prompt_tokens_details."
         "cached_tokens says how many (vLLM's flag pair)",
+    )
+    group.add_argument(
+        "--prefix-retention",
+        choices=RETENTIONS,
+        default=EngineArgs.prefix_retention,
+        help="which cached blocks no request holds are reused first, on both KV tiers: "
+        "'reading' by when their readers are expected back (after reading the answer and a "
+        "think time), 'lru' least recently released (vLLM's rule)",
     )
     group.add_argument(
         "--grammar-compile-timeout-s",

@@ -48,8 +48,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         rate_tps: float | None = None,
         use_tqdm: bool = False,
+        session_key: str | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (strings or token-id lists); results in prompt order."""
+        """Generate for every prompt (strings or token-id lists); results in prompt order.
+        `session_key` (OpenAI's `prompt_cache_key`) is every prompt's session hint."""
         batch = _as_batch(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
@@ -64,7 +66,7 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = f"offline-{self._counter}"
             self._counter += 1
-            self.engine.add_request(request_id, ids, p, rate_tps)
+            self.engine.add_request(request_id, ids, p, rate_tps, session_key=session_key)
             order.append(request_id)
             texts[request_id], tokens[request_id], prompt_ids[request_id] = "", [], ids
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")

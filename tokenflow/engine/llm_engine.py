@@ -104,6 +104,7 @@ class LLMEngine:
             args.block_size,
             built.block_bytes,
             prefix_caching=args.uses_prefix_cache,
+            prefix_retention=args.prefix_retention,
         )
         tokenflow = args.tokenflow_for(self.device.type)
         policy = make_policy(args.policy, scheduler_config, tokenflow)
@@ -159,10 +160,14 @@ class LLMEngine:
         rate_tps: float | None = None,
         consumption: Consumption | None = None,
         grammar: CompiledGrammar | None = None,
+        *,
+        session_key: str | None = None,
     ) -> None:
         """Queue a request (ValueError if it is invalid or can never fit); its class is
         `consumption`, else eager for an infinite rate and reader otherwise.  A structured
-        output's `grammar` compiled beforehand (`compile_grammar`), else compiled here."""
+        output's `grammar` compiled beforehand (`compile_grammar`), else compiled here.
+        `session_key` is the client's session hint (OpenAI's `prompt_cache_key`): the prefix
+        cache keeps the blocks of a request that names one for its next turn."""
         self.validate(prompt_token_ids, params)
         grammar = grammar or self.compile_grammar(params)
         self.outputs.add(request_id, prompt_token_ids, params)
@@ -175,6 +180,7 @@ class LLMEngine:
             or (Consumption.READER if rate_tps != math.inf else Consumption.EAGER),
             arrival_s=self.core.clock.now(),
             eos_token_ids=self.model_config.eos_token_ids,
+            session_key=session_key,
         )
         try:
             self.core.add_request(request)
@@ -288,6 +294,9 @@ class LLMEngine:
             ),
             prefix_cache_queries_total=s.num_prefix_queried_tokens,
             prefix_cache_hits_total=s.num_prefix_hit_tokens,
+            prefix_cache_host_hits_total=s.num_prefix_host_hit_tokens,
+            num_cached_device_blocks=s.kv.num_cached_device_blocks,
+            num_cached_host_blocks=s.kv.num_cached_host_blocks,
         )
 
     def streams(self, limit: int) -> StreamsSnapshot:

@@ -72,6 +72,11 @@ class StreamsSnapshot:
     num_device_blocks: int
     num_host_blocks_used: int
     num_host_blocks: int
+    num_cached_device_blocks: int  # the prefix cache's keyed blocks, held or cached-free
+    num_cached_host_blocks: int
+    num_prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache, since start
+    num_prefix_hit_tokens: int  # of them, found cached on the device
+    num_prefix_host_hit_tokens: int  # of them, found cached in the host tier after that
     num_preemptions_total: int
     num_loads_total: int
     num_recomputes_total: int
@@ -146,6 +151,11 @@ def take_snapshot(
         num_device_blocks=kv.config.num_device_blocks,
         num_host_blocks_used=kv.config.num_host_blocks - kv.num_free_host_blocks,
         num_host_blocks=kv.config.num_host_blocks,
+        num_cached_device_blocks=kv.num_cached_device_blocks,
+        num_cached_host_blocks=kv.num_cached_host_blocks,
+        num_prefix_queried_tokens=scheduler.num_prefix_queried_tokens,
+        num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+        num_prefix_host_hit_tokens=scheduler.num_prefix_host_hit_tokens,
         num_preemptions_total=scheduler.num_preemptions_total,
         num_loads_total=scheduler.num_loads_total,
         num_recomputes_total=scheduler.num_recomputes_total,

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from tokenflow.engine.client import EngineClient
+from tokenflow.engine.client import EngineClient, EngineStats
 
 # Time to first token spans queueing in a burst (tens of seconds in the paper's baselines).
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -56,16 +56,7 @@ class EngineStatsCollector(Collector):
             "Fraction of host KV blocks in use.",
             stats.host_kv_usage,
         )
-        yield _counter(
-            "tokenflow_prefix_cache_queries",
-            "Prompt tokens looked up in the device prefix cache (vLLM's prefix_cache_queries).",
-            stats.prefix_cache_queries_total,
-        )
-        yield _counter(
-            "tokenflow_prefix_cache_hits",
-            "Prompt tokens found in the device prefix cache, their KV reused.",
-            stats.prefix_cache_hits_total,
-        )
+        yield from _prefix_cache_metrics(stats)
         yield _counter(
             "tokenflow_preemptions", "Preemptions since start.", stats.num_preemptions_total
         )
@@ -86,6 +77,32 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)
+
+
+def _prefix_cache_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """vLLM's prefix-cache series (prompt tokens queried, and hit), the hits and the cached
+    blocks labelled by KV tier: the hit rate is sum(hits) / queries."""
+    yield _counter(
+        "tokenflow_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
+        stats.prefix_cache_queries_total,
+    )
+    hits = CounterMetricFamily(
+        "tokenflow_prefix_cache_hits",
+        "Prompt tokens found in the prefix cache, their KV reused, by the tier that held it.",
+        labels=["tier"],
+    )
+    hits.add_metric(["device"], stats.prefix_cache_hits_total)
+    hits.add_metric(["host"], stats.prefix_cache_host_hits_total)
+    yield hits
+    blocks = GaugeMetricFamily(
+        "tokenflow_prefix_cache_blocks",
+        "KV blocks the prefix cache keys (held by requests or cached-free), by tier.",
+        labels=["tier"],
+    )
+    blocks.add_metric(["device"], stats.num_cached_device_blocks)
+    blocks.add_metric(["host"], stats.num_cached_host_blocks)
+    yield blocks
 
 
 def _slack_metrics(slack_s: Sequence[float]) -> Iterator[Metric]:

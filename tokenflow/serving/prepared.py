@@ -45,6 +45,7 @@ class PreparedRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
     has_logprobs: bool = False  # the answer carries logprobs
     scores_prompt_only: bool = False  # max_tokens 0 with echo: the one token sampled is dropped
+    session_key: str | None = None  # `prompt_cache_key`: every choice's session hint
     api_key: str | None = field(default=None, repr=False)  # the bearer token (owners.py)
 
     @property

@@ -4,7 +4,7 @@ Requests are validated strictly (`extra="forbid"`, no type coercion), so an unkn
 wrong type is a 400, as with OpenAI.  Besides the standard fields we accept a few known extras:
 `stream_rate` (the reader's consumption rate, tokens/s) and the vLLM sampling extras
 `ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids`, `stream_options.continuous_usage_stats`
-and `guided_json`.
+and `guided_json`.  OpenAI's `prompt_cache_key` becomes the engine request's session hint.
 Fields OpenAI defines but we do not implement are accepted only at their neutral value
 (checked in `validation.py`, which reports them as "not supported").
 
@@ -29,6 +29,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPTS = 128  # prompts in one /v1/completions request
 MAX_CHOICES = 128  # prompts times n: the engine requests one request may start
+MAX_PROMPT_CACHE_KEY_CHARS = 1024  # a session hint is an id, not a payload
 
 # A reader's rate in tokens/s: the body's `stream_rate` and the X-Stream-Rate header alike.
 RateTps = Annotated[
@@ -142,8 +143,10 @@ class _SamplingRequest(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # OpenAI's cache hint: requests naming the same key are one session (a conversation's
+    # turns); the engine keeps its cached prefix for the next turn (core Request.session_key).
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
     # Known extras (vLLM's sampling extras).
     stream_rate: RateTps | None = None
     stream_class: Literal["reader", "eager", "batch"] | None = None  # see serving/classes.py

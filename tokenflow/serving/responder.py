@@ -171,6 +171,7 @@ class Responder:
                         choice.sampling_params,
                         prepared.rate_tps,
                         prepared.consumption,
+                        session_key=prepared.session_key,
                     )
                 )
                 submitted.append(Submitted(choice.engine_request_id, deltas, ensure_first(deltas)))

@@ -245,6 +245,7 @@ class OpenAIServing:
             echo=wants.echo,
             has_logprobs=wants.logprobs is not None,
             scores_prompt_only=wants.scores_prompt_only,
+            session_key=body.prompt_cache_key,
             api_key=stated.api_key,
         )
 

@@ -2,7 +2,8 @@
 
 The answer is the engine's `StreamsSnapshot` (tokenflow/engine/streams.py) as JSON: the most
 urgent `limit` streams (smallest slack first), totals over all of them, the engine's capacity
-Gamma against the started streams' reading demand, KV blocks per tier and the latest moves.
+Gamma against the started streams' reading demand, KV blocks per tier (used, and keyed by the
+prefix cache), the prefix cache's lookups and hits, and the latest moves.
 
 Every caller goes through one `StreamsWatch` per app: it takes at most one snapshot per
 `SNAPSHOT_INTERVAL_S` and shares it, so however many dashboards poll (and /metrics scrapes),
@@ -76,8 +77,19 @@ class StreamTotals(BaseModel):
 class KVBlocks(BaseModel):
     device_used_blocks: int
     device_total_blocks: int
+    device_cached_blocks: int  # keyed by the prefix cache, held or cached-free
     host_used_blocks: int
     host_total_blocks: int
+    host_cached_blocks: int
+
+
+class PrefixCacheTotals(BaseModel):
+    """Prompt tokens looked up in the prefix cache since start, and those found per tier."""
+
+    queried_tokens_total: int
+    device_hit_tokens_total: int
+    host_hit_tokens_total: int
+    hit_rate: float | None  # hits of both tiers / queried; None before any lookup
 
 
 class LastMoves(BaseModel):
@@ -97,6 +109,7 @@ class StreamsResponse(BaseModel):
     demand_tps: float  # the started streams' reading rates, each at most one share of Gamma
     totals: StreamTotals
     kv: KVBlocks
+    prefix_cache: PrefixCacheTotals
     num_preemptions_total: int
     num_loads_total: int
     num_recomputes_total: int
@@ -107,6 +120,24 @@ class StreamsResponse(BaseModel):
 def finite_or_none(value: float | None) -> float | None:
     """`value` where it is a finite number, else None (JSON has no infinity)."""
     return value if value is not None and math.isfinite(value) else None
+
+
+def prefix_hit_rate(num_queried_tokens: int, num_hit_tokens: int) -> float | None:
+    """The share of looked-up prompt tokens found cached (vLLM's prefix cache hit rate: hits
+    over queries); None before any lookup."""
+    return num_hit_tokens / num_queried_tokens if num_queried_tokens > 0 else None
+
+
+def prefix_cache_totals(snapshot: StreamsSnapshot) -> PrefixCacheTotals:
+    """The prefix cache's lookups and hits per tier since start, for the wire."""
+    s = snapshot
+    num_hit_tokens = s.num_prefix_hit_tokens + s.num_prefix_host_hit_tokens
+    return PrefixCacheTotals(
+        queried_tokens_total=s.num_prefix_queried_tokens,
+        device_hit_tokens_total=s.num_prefix_hit_tokens,
+        host_hit_tokens_total=s.num_prefix_host_hit_tokens,
+        hit_rate=prefix_hit_rate(s.num_prefix_queried_tokens, num_hit_tokens),
+    )
 
 
 def stream_info(stream: StreamState) -> StreamInfo:
@@ -155,9 +186,12 @@ def streams_response(snapshot: StreamsSnapshot) -> StreamsResponse:
         kv=KVBlocks(
             device_used_blocks=s.num_device_blocks_used,
             device_total_blocks=s.num_device_blocks,
+            device_cached_blocks=s.num_cached_device_blocks,
             host_used_blocks=s.num_host_blocks_used,
             host_total_blocks=s.num_host_blocks,
+            host_cached_blocks=s.num_cached_host_blocks,
         ),
+        prefix_cache=prefix_cache_totals(s),
         num_preemptions_total=s.num_preemptions_total,
         num_loads_total=s.num_loads_total,
         num_recomputes_total=s.num_recomputes_total,

@@ -5,9 +5,12 @@ request that states a reading rate, a mirror `tokenflow.core.request.Request` (i
 timestamped as they appear, so the reader's virtual buffer is the core's own model), and a
 `KVTierManager` whose device tier mirrors vLLM's block pool:
 
-- each mirrored request running in vLLM owns as many mirror blocks as it owns vLLM blocks;
-- requests without a rate (and vLLM's own overheads, e.g. prefix-cached blocks shared between
-  requests) are charged to a placeholder owner, so the mirror's free count equals vLLM's.
+- each mirrored request running in vLLM owns as many mirror blocks as vLLM blocks it alone
+  holds: what pausing it frees (`PoolState.blocks_of`);
+- requests without a rate, and vLLM's blocks that several requests hold (a prefix its cache
+  shares between them), are charged to a placeholder owner, so the mirror's free count equals
+  vLLM's.  A pause never counts a shared block as freed, and a stream sharing a prefix is
+  priced as a whole (its pause copies, and its resume needs, all its computed tokens' blocks).
 
 The host tier mirrors whichever connector keeps paused streams' KV, so the policy's pause
 threshold and its reload-vs-recompute choice see what a pause and a resume really cost:
@@ -82,7 +85,7 @@ class PoolState:
     """vLLM's block usage at one step."""
 
     num_free_blocks: int
-    blocks_of: dict[str, int]  # device blocks owned by each mirrored running request
+    blocks_of: dict[str, int]  # device blocks only this mirrored running request holds
     # Evictable copies (`PoolShape.copies_may_be_evicted`): leading tokens the pool holds now of
     # each request in `PolicyBridge.paused_copy_ids`; None: copies are kept until released.
     held_tokens_of: Mapping[str, int] | None = None
@@ -185,7 +188,11 @@ class PolicyBridge:
                 self.kv.drop(request.request_id)  # resumed: the connector released the copy
             self._resize(request.request_id, pool.blocks_of.get(request.request_id, 0))
         if self.write_through:  # vLLM stores every full block as it is computed
-            candidates = [(r.request_id, r.num_computed_tokens) for r in mirrored_running]
+            # (counted up to the blocks a mirror holds: a shared prefix is the placeholder's)
+            candidates = [
+                (r.request_id, min(r.num_computed_tokens, self._tokens_held(r.request_id)))
+                for r in mirrored_running
+            ]
             self.kv.plan_write_through(candidates, self.kv.config.num_host_blocks)
         if pool.held_tokens_of is not None:
             self._drop_lost_copies(pool.held_tokens_of)
@@ -255,6 +262,9 @@ class PolicyBridge:
     def _evict(self, request_id: str, num_tokens: int) -> bool:
         """Move the mirror's blocks to its host tier (vLLM stored them this step)."""
         self.kv.drop(request_id)  # any older host copy
+        # The copy covers the blocks the stream shares too, which the placeholder holds until
+        # the next view charges it again: release it so they can be counted here.
+        self.kv.free_device(OTHER_OWNER)
         self._resize(request_id, self.kv.blocks_for(num_tokens))
         if self.kv.evict(request_id, num_tokens) is None:
             return False
@@ -313,6 +323,9 @@ class PolicyBridge:
         block_bytes = self._block_bytes(recompute_block_s)
         if abs(block_bytes - self.kv.config.block_bytes) > 0.1 * self.kv.config.block_bytes:
             self.kv.config = replace(self.kv.config, block_bytes=block_bytes)
+
+    def _tokens_held(self, request_id: str) -> int:
+        return self.kv.num_device_blocks_of(request_id) * self.kv.block_size
 
     def _resize(self, owner: str, num_blocks: int) -> None:
         if self.kv.num_device_blocks_of(owner) > num_blocks:

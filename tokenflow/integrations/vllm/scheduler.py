@@ -16,17 +16,25 @@ Use with `--scheduler-cls tokenflow.integrations.vllm.TokenFlowScheduler`.  Each
 4. only the policy's starts (and requests without a rate) are left in the waiting queue while
    vLLM's own `schedule()` runs; the others are held back and put back in order afterwards.
 
-vLLM keeps everything else: token budgets, chunked prefill, block allocation, and its own
+vLLM keeps everything else: token budgets, chunked prefill, block allocation, its prefix cache
+(a request the policy starts looks up its prompt's cached blocks as any other), and its own
 out-of-memory preemption.  Without any rated request the step is vLLM's, unchanged.
+
+With prefix caching, requests share the blocks of a common prefix: the policy is told, per
+rated running request, only the blocks it alone holds (`num_blocks_freed_by`), which is what
+pausing it returns to vLLM's pool; the shared ones stay with the other holders.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import create_request_queue
@@ -50,6 +58,18 @@ class StepStamp:
 
 # Under "vllm." so that vLLM's logging configuration (handler, level, format) applies.
 logger = init_logger("vllm.tokenflow.scheduler")
+
+
+def num_blocks_freed_by(blocks: Sequence[KVCacheBlock]) -> int:
+    """Blocks of one request's table (one KV cache group) that no other request holds: those
+    that freeing the request (a pause, a finish) returns to the pool.  A prefix-cache hit shares
+    a run of leading blocks, so blocks others hold lead the table (reference counts never grow
+    along it) and the request's own ones follow: found by bisection, O(log blocks) a step."""
+    return len(blocks) - bisect_left(blocks, True, key=_is_held_alone)
+
+
+def _is_held_alone(block: KVCacheBlock) -> bool:
+    return block.ref_cnt == 1 and not block.is_null  # (the null block is never freed)
 
 
 class TokenFlowScheduler(AsyncScheduler):
@@ -168,8 +188,8 @@ class TokenFlowScheduler(AsyncScheduler):
         blocks_of = {}
         for request in self.running:
             if request.request_id in self.bridge.requests:
-                groups = manager.get_block_ids(request.request_id)
-                blocks_of[request.request_id] = len(groups[0]) if groups else 0
+                groups = manager.get_blocks(request.request_id).blocks
+                blocks_of[request.request_id] = num_blocks_freed_by(groups[0]) if groups else 0
         held_tokens_of = None
         if self.offload_pool is not None:
             held_tokens_of = {
