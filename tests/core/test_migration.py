@@ -159,3 +159,9 @@ def test_the_state_round_trips_through_a_request():
     again = request_of(stream_state(request))
     assert stream_state(again) == stream_state(request)
     assert again.dry_s == request.dry_s and again.num_tokens == request.num_tokens
+
+
+def test_the_session_hint_moves_with_the_stream():
+    request = make_request("s", num_prompt=10, max_tokens=4)
+    request.session_key = "conversation-7"
+    assert request_of(stream_state(request)).session_key == "conversation-7"

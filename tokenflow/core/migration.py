@@ -48,6 +48,7 @@ class StreamState:
     token_times_s: tuple[float, ...]  # when each generated token was delivered
     last_consume_s: float  # the reader's consumption time of the newest token
     num_preemptions: int
+    session_key: str | None = None  # the client's session hint (OpenAI's prompt_cache_key)
 
     @property
     def is_started(self) -> bool:
@@ -100,6 +101,7 @@ def stream_state(request: Request) -> StreamState:
         token_times_s=tuple(request.token_times_s),
         last_consume_s=request.last_consume_s,
         num_preemptions=request.num_preemptions,
+        session_key=request.session_key,
     )
 
 
@@ -117,4 +119,5 @@ def request_of(state: StreamState) -> Request:
         token_times_s=list(state.token_times_s),
         num_preemptions=state.num_preemptions,
         last_consume_s=state.last_consume_s,
+        session_key=state.session_key,
     )
