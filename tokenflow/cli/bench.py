@@ -112,6 +112,12 @@ def report_runs(
     for name, run in runs.items():
         if run.num_failed:
             print(f"{name}: {run.num_failed} of {len(run.traces)} requests failed", file=sys.stderr)
+        if run.num_unsent:
+            print(
+                f"{name}: {run.num_unsent} conversation turns not sent (an earlier turn failed)",
+                file=sys.stderr,
+            )
+        if run.num_failed or run.num_unsent:
             for line in run.errors[:5]:
                 print(f"  {line}", file=sys.stderr)
     if json_path is not None:

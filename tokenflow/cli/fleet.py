@@ -9,7 +9,11 @@ import argparse
 import sys
 
 from tokenflow.cli.sim_deployment import paper_deployment
-from tokenflow.cli.simulate_profile import check_profile_options, deployment_from_args
+from tokenflow.cli.simulate_profile import (
+    check_profile_options,
+    deployment_from_args,
+    profiled_workload,
+)
 from tokenflow.cli.workload import workload_spec_from_args
 from tokenflow.core.migration import MOVE_LATENCY_S
 from tokenflow.core.rebalance import MigrateMode
@@ -28,6 +32,7 @@ from tokenflow.sim.fleet import (
     get_fleet_setup,
     run_fleet,
 )
+from tokenflow.sim.runner import extra_record
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +92,7 @@ def run_fleet_simulate(args: argparse.Namespace) -> int:
         replicas: tuple[ReplicaSpec, ...]
         if args.profile is not None:
             run = deployment_from_args(args)
-            workload = generate(workload_spec_from_args(args))
+            workload = profiled_workload(args)
             replicas = (run.deployment,) * max(args.replicas, 1)
             preset_changes = ()
             title = f"profile {args.profile} on {len(replicas)} replicas"
@@ -171,4 +176,5 @@ def _report(
             f"P99 TTFT per replica {p99s} s{moves}, simulated in {r.wall_s:.1f} s"
         )
     if args.json:
-        write_json(args.json, summaries)
+        extra = {r.router: extra_record(r.prefix_cache, r.sessions) for r in results}
+        write_json(args.json, summaries, extra)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from tokenflow.cli.simulate_policy import prefix_caching_from_args
 from tokenflow.cli.workload import workload_spec_from_args
 from tokenflow.core.config import policy_config, tokenflow_defaults
 from tokenflow.eval.workload import WorkloadRequest, generate
@@ -26,6 +27,7 @@ def paper_deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], S
     else:
         workload = generate(setup.workload)
     tokenflow = policy_config(args, tokenflow_defaults("cuda"))  # (a simulated GPU)
+    caching = prefix_caching_from_args(args, setup.prefix_caching if setup else False)
     config = SimConfig(
         gpu=args.gpu or (setup.gpu if setup else "h200"),
         model=args.model or (setup.model if setup else "llama3-8b"),
@@ -34,6 +36,8 @@ def paper_deployment(args: argparse.Namespace) -> tuple[list[WorkloadRequest], S
         offload=not args.no_offload,
         write_through=not args.no_write_through,
         overlap_load_evict=not args.no_load_evict_overlap,
+        prefix_caching=caching.prefix_caching,
+        prefix_retention=caching.prefix_retention,
         cost=CostModelConfig(
             pcie_bytes_per_s=args.pcie_gbps * 1e9 if args.pcie_gbps else None,
             copy_latency_s=None if args.copy_latency_us is None else args.copy_latency_us * 1e-6,

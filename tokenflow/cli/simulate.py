@@ -18,15 +18,15 @@ from tokenflow.cli.simulate_profile import (
     check_profile_options,
     deployment_from_args,
     describe,
+    profiled_workload,
     simulate_profiled,
 )
-from tokenflow.cli.workload import add_workload_arguments, workload_spec_from_args
+from tokenflow.cli.workload import add_workload_arguments
 from tokenflow.core.policies import POLICY_NAMES, parse_policy_names
 from tokenflow.eval.metrics import MetricsConfig
 from tokenflow.eval.report import class_summaries, format_table, plot_report, write_json
-from tokenflow.eval.workload import generate
-from tokenflow.sim.runner import SimResult, run_simulation
-from tokenflow.sim.setups import paper_setups
+from tokenflow.sim.runner import SimResult, extra_record, run_simulation
+from tokenflow.sim.setups import setup_names
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +34,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--setup",
         default=None,
-        help=f"paper preset: {', '.join(paper_setups())} (workload options override it)",
+        help=f"preset: {', '.join(setup_names())} (cpu-chat with --profile; workload "
+        "options override it)",
     )
     parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated")
     hw = parser.add_argument_group("deployment (defaults: the setup's, else h200 / llama3-8b)")
@@ -91,7 +92,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 raise ValueError(f"cannot write {path}: its directory does not exist")
         check_profile_options(args)
         if args.profile is not None:
-            workload = generate(workload_spec_from_args(args))
+            workload = profiled_workload(args)
             run = deployment_from_args(args)
             results = [simulate_profiled(workload, p, run, progress) for p in policies]
             title = describe(run, len(workload))
@@ -100,8 +101,11 @@ def run_simulate(args: argparse.Namespace) -> int:
             results = [run_simulation(workload, p, config, progress=progress) for p in policies]
             title = (
                 f"{args.setup or 'custom'}: {len(workload)} requests, {config.model} on "
-                f"{config.gpu}, memory fraction {config.memory_fraction:g}"
+                f"{config.gpu}, memory fraction {config.memory_fraction:g}, host "
+                f"{config.host_memory_gib:g} GiB"
             )
+            if config.prefix_caching:
+                title += f", prefix caching ({config.prefix_retention})"
     except (ValueError, OSError) as exc:
         print(f"tokenflow simulate: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
@@ -122,7 +126,15 @@ def _report(args: argparse.Namespace, results: list[SimResult], title: str) -> N
             f"recomputes, {r.d2h_gib:.0f} GiB to host, {r.h2d_gib:.0f} GiB to device, "
             f"{r.scheduler_cpu_s:.1f} s scheduler CPU, simulated in {r.wall_s:.1f} s"
         )
+        if r.prefix_cache is not None:
+            print(f"    prefix hit rate {r.prefix_hit_rate:.1%} of the prompt tokens looked up")
+        if r.sessions is not None and r.sessions.num_turns_unsent:
+            print(
+                f"    {r.sessions.num_sessions_ended} of {r.sessions.num_sessions} sessions "
+                f"ended by a failed turn, {r.sessions.num_turns_unsent} turns not sent"
+            )
     if args.json:
-        write_json(args.json, summaries)
+        extra = {r.policy: extra_record(r.prefix_cache, r.sessions) for r in results}
+        write_json(args.json, summaries, extra)
     if args.plot:
         plot_report(args.plot, summaries, {r.policy: r.traces for r in results})

@@ -4,8 +4,10 @@ ablations of the simulated mechanism."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from tokenflow.core.config import add_policy_arguments, tokenflow_defaults
+from tokenflow.core.prefix_cache import RETENTIONS
 
 
 def add_simulate_policy_arguments(tf: argparse._ArgumentGroup) -> None:
@@ -17,6 +19,37 @@ def add_simulate_policy_arguments(tf: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="ablation: a victim's memory is reusable only once its eviction completes",
     )
+    tf.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV of prompts' common leading blocks (a system prompt, a conversation's "
+        "history) (default: the setup's, on for the chat setups; else off)",
+    )
+    tf.add_argument(
+        "--prefix-retention",
+        choices=RETENTIONS,
+        default=None,
+        help="which cached blocks no request holds are reused first: reading (by the readers' "
+        "expected next turns) or lru (vLLM's) (default reading; with prefix caching)",
+    )
+
+
+@dataclass(frozen=True)
+class PrefixCaching:
+    """The prefix cache a simulated deployment runs (`KVConfig`'s fields of the same names)."""
+
+    prefix_caching: bool
+    prefix_retention: str
+
+
+def prefix_caching_from_args(args: argparse.Namespace, setup_default: bool) -> PrefixCaching:
+    """The prefix-cache flags over the setup's default; ValueError for a retention without
+    the cache."""
+    enabled = setup_default if args.enable_prefix_caching is None else args.enable_prefix_caching
+    if args.prefix_retention is not None and not enabled:
+        raise ValueError("--prefix-retention applies with prefix caching on")
+    return PrefixCaching(enabled, args.prefix_retention or RETENTIONS[0])
 
 
 def _simulated_default(field: str) -> str:

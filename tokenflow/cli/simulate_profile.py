@@ -12,10 +12,13 @@ import argparse
 from dataclasses import dataclass
 
 from tokenflow.calibrate.profile_file import Profile, load_profile
+from tokenflow.cli.simulate_policy import prefix_caching_from_args
+from tokenflow.cli.workload import workload_spec_from_args
 from tokenflow.core.config import policy_config
-from tokenflow.eval.workload import WorkloadRequest
+from tokenflow.eval.workload import WorkloadRequest, generate
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, SimResult, run_engine
+from tokenflow.sim.setups import ProfiledSetup, get_profiled_setup
 
 # Deployment options of `serve` that a profiled simulation takes: option -> type.
 DEPLOYMENT_OPTIONS = {
@@ -27,7 +30,7 @@ DEPLOYMENT_OPTIONS = {
 }
 # Options of the GPU roofline that mean nothing for a profiled engine.
 _ROOFLINE_OPTIONS = (
-    "setup", "gpu", "model", "memory_fraction", "host_memory_gib", "pcie_gbps",
+    "gpu", "model", "memory_fraction", "host_memory_gib", "pcie_gbps",
     "copy_latency_us", "copy_pieces_per_block", "no_offload", "no_load_evict_overlap",
 )  # fmt: skip
 
@@ -62,8 +65,12 @@ def check_profile_options(args: argparse.Namespace) -> None:
     if given:
         flags = ", ".join(f"--{n.replace('_', '-')}" for n in given)
         raise ValueError(f"{flags} describe a GPU roofline and do not apply with --profile")
-    if args.workload is None:
-        raise ValueError("--profile needs a --workload (e.g. --workload trace --trace FILE)")
+    if args.workload is None and args.setup is None:
+        raise ValueError(
+            "--profile needs a --workload (e.g. --workload trace --trace FILE) or --setup cpu-chat"
+        )
+    if args.setup is not None:
+        get_profiled_setup(args.setup)  # (ValueError unless a setup for a profiled engine)
 
 
 @dataclass(frozen=True)
@@ -76,15 +83,34 @@ class ProfiledRun:
 
 def deployment_from_args(args: argparse.Namespace) -> ProfiledRun:
     """The profiled deployment the options describe: the profile's policy with the policy
-    options over it."""
+    options over it, and the `--setup` preset's device KV tier and prefix caching unless the
+    options give them."""
     profile = load_profile(args.profile)
+    setup = _setup(args)
+    deployment_options = {name: getattr(args, name) for name in DEPLOYMENT_OPTIONS}
+    if setup is not None and args.device_kv_tokens is None:
+        deployment_options["device_kv_tokens"] = setup.device_kv_tokens
+    caching = prefix_caching_from_args(args, setup.prefix_caching if setup else False)
     deployment = ProfiledDeployment(
         profile=profile,
         tokenflow=policy_config(args, profile.tokenflow),
         endpoint=args.endpoint,
-        **{name: getattr(args, name) for name in DEPLOYMENT_OPTIONS},
+        prefix_caching=caching.prefix_caching,
+        prefix_retention=caching.prefix_retention,
+        **deployment_options,  # type: ignore[arg-type]
     )
     return ProfiledRun(profile, deployment)
+
+
+def profiled_workload(args: argparse.Namespace) -> list[WorkloadRequest]:
+    """The workload options' requests, else (no `--workload`) the `--setup` preset's."""
+    setup = _setup(args)
+    use_preset = setup is not None and args.workload is None
+    return generate(setup.workload if use_preset else workload_spec_from_args(args))
+
+
+def _setup(args: argparse.Namespace) -> ProfiledSetup | None:
+    return get_profiled_setup(args.setup, seed=args.seed) if args.setup else None
 
 
 def simulate_profiled(

@@ -10,6 +10,15 @@ the usual BPE vocabularies, so the prompt is *about* that many tokens: exact siz
 best-effort (tokenizers differ, the chat template adds its own tokens).  Each request starts
 the word cycle at a different place so requests do not share a long common prefix.
 
+Conversations (tokenflow/eval/conversation.py) run closed loop: a turn with `after_id` is sent
+`think_s` after its reader has read the previous turn's whole answer (the metrics' reader model,
+`consumption_times_s`, over the tokens as they arrived; an eager or batch request reads at
+once), as a chat request whose messages are the app's system prompt, the earlier user messages
+with the assistant answers as received, and the new user message, with `prompt_cache_key` set
+to the session id.  A segment's text is its token ids (`segment_token_ids`) as words of the
+same vocabulary, one word per token: deterministic, and about that many tokens.  A turn whose
+previous turn failed is not sent, nor are its session's later turns (`BenchRun.num_unsent`).
+
 The stream is read with httpx-sse; each event is stamped when it is parsed.  Counting tokens:
 a chunk may carry several tokens.  We ask for
 `stream_options.continuous_usage_stats` (vLLM/SGLang/TokenFlow), so most chunks carry the
@@ -30,14 +39,20 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 from httpx_sse import EventSource
 from tqdm import tqdm
 
-from tokenflow.eval.metrics import RequestTrace
+from tokenflow.eval.conversation import (
+    FIRST_TEXT_TOKEN_ID,
+    Segment,
+    segment_token_ids,
+    turn_name,
+)
+from tokenflow.eval.metrics import RequestTrace, consumption_times_s
 from tokenflow.eval.workload import WorkloadRequest
 
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
@@ -88,6 +103,7 @@ class BenchRun:
     num_failed: int
     errors: tuple[str, ...]  # "request-id: message", at most MAX_ERROR_LINES
     duration_s: float
+    num_unsent: int = 0  # conversation turns not sent: an earlier turn of theirs failed
 
 
 def _v1_base(url: str) -> str:
@@ -113,11 +129,33 @@ def synthetic_prompt(num_tokens: int, index: int) -> str:
     return " ".join(words[(index * 7 + i) % len(words)] for i in range(num_tokens))
 
 
+def segment_text(segment: Segment) -> str:
+    """A conversation segment's text: its token ids as words, one word per token."""
+    words = PROMPT_WORDS
+    ids = segment_token_ids(segment)
+    return " ".join(words[(token_id - FIRST_TEXT_TOKEN_ID) % len(words)] for token_id in ids)
+
+
+def chat_messages(request: WorkloadRequest, answers: Mapping[str, str]) -> list[dict[str, str]]:
+    """A conversation turn's chat messages: its segments' texts, each assistant segment the
+    answer its turn received (`answers`, by turn name) if known, else its own text."""
+    messages = []
+    for segment in request.segments:
+        received = answers.get(segment.name) if segment.role == "assistant" else None
+        text = segment_text(segment) if received is None else received
+        messages.append({"role": segment.role, "content": text})
+    return messages
+
+
 def request_body(
-    request: WorkloadRequest, index: int, config: ClientConfig, model: str | None
+    request: WorkloadRequest,
+    index: int,
+    config: ClientConfig,
+    model: str | None,
+    answers: Mapping[str, str] | None = None,
 ) -> dict:
-    """The JSON body of one streaming request (see the module docstring)."""
-    prompt = synthetic_prompt(request.num_prompt_tokens, index)
+    """The JSON body of one streaming request (see the module docstring); `answers` are the
+    texts a conversation turn's history repeats."""
     body: dict = {
         "max_tokens": request.num_output_tokens,
         "min_tokens": request.num_output_tokens,
@@ -134,6 +172,11 @@ def request_body(
             body["stream_options"]["continuous_usage_stats"] = True
     if model is not None:
         body["model"] = model
+    if request.session_id is not None:
+        body["messages"] = chat_messages(request, answers or {})
+        body["prompt_cache_key"] = request.session_id
+        return body
+    prompt = synthetic_prompt(request.num_prompt_tokens, index)
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -152,6 +195,9 @@ class _StreamState:
     finish_reason: str | None = None
     is_done: bool = False  # saw `data: [DONE]`
     error: str | None = None
+    text_parts: list[str] = field(default_factory=list)  # the answer's text as it came
+    unsent: str | None = None  # why a conversation turn was not sent (None: it was)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set once it was or was not
 
     def on_data(self, data: str, now_s: float) -> None:
         """Account one SSE `data` payload that arrived at `now_s`."""
@@ -165,6 +211,7 @@ class _StreamState:
         choices = payload.get("choices") or []
         choice = choices[0] if choices else {}
         text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        self.text_parts.append(text)
         usage = payload.get("usage")
         if usage and usage.get("completion_tokens") is not None:
             num_new = usage["completion_tokens"] - len(self.token_times_s)
@@ -196,11 +243,24 @@ class _StreamState:
         self.token_times_s.extend([now_s] * int(usage.get("completion_tokens", 0)))
         choices = payload.get("choices") or [{}]
         self.finish_reason = choices[0].get("finish_reason")
+        message = choices[0].get("message") or {}
+        self.text_parts.append(choices[0].get("text") or message.get("content") or "")
         self.is_done = True
+
+    def read_end_s(self) -> float | None:
+        """When the reader had read the whole answer (None unless it ended with tokens): the
+        consumption time of its last token (an eager or batch request's: its arrival)."""
+        trace = self.trace()
+        if not trace.is_completed:
+            return None
+        if not trace.is_reader:
+            return trace.token_times_s[-1]
+        return consumption_times_s(trace.token_times_s, trace.rate_tps)[-1]
 
 
 class _Replayer:
-    """Sends each request at its arrival time and fills its `_StreamState`."""
+    """Sends each request at its arrival time (a conversation's later turn: after its reader
+    has read the previous answer and thought) and fills its `_StreamState`."""
 
     def __init__(
         self,
@@ -208,7 +268,9 @@ class _Replayer:
         config: ClientConfig,
         model: str | None,
         clock: Callable[[], float],
+        states: Sequence[_StreamState] = (),
     ) -> None:
+        self._states = {state.request.request_id: state for state in states}
         self._http = http
         self._config = config
         self._model = model
@@ -223,20 +285,54 @@ class _Replayer:
         return self._clock() - self.start_s
 
     async def replay(self, state: _StreamState, index: int) -> None:
-        """Wait for the request's arrival time and a concurrency slot, then stream it."""
-        await asyncio.sleep(max(0.0, state.request.arrival_s - self.now_s()))
-        slot = self._slots if self._slots is not None else contextlib.nullcontext()
-        async with slot:
-            state.arrival_s = self.now_s()
-            try:
-                await self._stream(state, index)
-            except Exception as exc:  # any failure of one request is recorded, never raised
-                state.error = f"{type(exc).__name__}: {exc}".strip()
-        if state.error is None and not state.is_done:
-            state.error = "the stream ended before data: [DONE]"
+        """Wait for the request's send time and a concurrency slot, then stream it."""
+        try:
+            send_s = await self._send_time_s(state)
+            if send_s is None:
+                return
+            await asyncio.sleep(max(0.0, send_s - self.now_s()))
+            slot = self._slots if self._slots is not None else contextlib.nullcontext()
+            async with slot:
+                state.arrival_s = self.now_s()
+                try:
+                    await self._stream(state, index)
+                except Exception as exc:  # any failure of one request is recorded, never raised
+                    state.error = f"{type(exc).__name__}: {exc}".strip()
+            if state.error is None and not state.is_done:
+                state.error = "the stream ended before data: [DONE]"
+        finally:
+            state.ended.set()
+
+    async def _send_time_s(self, state: _StreamState) -> float | None:
+        """When to send it: its arrival time, or a turn's previous turn's read end + think
+        time (None: that turn failed or was not sent, so this one is not sent either)."""
+        request = state.request
+        if request.after_id is None:
+            return request.arrival_s
+        previous = self._states[request.after_id]
+        await previous.ended.wait()
+        read_end_s = previous.read_end_s()
+        if read_end_s is None:
+            state.unsent = f"not sent: {request.after_id}, its session's previous turn, failed"
+            if previous.unsent is not None:
+                state.unsent = previous.unsent
+            return None
+        return read_end_s + request.think_s
+
+    def _answers(self, request: WorkloadRequest) -> dict[str, str]:
+        """The texts a turn's history repeats: each earlier turn's answer as received."""
+        answers: dict[str, str] = {}
+        after_id = request.after_id
+        while after_id is not None:
+            previous = self._states[after_id]
+            turn = previous.request
+            answers[turn_name(str(turn.session_id), turn.turn)] = "".join(previous.text_parts)
+            after_id = turn.after_id
+        return answers
 
     async def _stream(self, state: _StreamState, index: int) -> None:
-        body = request_body(state.request, index, self._config, self._model)
+        answers = self._answers(state.request)
+        body = request_body(state.request, index, self._config, self._model, answers)
         if not body["stream"]:
             response = await self._http.post(self._url, json=body)
             if response.status_code != 200:
@@ -284,16 +380,35 @@ async def run_workload(
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     timeout = httpx.Timeout(None, connect=min(30.0, config.timeout_s))
+    check_conversations(requests, config)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as http:
         model = await resolve_model(http, config)
-        replayer = _Replayer(http, config, model, clock)
         states = [_StreamState(request) for request in requests]
+        replayer = _Replayer(http, config, model, clock, states)
         await _replay_all(replayer, states, config, name)
         duration_s = replayer.now_s()
-    traces = tuple(state.trace() for state in states)
-    failed = [s for s, t in zip(states, traces, strict=True) if t.finish_reason == "error"]
-    errors = tuple(f"{s.request.request_id}: {s.error}" for s in failed[:MAX_ERROR_LINES])
-    return BenchRun(name, traces, len(failed), errors, duration_s)
+    sent = [state for state in states if state.unsent is None]
+    traces = tuple(state.trace() for state in sent)
+    failed = [s for s, t in zip(sent, traces, strict=True) if t.finish_reason == "error"]
+    unsent = [state for state in states if state.unsent is not None]
+    lines = [f"{s.request.request_id}: {s.error}" for s in failed]
+    lines += [f"{s.request.request_id}: {s.unsent}" for s in unsent]
+    errors = tuple(lines[:MAX_ERROR_LINES])
+    return BenchRun(name, traces, len(failed), errors, duration_s, num_unsent=len(unsent))
+
+
+def check_conversations(requests: Sequence[WorkloadRequest], config: ClientConfig) -> None:
+    """ValueError unless every turn's previous turn is in the workload and the endpoint is
+    chat (a conversation is chat messages)."""
+    ids = {request.request_id for request in requests}
+    for request in requests:
+        if request.session_id is not None and config.endpoint != "chat":
+            raise ValueError("a conversation workload needs the chat endpoint (--endpoint chat)")
+        if request.after_id is not None and request.after_id not in ids:
+            raise ValueError(
+                f"request {request.request_id}: after_id {request.after_id!r} is not in the "
+                "workload"
+            )
 
 
 async def _replay_all(
@@ -313,7 +428,7 @@ async def _replay_all(
         if pending:
             await asyncio.wait(pending)
         for state in states:
-            if state.error is None and not state.is_done:
+            if state.error is None and state.unsent is None and not state.is_done:
                 state.error = f"timed out after {config.timeout_s:g} s"
     finally:
         for task in tasks:

@@ -84,15 +84,27 @@ def _aligned(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report_records(summaries: Mapping[str, Summary]) -> list[dict[str, object]]:
-    """One JSON-able object per run: `{"policy": name, **summary.to_dict()}`."""
-    return [{"policy": name, **summary.to_dict()} for name, summary in summaries.items()]
+def report_records(
+    summaries: Mapping[str, Summary],
+    extra: Mapping[str, Mapping[str, float | int]] | None = None,
+) -> list[dict[str, object]]:
+    """One JSON-able object per run: `{"policy": name, **summary.to_dict()}`, then the run's
+    `extra` numbers, if given (e.g. a simulated run's prefix hit rate)."""
+    extra = extra or {}
+    return [
+        {"policy": name, **summary.to_dict(), **extra.get(name, {})}
+        for name, summary in summaries.items()
+    ]
 
 
-def write_json(path: str | os.PathLike[str], summaries: Mapping[str, Summary]) -> None:
-    """Write `report_records(summaries)` as indented JSON."""
+def write_json(
+    path: str | os.PathLike[str],
+    summaries: Mapping[str, Summary],
+    extra: Mapping[str, Mapping[str, float | int]] | None = None,
+) -> None:
+    """Write `report_records(summaries, extra)` as indented JSON."""
     with open(path, "w", encoding="utf-8") as file:
-        json.dump(report_records(summaries), file, indent=2)
+        json.dump(report_records(summaries, extra), file, indent=2)
         file.write("\n")
 
 

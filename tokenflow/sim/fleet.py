@@ -34,22 +34,25 @@ from tokenflow.core.migration import MOVE_LATENCY_S, StreamState
 from tokenflow.core.rebalance import (
     MigrateMode,
     ReplicaLoad,
-    StreamKind,
     movable_of,
     plan_moves,
 )
 from tokenflow.core.request import Request
 from tokenflow.core.routing import LoadReport, Router, RouteRequest, load_report, make_router
-from tokenflow.eval.metrics import MetricsConfig, RequestTrace, Summary, summarize
+from tokenflow.eval.metrics import MetricsConfig, summarize
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadRequest, WorkloadSpec
+from tokenflow.sim.arrivals import Arrivals
+from tokenflow.sim.fleet_result import FleetResult, MoveRecord
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import (
     SimConfig,
     SimEngine,
     SimulationStalled,
     build_engine,
+    caches_prefixes,
     executor_clock,
     make_request,
+    prefix_cache_stats,
     trace_of,
 )
 from tokenflow.sim.setups import PAPER_RATES
@@ -116,37 +119,6 @@ class FleetConfig:
             raise ValueError("a fleet's replicas are all on GPU cost models or all profiled")
 
 
-@dataclass(frozen=True)
-class MoveRecord:
-    """One move made (a queued request or a started stream: `kind`): planned at `planned_s` (a
-    round of the rule), exported from its source at `exported_s` (the end of the source's step
-    then), landed on its target at `landed_s`."""
-
-    request_id: str
-    kind: StreamKind
-    source_id: str
-    target_id: str
-    planned_s: float
-    exported_s: float
-    landed_s: float
-
-
-@dataclass(frozen=True)
-class FleetResult:
-    router: str
-    summary: Summary  # over every request of the fleet, as a single engine's
-    num_requests_by_replica: tuple[int, ...]  # routed to each replica (every one that joined)
-    ttft_p99_by_replica_s: tuple[float, ...]
-    wall_s: float
-    moves: tuple[MoveRecord, ...] = ()  # in the order made (a request may move more than once)
-    num_cut: int = 0  # streams a leaving replica cut at its drain deadline
-    traces: tuple[RequestTrace, ...] = ()  # every request's, as the summary reads them
-
-    @property
-    def num_moved(self) -> int:
-        return len(self.moves)
-
-
 @dataclass
 class _Replica:
     replica_id: str
@@ -199,6 +171,8 @@ def run_fleet(
         moves=tuple(fleet.moves),
         num_cut=fleet.num_cut,
         traces=tuple(every),
+        prefix_cache=prefix_cache_stats([r.core for r in fleet.replicas]),
+        sessions=fleet.arrivals.session_stats(),
     )
 
 
@@ -213,7 +187,8 @@ class _Fleet:
         self.router: Router = make_router(router, [r.replica_id for r in self.replicas])
         first = self.replicas[0].engine  # (the fleet's prompt mapping and request path)
         self.prompt_tokens, self.arrival_delay_s = first.prompt_tokens, first.arrival_delay_s
-        self.pending = deque(sorted(workload, key=lambda w: (w.arrival_s, w.request_id)))
+        self.arrivals = Arrivals(workload, order_key=lambda w: (w.arrival_s, w.request_id))
+        self.caches = caches_prefixes(first.core)  # (prompt ids: runner.py)
         changes = sorted(
             enumerate(config.changes),
             key=lambda c: (c[1].at_s, isinstance(c[1], ReplicaLeft), c[0]),
@@ -238,7 +213,11 @@ class _Fleet:
 
     def run(self) -> None:
         """Serve until every request has finished (or been cut)."""
-        while self.pending or self.landings or any(r.core.has_work for r in self.replicas):
+        while (
+            self.arrivals.has_pending
+            or self.landings
+            or any(r.core.has_work for r in self.replicas)
+        ):
             busy = [r for r in self._live if r.core.has_work]
             step_s = min((r.clock.now() for r in busy), default=float("inf"))
             arrival_s = self._next_arrival_s()
@@ -256,7 +235,7 @@ class _Fleet:
             elif landing_s <= min(step_s, arrival_s):
                 self._land(heapq.heappop(self.landings))
             elif arrival_s <= step_s:
-                self._arrive(make_request(self.pending.popleft(), self.prompt_tokens))
+                self._arrive(self._next_request())
             else:
                 self._step(min(busy, key=lambda r: r.clock.now()))
 
@@ -287,11 +266,18 @@ class _Fleet:
         """A draining replica's deadline: whatever it still holds is cut."""
         for request_id in sorted(replica.core.scheduler.requests):
             replica.core.abort(request_id)
+            self.arrivals.finished(self.records[request_id])
             self.num_cut += 1
 
     def _next_arrival_s(self) -> float:
         """When the next request reaches the fleet (its arrival, after its request path)."""
-        return self.pending[0].arrival_s + self.arrival_delay_s if self.pending else float("inf")
+        return self.arrivals.next_s() + self.arrival_delay_s
+
+    def _next_request(self) -> Request:
+        """The next request sent to the fleet, as a core request (runner.make_request)."""
+        item = self.arrivals.pop()
+        answers = self.arrivals.answers(item)
+        return make_request(item, self.prompt_tokens, answers, has_prefix_cache=self.caches)
 
     def _arrive(self, request: Request) -> None:
         replica = self._by_id(self.router.choose(RouteRequest.of(request)))
@@ -315,6 +301,9 @@ class _Fleet:
         next arrival), as a single simulated engine does."""
         now = replica.clock.now()
         plan, outputs = replica.core.step()
+        for output in outputs:
+            if output.is_finished:
+                self.arrivals.finished(self.records[output.request_id])
         replica.idle_steps = 0 if outputs else replica.idle_steps + 1
         if replica.idle_steps > _STALL_LIMIT_STEPS:
             raise SimulationStalled(f"{replica.replica_id}: no token for long at t={now:.2f}s")

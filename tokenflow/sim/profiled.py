@@ -56,6 +56,8 @@ class ProfiledDeployment:
     step_target_ms: float | None = None
     tokenflow: TokenFlowConfig | None = None  # None: `serve`'s, as profiled
     endpoint: str = "chat"  # the bench endpoint whose prompt mapping applies
+    prefix_caching: bool = False  # (as `serve --prefix-caching`; KVConfig's meaning)
+    prefix_retention: str = "reading"
 
     def __post_init__(self) -> None:
         if self.endpoint not in self.profile.prompt:
@@ -86,6 +88,8 @@ def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEng
         num_host_blocks=int(deployment.value("host_kv_tokens")) // facts.block_size,
         block_size=facts.block_size,
         block_bytes=facts.block_bytes,
+        prefix_caching=deployment.prefix_caching,
+        prefix_retention=deployment.prefix_retention,
     )
     tokenflow = deployment.tokenflow or profile.tokenflow
     policy_obj = make_policy(policy, scheduler_config, tokenflow)

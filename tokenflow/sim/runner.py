@@ -1,11 +1,17 @@
-"""Runs the core against the cost model on a simulated clock: `tokenflow simulate`."""
+"""Runs the core against the cost model on a simulated clock: `tokenflow simulate`.
+
+Prompts.  A request's prompt tokens are `(1,) * n` (the cost model charges by length, and the
+scheduler never reads them) unless their identity matters: a conversation's turn is made of its
+segments' token ids (tokenflow/eval/conversation.py), its earlier answers as generated, so its
+turns and its app's sessions share prefixes as a real chat's do; and with prefix caching on,
+every other prompt gets ids of its own (drawn from its request id), so none hits another's.
+"""
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -16,8 +22,10 @@ from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.policies import make_policy
 from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.core.scheduler import Scheduler
+from tokenflow.eval.conversation import Segment, prompt_token_ids, segment_token_ids
 from tokenflow.eval.metrics import MetricsConfig, RequestTrace, Summary, summarize
 from tokenflow.eval.workload import WorkloadRequest
+from tokenflow.sim.arrivals import Arrivals, SessionStats
 from tokenflow.sim.cost_model import CostModel, CostModelConfig
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.hardware import get_gpu, get_model
@@ -25,6 +33,7 @@ from tokenflow.sim.overhead import OverheadCharge, SchedulerOverhead, default_ov
 from tokenflow.sim.setups import Setup
 
 _GIB = 2**30
+TEMPLATE_TOKEN_ID = 0  # the chat template's own tokens around a conversation (profiled engines)
 
 
 class SimulationStalled(RuntimeError):
@@ -51,6 +60,10 @@ class SimConfig:
     write_through: bool = True
     overlap_load_evict: bool = True
     check_integrity: bool = False
+    # Share the device KV of common prompt prefixes (tokenflow/core/prefix_cache.py), reusing
+    # cached blocks no request holds by `prefix_retention`: "reading" or "lru".
+    prefix_caching: bool = False
+    prefix_retention: str = "reading"
     cost: CostModelConfig = field(default_factory=CostModelConfig)
     # Scheduler CPU time charged per step; None: the policy's calibrated default.
     scheduler_overhead: SchedulerOverhead | None = None
@@ -62,15 +75,61 @@ class SimConfig:
 
 
 def setup_config(setup: Setup, **overrides: object) -> SimConfig:
-    """The deployment of a paper setup (its GPU, model, memory and host tier), with
+    """The deployment of a setup (its GPU, model, memory, host tier and prefix caching), with
     `overrides` of any other `SimConfig` field (ablations, the scheduler charge)."""
-    return SimConfig(
-        gpu=setup.gpu,
-        model=setup.model,
-        memory_fraction=setup.memory_fraction,
-        host_memory_gib=setup.host_memory_gib,
-        **overrides,
+    settings: dict[str, object] = {
+        "gpu": setup.gpu,
+        "model": setup.model,
+        "memory_fraction": setup.memory_fraction,
+        "host_memory_gib": setup.host_memory_gib,
+        "prefix_caching": setup.prefix_caching,
+    }
+    return SimConfig(**(settings | overrides))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """The prefix cache's lookups over a run (vLLM's prefix_cache_queries / _hits, in tokens):
+    prompt tokens looked up when a request started fresh, and those found cached on the
+    device or, after that, in the host tier (the core Scheduler's counters)."""
+
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_host_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens found cached (either tier) / prompt tokens looked up (0 if none)."""
+        if not self.num_queried_tokens:
+            return 0.0
+        return (self.num_hit_tokens + self.num_host_hit_tokens) / self.num_queried_tokens
+
+
+def prefix_cache_stats(cores: Sequence[EngineCore]) -> PrefixCacheStats | None:
+    """The engines' prefix-cache counters together (the core Scheduler's), or None if they
+    cache no prefix (a fleet's replicas all do or none does)."""
+    if not caches_prefixes(cores[0]):
+        return None
+    schedulers = [core.scheduler for core in cores]
+    return PrefixCacheStats(
+        num_queried_tokens=sum(s.num_prefix_queried_tokens for s in schedulers),
+        num_hit_tokens=sum(s.num_prefix_hit_tokens for s in schedulers),
+        num_host_hit_tokens=sum(s.num_prefix_host_hit_tokens for s in schedulers),
     )
+
+
+def extra_record(
+    prefix_cache: PrefixCacheStats | None, sessions: SessionStats | None
+) -> dict[str, float | int]:
+    """What a simulated run (one engine or a fleet) adds to its summary in the JSON report:
+    the prefix hit rate if the deployment caches prefixes, the sessions if the workload has
+    conversations (else nothing: the record has the keys `tokenflow bench` writes)."""
+    record: dict[str, float | int] = {}
+    if prefix_cache is not None:
+        record["prefix_hit_rate"] = prefix_cache.hit_rate
+    if sessions is not None:
+        record |= asdict(sessions)
+    return record
 
 
 @dataclass(frozen=True)
@@ -86,6 +145,13 @@ class SimResult:
     compute_s: float  # simulated time the device spent computing (the rest: copies, idle)
     scheduler_cpu_s: float  # simulated time charged for the scheduler's own CPU work
     wall_s: float
+    prefix_cache: PrefixCacheStats | None = None  # None: the deployment caches no prefix
+    sessions: SessionStats | None = None  # the workload's conversations (None: it has none)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The prefix cache's hit rate (0 without a prefix cache)."""
+        return 0.0 if self.prefix_cache is None else self.prefix_cache.hit_rate
 
 
 def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecutor]:
@@ -99,6 +165,8 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
         block_bytes=block_bytes,
         offload=config.offload,
         free_synced_on_evict=config.overlap_load_evict,
+        prefix_caching=config.prefix_caching,
+        prefix_retention=config.prefix_retention,
     )
     scheduler_config = replace(
         config.scheduler,
@@ -142,21 +210,47 @@ def decode_seq_s(cost_model: CostModel, batch: int = 64) -> float:
 
 
 def make_request(
-    item: WorkloadRequest, prompt_tokens: Callable[[int], int] | None = None
+    item: WorkloadRequest,
+    prompt_tokens: Callable[[int], int] | None = None,
+    answers: Mapping[str, Sequence[int]] | None = None,
+    *,
+    has_prefix_cache: bool = False,
 ) -> Request:
     """A core request for a workload item; output length fixed by ignore_eos + max_tokens.
-    `prompt_tokens` maps the item's prompt length to the tokens the server makes of it."""
-    num_prompt = (
-        item.num_prompt_tokens if prompt_tokens is None else prompt_tokens(item.num_prompt_tokens)
-    )
+    `prompt_tokens` maps the item's prompt length to the tokens the server makes of it;
+    `answers` are the earlier turns' answers a conversation's prompt repeats (by turn name)."""
     return Request(
         request_id=item.request_id,
-        prompt_token_ids=(1,) * num_prompt,
+        prompt_token_ids=prompt_ids(item, prompt_tokens, answers, has_prefix_cache),
         sampling_params=SamplingParams(max_tokens=item.num_output_tokens, ignore_eos=True),
         rate_tps=item.rate_tps,
         arrival_s=item.arrival_s,
         consumption=Consumption(item.consumption),
+        session_key=item.session_id,
     )
+
+
+def prompt_ids(
+    item: WorkloadRequest,
+    prompt_tokens: Callable[[int], int] | None,
+    answers: Mapping[str, Sequence[int]] | None,
+    has_prefix_cache: bool,
+) -> tuple[int, ...]:
+    """The prompt's token ids (see the module docstring).  A profiled engine's chat template
+    (`prompt_tokens`) adds its fixed tokens in front of a conversation, where every turn has
+    them alike, and any per-word excess after it."""
+    if not item.segments:
+        num_prompt = item.num_prompt_tokens
+        num_served = num_prompt if prompt_tokens is None else prompt_tokens(num_prompt)
+        if not has_prefix_cache:
+            return (1,) * num_served
+        return segment_token_ids(Segment("user", item.request_id, num_served))
+    ids = prompt_token_ids(item.segments, answers)
+    if prompt_tokens is None:
+        return ids
+    num_header = prompt_tokens(0)
+    num_excess = max(prompt_tokens(len(ids)) - num_header - len(ids), 0)
+    return (TEMPLATE_TOKEN_ID,) * num_header + ids + (TEMPLATE_TOKEN_ID,) * num_excess
 
 
 @dataclass
@@ -194,43 +288,49 @@ def run_engine(
     """Serve `workload` on a built simulated engine (`config` gives the idle tick and the
     stall limit) and measure it."""
     started = time.perf_counter()
-    core, executor = engine.core, engine.executor
+    core = engine.core
     clock = executor_clock(core)
-    pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    arrivals = Arrivals(workload)
     delay_s = engine.arrival_delay_s
-    requests: list[Request] = []
+    caches = caches_prefixes(core)
+    requests: dict[str, Request] = {}  # in the order they were sent
     bar = tqdm(total=len(workload), desc=policy, disable=not progress, unit="req", leave=False)
     idle_steps = 0
-    while pending or core.has_work:
+    while arrivals.has_pending or core.has_work:
         now = clock.now()
-        while pending and pending[0].arrival_s + delay_s <= now:
-            request = make_request(pending.popleft(), engine.prompt_tokens)
+        while arrivals.next_s() + delay_s <= now:
+            item = arrivals.pop()
+            answers = arrivals.answers(item)
+            request = make_request(item, engine.prompt_tokens, answers, has_prefix_cache=caches)
             core.add_request(request)
-            requests.append(request)
+            requests[request.request_id] = request
         if not core.has_work:
-            clock.advance_to(pending[0].arrival_s + delay_s)
+            clock.advance_to(arrivals.next_s() + delay_s)
             continue
         plan, outputs = core.step()
-        bar.update(sum(1 for o in outputs if o.is_finished))
+        for output in outputs:
+            if output.is_finished:
+                bar.update(1)
+                arrivals.finished(requests[output.request_id])
         idle_steps = 0 if outputs else idle_steps + 1
         if idle_steps > config.stall_limit_steps:
             raise SimulationStalled(f"{policy}: no token for {idle_steps} steps at t={now:.2f}s")
         if plan.is_empty:
-            next_arrival = pending[0].arrival_s + delay_s if pending else float("inf")
             tick_s = config.idle_tick_s if engine.idle_tick_s is None else engine.idle_tick_s
-            clock.advance_to(min(next_arrival, now + tick_s))
+            clock.advance_to(min(arrivals.next_s() + delay_s, now + tick_s))
     bar.close()
-    return _result(policy, core, executor, requests, metrics_config, started)
+    return _result(policy, engine, list(requests.values()), arrivals, metrics_config, started)
 
 
 def _result(
     policy: str,
-    core: EngineCore,
-    executor: SimExecutor,
+    engine: SimEngine,
     requests: list[Request],
+    arrivals: Arrivals,
     metrics_config: MetricsConfig | None,
     started: float,
 ) -> SimResult:
+    core, executor = engine.core, engine.executor
     traces = tuple(trace_of(r) for r in requests)
     scheduler = core.scheduler
     return SimResult(
@@ -245,7 +345,14 @@ def _result(
         compute_s=executor.total_compute_s,
         scheduler_cpu_s=_overhead_total_s(core),
         wall_s=time.perf_counter() - started,
+        prefix_cache=prefix_cache_stats([core]),
+        sessions=arrivals.session_stats(),
     )
+
+
+def caches_prefixes(core: EngineCore) -> bool:
+    """Whether the engine's device tier shares cached prefix blocks."""
+    return core.scheduler.kv.config.prefix_caching
 
 
 def executor_clock(core: EngineCore) -> SimClock:
