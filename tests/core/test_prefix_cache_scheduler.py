@@ -286,3 +286,18 @@ def test_a_finished_readers_blocks_outlast_an_abandoned_requests():
     assert kv.allocate("other", 14 * 4)  # 4 plain blocks, then 10 cached-free ones
     assert kv.find_prefix(reader.prompt_token_ids).num_device_tokens == 36
     assert kv.find_prefix(eager.prompt_token_ids).num_device_tokens == 0
+
+
+def test_waiting_requests_on_one_cached_free_prefix_count_it_once():
+    """The first in the queue pays for the cached-free blocks they share; the others start
+    with their own blocks only (so a burst on one warm system prompt is not refused memory
+    it does not need)."""
+    core, clock, _ = make_core("tokenflow")
+    core.add_request(make_request("warm", num_prompt=41, max_tokens=2, rate=1000.0))
+    run_to_completion(core, clock)
+    waiting = [make_request(f"w{i}", num_prompt=45, max_tokens=2) for i in range(3)]
+    for request in waiting:
+        core.scheduler.add_request(request)
+    view = core.scheduler.view(clock.t)
+    assert [view.shared_blocks(r) for r in reversed(waiting)] == [10, 10, 0]
+    assert [view.start_blocks(r) for r in waiting] == [12, 2, 2]

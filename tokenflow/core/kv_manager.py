@@ -208,12 +208,13 @@ class KVTierManager:
             return float(len(table))
         return sum(1.0 / cache.refcount(block) for block in table)
 
-    def num_cached_free_in_hit(self, hit: PrefixHit) -> int:
+    def cached_free_block_ids(self, hit: PrefixHit) -> tuple[int, ...]:
         """Device blocks of `hit` that no request holds (a start sharing them takes them out
         of the free memory)."""
-        if self._prefix is None:
-            return 0
-        return self._prefix.num_cached_free_in(hit.device_block_ids, hit.block_hashes)
+        cache = self._prefix
+        if cache is None:
+            return ()
+        return tuple(b for b in hit.device_block_ids if cache.is_cached_free(b))
 
     def synced_tokens(self, request_id: str) -> int:
         return self._synced_tokens.get(request_id, 0)

@@ -64,6 +64,7 @@ class KVState(Protocol):
     ) -> PrefixHit: ...
     def num_private_device_blocks(self, request_id: str) -> int: ...
     def num_charged_device_blocks(self, request_id: str) -> float: ...
+    def cached_free_block_ids(self, hit: PrefixHit) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,11 @@ class SchedulingView:
     num_reserved_blocks: int  # kept free for the residents' future tokens (`reserve_blocks`)
     num_preemptions_total: int
     num_requests_seen: int
-    # Prefix lookups of waiting requests, made once per view (`prefix_hit`).
+    # Prefix lookups of waiting requests, made once per view (`prefix_hit`), and which of the
+    # waiting requests pays for the cached-free blocks their hits share (`shared_blocks`).
     _hits: dict[str, PrefixHit] = field(default_factory=dict, compare=False, repr=False)
+    _claims: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _claimed: set[int] = field(default_factory=set, compare=False, repr=False)
 
     @property
     def seconds_per_block(self) -> float:
@@ -135,16 +139,32 @@ class SchedulingView:
         return request.num_tokens - cached
 
     def shared_blocks(self, request: Request) -> float:
-        """Device blocks of a request that other requests hold too, each counted at its share:
+        """Device blocks of a request that it shares with others, each counted at its share:
         a resident's blocks held by k tables count 1/k each in its footprint, so sums over
-        residents count a shared block once; a waiting request's cached prefix that residents
-        hold counts nothing more."""
-        if request.state is RequestState.WAITING:
-            hit = self.prefix_hit(request)
-            device_ids = hit.device_block_ids
-            return len(device_ids) - self.kv.num_cached_free_in_hit(hit)
-        rid = request.request_id
-        return self.kv.num_device_blocks_of(rid) - self.kv.num_charged_device_blocks(rid)
+        residents count a shared block once.  A waiting request's cached prefix counts nothing
+        where residents hold it, and neither does its cached-free part where an earlier waiting
+        request's prefix has it too (the first in the queue pays for it)."""
+        kv = self.kv
+        if request.state is not RequestState.WAITING:
+            rid = request.request_id
+            return kv.num_device_blocks_of(rid) - kv.num_charged_device_blocks(rid)
+        hit = self.prefix_hit(request)
+        free_ids = kv.cached_free_block_ids(hit)
+        return len(hit.device_block_ids) - len(free_ids) + self._claimed_before(request)
+
+    def _claimed_before(self, request: Request) -> int:
+        """Cached-free blocks of a waiting request's hit that an earlier waiting request's hit
+        has too (the queue is scanned once per view, as far as asked)."""
+        claims = self._claims
+        if request.request_id not in claims:
+            claimed, kv = self._claimed, self.kv
+            for waiting in self.waiting[len(claims) :]:
+                free_ids = kv.cached_free_block_ids(self.prefix_hit(waiting))
+                claims[waiting.request_id] = sum(1 for b in free_ids if b in claimed)
+                claimed.update(free_ids)
+                if waiting is request:
+                    break
+        return claims.get(request.request_id, 0)
 
     def start_for(self, request: Request) -> Start:
         """Load when the host tier holds the request's KV, else recompute it; a waiting request

@@ -45,11 +45,13 @@ def reader_demand_tps(request: Request, rate_cap_tps: float) -> float:
 
 
 def mean_lifetime_blocks(view: SchedulingView) -> float:
-    """beta: the started members' mean lifetime footprint (the waiting's when none started)."""
+    """beta: the started members' mean lifetime footprint (the waiting's when none started),
+    a shared block at its share (`SchedulingView.shared_blocks`)."""
     members = [*view.running, *view.preempted] or list(view.waiting)
     if not members:
         return 1.0
-    total = sum(lifetime_blocks(r, view.kv.block_size) for r in members)
+    bs = view.kv.block_size
+    total = sum(lifetime_blocks(r, bs) - view.shared_blocks(r) for r in members)
     return max(total / len(members), 1.0)
 
 
