@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -72,7 +72,7 @@ class _DeltaSink:
         elif self.pending is None:
             self.pending = item
         else:
-            self.pending = _merge(self.pending, item)
+            self.pending = self.pending.followed_by(item)
         self.ready.set()
 
     async def get(self) -> GenerationDelta:
@@ -85,16 +85,6 @@ class _DeltaSink:
             return item
         assert self.error is not None
         raise self.error
-
-
-def _merge(first: GenerationDelta, second: GenerationDelta) -> GenerationDelta:
-    return replace(
-        second,
-        token_ids=first.token_ids + second.token_ids,
-        text=first.text + second.text,
-        logprobs=first.logprobs + second.logprobs,
-        prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs,
-    )
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ the same shape.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tokenflow.core.migration import StreamState
@@ -69,6 +69,18 @@ class GenerationDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()  # of token_ids, when the request asks
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # on the first, if asked
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+    def followed_by(self, later: GenerationDelta) -> GenerationDelta:
+        """This delta and the `later` one of the same request as one (token ids, text and
+        logprobs concatenated; the finish and counts are the later one's): what a reader that
+        takes both at once is sent."""
+        return replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,12 @@ from tokenflow.serving.protocol import (
     TokenizerInfo,
 )
 from tokenflow.serving.responder import ClientDisconnected, ServeResult, WaitForDisconnect
-from tokenflow.serving.serving import STREAM_CLASS_HEADER, STREAM_RATE_HEADER, OpenAIServing
+from tokenflow.serving.serving import (
+    STREAM_CLASS_HEADER,
+    STREAM_PACING_HEADER,
+    STREAM_RATE_HEADER,
+    OpenAIServing,
+)
 from tokenflow.serving.streams import StreamsWatch, streams_router
 from tokenflow.serving.tenants import KeyGate
 from tokenflow.serving.validation import ApiError, check_token_ids
@@ -81,6 +86,7 @@ _SOURCES = frozenset({"body", "header", "query"})  # where FastAPI found a value
 
 RateHeader = Annotated[RateTps | None, Header(alias=STREAM_RATE_HEADER)]
 ClassHeader = Annotated[str | None, Header(alias=STREAM_CLASS_HEADER, max_length=16)]
+PacingHeader = Annotated[bool | None, Header(alias=STREAM_PACING_HEADER)]  # true / false
 
 
 def build_app(
@@ -116,6 +122,7 @@ def build_app(
         tool_call_parser=config.auto_tool_call_parser,
         # Each key's work in flight bounded, and the engine's slots shared between keys.
         key_gate=KeyGate(config.key_limits(engine.max_num_requests or 0)),
+        drain=drain,  # a paced stream sends what it holds once the drain begins
     )
     app.state.streams_watch = StreamsWatch(engine, metrics)
     app.state.started_s = int(time.time())
@@ -148,10 +155,12 @@ async def _check_not_draining(request: Request) -> None:
         )
 
 
-def _stated(request: Request, rate_tps: float | None, stream_class: str | None) -> Stated:
-    """What the headers say of the request's class: rate, class, and the bearer token."""
+def _stated(
+    request: Request, rate_tps: float | None, stream_class: str | None, pacing: bool | None
+) -> Stated:
+    """What the headers say of the request's class: rate, class, the bearer token, pacing."""
     api_key = bearer_token(request.headers.get("authorization"))
-    return Stated(rate_tps, stream_class, api_key)
+    return Stated(rate_tps, stream_class, api_key, pacing)
 
 
 def _move_ticket(request: Request) -> MoveTicket | None:
@@ -176,11 +185,13 @@ def _openai_router() -> APIRouter:
         request: Request,
         x_stream_rate: RateHeader = None,
         x_stream_class: ClassHeader = None,
+        x_stream_pacing: PacingHeader = None,
     ) -> Response:
         """OpenAI completions; `stream_rate` (or X-Stream-Rate) is the reader's tokens/s,
-        `stream_class` (or X-Stream-Class) its class (serving/classes.py)."""
+        `stream_class` (or X-Stream-Class) its class (serving/classes.py), `stream_pacing`
+        (or X-Stream-Pacing) whether its tokens are sent at that rate (serving/pacing.py)."""
         serving: OpenAIServing = request.app.state.serving
-        stated = _stated(request, x_stream_rate, x_stream_class)
+        stated = _stated(request, x_stream_rate, x_stream_class, x_stream_pacing)
         wait, ticket = _disconnect_waiter(request), _move_ticket(request)
         result = await _or_disconnected(serving.create_completion(body, stated, wait, ticket))
         return _to_response(result, request.app.state.config)
@@ -191,10 +202,11 @@ def _openai_router() -> APIRouter:
         request: Request,
         x_stream_rate: RateHeader = None,
         x_stream_class: ClassHeader = None,
+        x_stream_pacing: PacingHeader = None,
     ) -> Response:
-        """OpenAI chat completions; the class and rate as for completions."""
+        """OpenAI chat completions; the class, rate and pacing as for completions."""
         serving: OpenAIServing = request.app.state.serving
-        stated = _stated(request, x_stream_rate, x_stream_class)
+        stated = _stated(request, x_stream_rate, x_stream_class, x_stream_pacing)
         wait, ticket = _disconnect_waiter(request), _move_ticket(request)
         result = await _or_disconnected(serving.create_chat_completion(body, stated, wait, ticket))
         return _to_response(result, request.app.state.config)

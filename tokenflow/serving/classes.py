@@ -16,6 +16,11 @@ Most clients state no rate: the OpenAI SDKs, agent frameworks and benchmark tool
 A reader's rate is its binding rule's, else the stated one, else its key rule's, else the
 default rate.  Eager and batch
 requests reach the engine with an infinite rate: they read each token the moment it exists.
+
+Whether a reader's stream is *paced* (its tokens released at its rate: serving/pacing.py) comes
+from the body's `stream_pacing`, else the `X-Stream-Pacing` header, else the server's
+`--stream-pacing`.  A key's binding rule does not bind it: pacing changes when the client gets
+each token, never what the scheduler is told.  Eager and batch requests are never paced.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Stated:
     rate_tps: float | None = None  # X-Stream-Rate
     stream_class: str | None = None  # X-Stream-Class
     api_key: str | None = None  # the bearer token
+    pacing: bool | None = None  # X-Stream-Pacing
 
 
 @dataclass(frozen=True)
@@ -57,14 +63,19 @@ class ClassRule:
 
 @dataclass(frozen=True)
 class ClassRules:
-    """The server's rules: a default class and one rule per API key."""
+    """The server's rules: a default class, one rule per API key, and whether readers that do
+    not say are paced."""
 
     default: ClassRule = ClassRule(Consumption.EAGER)
     by_api_key: Mapping[str, ClassRule] = field(default_factory=dict)
+    paces_readers: bool = False  # `--stream-pacing`
 
     @classmethod
-    def parse(cls, default_class: str, api_key_classes: tuple[str, ...]) -> ClassRules:
-        """From `--default-class` and `--api-key-class KEY=CLASS[:RATE]` values (ValueError)."""
+    def parse(
+        cls, default_class: str, api_key_classes: tuple[str, ...], paces_readers: bool = False
+    ) -> ClassRules:
+        """From `--default-class`, `--api-key-class KEY=CLASS[:RATE]` values (ValueError) and
+        `--stream-pacing`."""
         rules: dict[str, ClassRule] = {}
         for text in api_key_classes:
             key, sep, spec = text.partition("=")
@@ -73,7 +84,7 @@ class ClassRules:
             binds = not spec.startswith("~")
             name, _, rate = spec.removeprefix("~").partition(":")
             rules[key] = ClassRule(parse_class(name), float(rate) if rate else None, binds)
-        return cls(ClassRule(parse_class(default_class)), rules)
+        return cls(ClassRule(parse_class(default_class)), rules, paces_readers)
 
     def resolve(
         self,
@@ -103,6 +114,14 @@ class ClassRules:
             default_rate_tps,
         )
         return consumption, rate
+
+    def is_paced(self, consumption: Consumption, body_pacing: bool | None, headers: Stated) -> bool:
+        """Whether the stream's tokens are released at its reader's rate: a reader's only, as
+        its body's `stream_pacing` says, else its `X-Stream-Pacing`, else the server."""
+        if consumption is not Consumption.READER:
+            return False
+        stated = body_pacing if body_pacing is not None else headers.pacing
+        return self.paces_readers if stated is None else stated
 
     def _class_of(
         self,

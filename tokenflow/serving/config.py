@@ -54,6 +54,8 @@ class ServerConfig:
     # Requests that state no class (serving/classes.py): the default, and rules by API key.
     default_class: str = "eager"
     api_key_classes: tuple[str, ...] = ()  # "KEY=CLASS[:RATE]" each
+    # Readers' streams released at their rate unless a request says otherwise (pacing.py).
+    stream_pacing: bool = False
     # tool_choice "auto" (vLLM's pair of flags): the answer is free and the parser reads the
     # model's own tool-call format out of it (`tool_calls.HermesToolCalls`).
     enable_auto_tool_choice: bool = False
@@ -82,7 +84,7 @@ class ServerConfig:
             raise ValueError(
                 f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s!r}"
             )
-        rules = ClassRules.parse(self.default_class, self.api_key_classes)
+        rules = ClassRules.parse(self.default_class, self.api_key_classes, self.stream_pacing)
         object.__setattr__(self, "class_rules", rules)
         if any(not key.strip() for key in (*self.api_keys, *self.admin_api_keys)):
             raise ValueError("an API key must not be empty")
@@ -244,6 +246,13 @@ class ServerConfig:
             "accepted (and turns auth on); repeatable",
         )
         server.add_argument(
+            "--stream-pacing",
+            action="store_true",
+            help="send a reader's tokens at its reading rate from its first token, not as the "
+            "engine makes them (smooth text in a UI that shows it as it comes; not for clients "
+            "that pace themselves); a request's stream_pacing or X-Stream-Pacing decides first",
+        )
+        server.add_argument(
             "--enable-auto-tool-choice",
             action="store_true",
             help='answer tool_choice "auto" with tools (the default when tools are given): the '
@@ -278,6 +287,7 @@ class ServerConfig:
             drain_timeout_s=args.drain_timeout_s,
             default_class=args.default_class,
             api_key_classes=tuple(args.api_key_classes),
+            stream_pacing=args.stream_pacing,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
         )

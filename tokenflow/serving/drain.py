@@ -7,12 +7,17 @@ not sent yet, so the wait ends when the last stream sent its `data: [DONE]`.
 
 The HTTP server runs its own event loop in another thread than the one that waits, and `begin()`
 is called from a signal handler: the state sits under one `threading.Condition`, whose lock is
-reentrant, so a second signal arriving inside the first handler cannot deadlock.
+reentrant, so a second signal arriving inside the first handler cannot deadlock.  A task on the
+server's loop that must act at once when the drain begins (a paced stream sends what it holds:
+serving/pacing.py) awaits `begun()`, which `begin()` wakes through the loop's thread-safe call.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,6 +33,7 @@ class Drain:
         self._num_in_flight = 0
         self._is_draining = False
         self._is_cut_short = False
+        self._on_begin: list[Callable[[], None]] = []  # wakes `begun()` waiters; under the lock
 
     @property
     def is_draining(self) -> bool:
@@ -47,6 +53,28 @@ class Drain:
                 self._is_cut_short = True
             self._is_draining = True
             self._changed.notify_all()
+            for wake in self._on_begin:
+                wake()
+
+    async def begun(self) -> None:
+        """Return once `begin()` was called (at once if it was), on the running event loop
+        whichever thread calls `begin()`."""
+        loop = asyncio.get_running_loop()
+        begun: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_set_once, begun)
+
+        with self._changed:
+            if self._is_draining:
+                return
+            self._on_begin.append(wake)
+        try:
+            await begun
+        finally:
+            with self._changed:
+                self._on_begin.remove(wake)
 
     def wait_begun(self) -> None:
         """Block until `begin()` was called."""
@@ -73,6 +101,11 @@ class Drain:
             self._num_in_flight -= 1
             if self._num_in_flight == 0:
                 self._changed.notify_all()
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class CountInFlight:

@@ -46,6 +46,7 @@ class PreparedRequest:
     has_logprobs: bool = False  # the answer carries logprobs
     scores_prompt_only: bool = False  # max_tokens 0 with echo: the one token sampled is dropped
     session_key: str | None = None  # `prompt_cache_key`: every choice's session hint
+    is_paced: bool = False  # each choice's tokens released at `rate_tps` (serving/pacing.py)
     api_key: str | None = field(default=None, repr=False)  # the bearer token (owners.py)
 
     @property

@@ -2,7 +2,8 @@
 
 Requests are validated strictly (`extra="forbid"`, no type coercion), so an unknown field or a
 wrong type is a 400, as with OpenAI.  Besides the standard fields we accept a few known extras:
-`stream_rate` (the reader's consumption rate, tokens/s) and the vLLM sampling extras
+`stream_rate` (the reader's consumption rate, tokens/s), `stream_class`, `stream_pacing`
+(release the tokens at the reader's rate: serving/pacing.py) and the vLLM sampling extras
 `ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids`, `stream_options.continuous_usage_stats`
 and `guided_json`.  OpenAI's `prompt_cache_key` becomes the engine request's session hint.
 Fields OpenAI defines but we do not implement are accepted only at their neutral value
@@ -150,6 +151,8 @@ class _SamplingRequest(_Strict):
     # Known extras (vLLM's sampling extras).
     stream_rate: RateTps | None = None
     stream_class: Literal["reader", "eager", "batch"] | None = None  # see serving/classes.py
+    # A reader's tokens sent at its rate, not as made (serving/pacing.py); None: the server's.
+    stream_pacing: bool | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)  # at most max_tokens: SamplingParams checks it
     top_k: int = Field(default=0, ge=-1)  # 0 or -1 = disabled

@@ -5,7 +5,8 @@
                    503) are raised before any byte is sent, and the choices already submitted
                    are aborted
     _events()      a stream: the data of each SSE event (chunk JSON ... `[DONE]`), the choices'
-                   chunks interleaved as they come; the route frames them, sends its 200
+                   chunks interleaved as they come, or, for a paced stream, as its reader's
+                   schedule releases them (pacing.py); the route frames them, sends its 200
                    headers at once and keep-alives meanwhile
     _collect()     one JSON body
 
@@ -16,6 +17,7 @@ event generator being cancelled/closed), every unfinished choice is aborted in t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -32,7 +34,7 @@ from tokenflow.engine.client import (
     GenerationDelta,
     StreamMoved,
 )
-from tokenflow.serving.choices import EventStream, Submitted, merged_deltas
+from tokenflow.serving.choices import DeltaOrFailure, EventStream, Submitted, merged_deltas
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S
 from tokenflow.serving.formatting import DONE, ResponseFormat
 from tokenflow.serving.metrics import ServingMetrics
@@ -45,6 +47,7 @@ from tokenflow.serving.moves import (
     resumed_request,
 )
 from tokenflow.serving.owners import StreamOwners
+from tokenflow.serving.pacing import PaceClock, ReaderSchedule, paced
 from tokenflow.serving.pieces import delta_piece, record_scores, whole_piece
 from tokenflow.serving.prepared import PreparedChoice, PreparedRequest, Progress, usage_of
 from tokenflow.serving.protocol import (
@@ -60,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 WaitForDisconnect = Callable[[], Awaitable[None]]
+# Returns when paced streams must send what they hold at once (the server began to drain).
+FlushWhen = Callable[[], Awaitable[None]]
 # How long a new request waits for the engine's answer before its 200 headers go out; refusals
 # are raised synchronously by `generate()`, so they always come back as real status codes.
 _ADMISSION_GRACE_S = 0.05
@@ -82,7 +87,8 @@ class ClientDisconnected(Exception):
 
 class Responder:
     """Runs prepared requests on `engine`, counting them in `metrics`; `clock` (monotonic
-    seconds) times TTFT and inter-token gaps."""
+    seconds) times TTFT and inter-token gaps (for a paced stream, as its client gets them);
+    paced streams wait on `pace_clock` and send all they hold once `flush_when()` returns."""
 
     def __init__(
         self,
@@ -91,12 +97,16 @@ class Responder:
         clock: Callable[[], float] = time.monotonic,
         owners: StreamOwners | None = None,
         gate: KeyGate | None = None,
+        pace_clock: PaceClock | None = None,
+        flush_when: FlushWhen | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self._clock = clock
         self._owners = owners or StreamOwners()
         self.gate = gate or KeyGate(KeyLimits())  # each API key's share (tenants.py)
+        self._pace_clock = pace_clock or PaceClock()
+        self._flush_when = flush_when
 
     async def serve(
         self,
@@ -306,33 +316,36 @@ class Responder:
     ) -> AsyncGenerator[str]:
         """The data of each SSE event: a choice's opening chunks with its first delta's (as
         vLLM sends them, so that a client's time to first chunk is its TTFT), one chunk per
-        delta, the usage chunk, then `[DONE]`; an engine failure becomes one `{"error": ...}`
-        event before `[DONE]`.  A `movable` answer whose engine request is exported meanwhile
-        ends at once, without `[DONE]`: its book holds the handoff (serving/moves.py).
-        Releases the engine requests however the iteration ends."""
+        delta (a paced stream's: per release, pacing.py), the usage chunk, then `[DONE]`; an
+        engine failure becomes one `{"error": ...}` event before `[DONE]`.  A `movable` answer
+        whose engine request is exported meanwhile ends at once, without `[DONE]`: its book
+        holds the handoff (serving/moves.py).  Releases the engine requests however the
+        iteration ends."""
         failed = False
         if movable is not None:
             movable.book.register(movable.ticket, prepared.choices[0].engine_request_id)
         try:
-            async for position, item in merged_deltas(submitted):
-                progress, choice = progresses[position], prepared.choices[position]
-                if isinstance(item, StreamMoved) and movable is not None:
-                    progress.has_moved = True
-                    movable.book.handed_off(
-                        movable.ticket, handoff_of(prepared, progress, item.state)
-                    )
-                    return  # (another replica sends the rest, and the [DONE])
-                if isinstance(item, BaseException):
-                    progress.has_failed = failed = True
-                    yield ErrorResponse(error=self._on_failure(item)).model_dump_json()
-                    break
-                if progress.num_deltas == 0:
-                    for chunk in fmt.opening_chunks(prepared, choice.index):
-                        yield chunk.model_dump_json()
-                self._record(prepared, choice, progress, item)
-                usage = usage_of(prepared, progresses) if prepared.continuous_usage else None
-                piece = delta_piece(prepared, choice, progress, item)
-                yield fmt.delta_chunk(prepared, choice.index, piece, usage).model_dump_json()
+            async with contextlib.aclosing(self._releases(prepared, submitted)) as releases:
+                async for position, item in releases:
+                    progress, choice = progresses[position], prepared.choices[position]
+                    if isinstance(item, StreamMoved) and movable is not None:
+                        progress.has_moved = True
+                        movable.book.handed_off(
+                            movable.ticket, handoff_of(prepared, progress, item.state)
+                        )
+                        return  # (another replica sends the rest, and the [DONE])
+                    if isinstance(item, BaseException):
+                        progress.has_failed = failed = True
+                        yield ErrorResponse(error=self._on_failure(item)).model_dump_json()
+                        break
+                    if progress.num_deltas == 0:
+                        for chunk in fmt.opening_chunks(prepared, choice.index):
+                            yield chunk.model_dump_json()
+                    self._record(prepared, choice, progress, item)
+                    continuous = prepared.continuous_usage
+                    usage = usage_of(prepared, progresses) if continuous else None
+                    piece = delta_piece(prepared, choice, progress, item)
+                    yield fmt.delta_chunk(prepared, choice.index, piece, usage).model_dump_json()
             if prepared.include_usage and not failed:
                 yield fmt.usage_chunk(prepared, usage_of(prepared, progresses)).model_dump_json()
         finally:
@@ -340,6 +353,17 @@ class Responder:
                 movable.book.forget(movable.ticket)
             await self._release_all(submitted, progresses)
         yield DONE
+
+    def _releases(
+        self, prepared: PreparedRequest, submitted: list[Submitted]
+    ) -> AsyncGenerator[tuple[int, DeltaOrFailure]]:
+        """The choices' deltas as they come, or, for a paced stream, as each choice's reader
+        takes them (pacing.py)."""
+        deltas = merged_deltas(submitted)
+        if not prepared.is_paced:
+            return deltas
+        schedules = [ReaderSchedule(choice, prepared.rate_tps) for choice in prepared.choices]
+        return paced(deltas, schedules, self._pace_clock, self._flush_when)
 
 
 def ensure_first(deltas: AsyncIterator[GenerationDelta]) -> asyncio.Future[GenerationDelta]:

@@ -3,7 +3,7 @@ which `responder.Responder` runs.
 
 Flow of one request::
 
-    prepare()          body (+ X-Stream-Rate header) -> PreparedRequest, or ApiError (400/404):
+    prepare()          body (+ X-Stream-* headers) -> PreparedRequest, or ApiError (400/404):
                        one choice per prompt times `n`, each its own engine request
     Responder.serve()  submit, then stream the SSE events or collect one JSON body
                        (tokenflow/serving/responder.py)
@@ -25,6 +25,7 @@ from tokenflow.engine.client import (
     EngineClient,
 )
 from tokenflow.serving.classes import ClassRules, Stated
+from tokenflow.serving.drain import Drain
 from tokenflow.serving.formatting import (
     AutoToolCallFormat,
     ChatFormat,
@@ -38,6 +39,7 @@ from tokenflow.serving.moves import (
     MoveTicket,
 )
 from tokenflow.serving.owners import StreamOwners
+from tokenflow.serving.pacing import PaceClock
 from tokenflow.serving.prepared import PreparedChoice, PreparedRequest
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
@@ -77,6 +79,7 @@ logger = logging.getLogger(__name__)
 
 STREAM_RATE_HEADER = "X-Stream-Rate"
 STREAM_CLASS_HEADER = "X-Stream-Class"
+STREAM_PACING_HEADER = "X-Stream-Pacing"
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ class OpenAIServing:
     """The logic behind /v1/completions and /v1/chat/completions, independent of the web framework.
 
     `clock` (monotonic seconds) times TTFT and inter-token gaps (`Responder`); `wall_clock`
-    stamps `created`; `new_id` makes request ids.  All three are injectable for tests.
+    stamps `created`; `new_id` makes request ids.  All three are injectable for tests.  Paced
+    streams (pacing.py) wait on `pace_clock` and send what they hold once `drain` begins.
     """
 
     def __init__(
@@ -107,6 +111,8 @@ class OpenAIServing:
         class_rules: ClassRules | None = None,
         tool_call_parser: str | None = None,
         key_gate: KeyGate | None = None,
+        pace_clock: PaceClock | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -119,7 +125,15 @@ class OpenAIServing:
         self._wall_clock = wall_clock
         self._new_id = new_id
         self.stream_owners = StreamOwners()  # whose each engine request is: streams.py
-        self._responder = Responder(engine, metrics, clock, self.stream_owners, key_gate)
+        self._responder = Responder(
+            engine,
+            metrics,
+            clock,
+            self.stream_owners,
+            key_gate,
+            pace_clock,
+            None if drain is None else drain.begun,
+        )
 
     # -- entry points ---------------------------------------------------------------------------
     async def create_completion(
@@ -197,9 +211,11 @@ class OpenAIServing:
     ) -> PreparedRequest:
         """Check lengths; build each choice's SamplingParams; find the class (`classes.py`).
         Raises ApiError.  The rates (body and header) were checked by their pydantic types."""
-        consumption, rate_tps = self.class_rules.resolve(
+        rules = self.class_rules
+        consumption, rate_tps = rules.resolve(
             body.stream, body.stream_class, body.stream_rate, stated, self.engine.default_rate_tps
         )
+        is_paced = rules.is_paced(consumption, body.stream_pacing, stated)
         if body.stream_options is not None and not body.stream:
             raise ApiError(
                 400, "stream_options is only allowed with stream=true", param="stream_options"
@@ -246,6 +262,7 @@ class OpenAIServing:
             has_logprobs=wants.logprobs is not None,
             scores_prompt_only=wants.scores_prompt_only,
             session_key=body.prompt_cache_key,
+            is_paced=is_paced,
             api_key=stated.api_key,
         )
 
