@@ -11,11 +11,19 @@ Each run starts `tokenflow serve` (the embedded SmolLM2, its defaults plus --ser
   first question and answer, a new question), alone, against a cold prompt of its length (the
   same history behind a changed first block, so that no block matches);
 - **burst**: `--users` users arriving together, each with the shared system prompt and a
-  question of their own, read at 4 tok/s: P99 TTFT and the mean stall of their readers (the
-  stall of a reader who reads at its rate from its first token, `tokenflow.eval.metrics`).
+  question of their own, read at 4 tok/s (each request says so: `stream_rate`): P99 TTFT and the
+  mean stall of their readers (the stall of a reader who reads at its rate from its first
+  token, `tokenflow.eval.metrics`).
 
 Every answer is 32 greedy tokens.  The ratios on/off are per round; the table gives their median
 and range over the rounds.
+
+    python -m benchmarks.prefix_cache --sim [--seeds 0,1,2] [--host-gib 16,64,512]
+
+runs the simulator's `h200-chat` conversations instead (tokenflow/sim/setups.py): FCFS with an
+LRU prefix cache (vLLM's behaviour) against TokenFlow with the reading retention, per seed; then
+the retention ablation, TokenFlow with `lru` and with `reading` at each host-tier size: prefix
+hit rate and P99 TTFT, medians (min-max) over the seeds.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import shlex
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -59,6 +67,7 @@ async def ask(http: httpx.AsyncClient, messages: list[dict[str, str]]) -> Answer
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "stream_rate": READER_RATE_TPS,  # (the server paces for readers it is told of)
     }
     start = time.monotonic()
     times: list[float] = []
@@ -137,14 +146,60 @@ def abba(rounds: int) -> Iterator[bool]:
         yield from (True, False, False, True)
 
 
+def simulate_chat(seeds: Sequence[int], host_sizes_gib: Sequence[float]) -> None:
+    """`h200-chat`: FCFS + LRU against TokenFlow + reading, then the retention ablation."""
+    from tokenflow.core.config import tokenflow_defaults
+    from tokenflow.eval.workload import generate
+    from tokenflow.sim.runner import run_simulation, setup_config
+    from tokenflow.sim.setups import chat_setup
+
+    rows: dict[str, list[dict]] = {}
+    runs = [("fcfs", "lru", None), ("tokenflow", "reading", None)]
+    runs += [("tokenflow", r, gib) for gib in host_sizes_gib for r in ("lru", "reading")]
+    for seed in seeds:
+        setup = chat_setup(seed)
+        workload = generate(setup.workload)
+        base = setup_config(setup, prefix_caching=True, tokenflow=tokenflow_defaults("cuda"))
+        for policy, retention, gib in runs:
+            config = replace(base, prefix_retention=retention)
+            if gib is not None:
+                config = replace(config, host_memory_gib=gib)
+            result = run_simulation(workload, policy, config)
+            s = result.summary
+            label = f"{policy} {retention}" + ("" if gib is None else f" host {gib:g} GiB")
+            rows.setdefault(label, []).append(
+                {
+                    "p99_ttft_s": s.ttft_p99_s,
+                    "mean_stall_s": s.rebuffer_mean_s,
+                    "qoe": s.qoe_mean,
+                    "effective_tps": s.effective_throughput_tps,
+                    "prefix_hit_rate": result.prefix_hit_rate,
+                }
+            )
+            print(f"seed {seed} {label}: {rows[label][-1]}", flush=True)
+    keys = list(next(iter(rows.values()))[0])
+    print("| run | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for label, values in rows.items():
+        cells = [spread([v[k] for v in values]) for k in keys]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sim", action="store_true", help="the simulator's h200-chat instead")
+    parser.add_argument("--seeds", default="0,1,2", help="--sim: workload seeds")
+    parser.add_argument("--host-gib", default="16,64,512", help="--sim: host tier sizes")
     parser.add_argument("--rounds", type=int, default=1, help="A B B A rounds")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=56, help="of the system text (~2k tok)")
     parser.add_argument("--serve-args", default="", help="more `tokenflow serve` options")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     args = parser.parse_args(argv)
+    if args.sim:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        simulate_chat(seeds, [float(x) for x in args.host_gib.split(",")])
+        return
     serve_args = shlex.split(args.serve_args)
     runs = [
         {"caching": caching, **run(caching, serve_args, args.users, args.repeats)}
