@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import count
 
 MAX_PENDING = 16  # expectations kept per block (the soonest): enough to rank a shared prompt
@@ -41,11 +41,10 @@ def expected_return_s(read_done_s: float, expects_next_turn: bool, think_s: floa
     return read_done_s + think_s if expects_next_turn else NOT_EXPECTED
 
 
-class LruRetention:
-    """Cached-free blocks, reused least recently released first."""
+class _CachedFree:
+    """What both orders are as a set: the cached-free blocks (`_free`'s keys)."""
 
-    def __init__(self) -> None:
-        self._free: dict[int, None] = {}  # insertion order = release order
+    _free: Mapping[int, object]
 
     def __len__(self) -> int:
         return len(self._free)
@@ -55,6 +54,13 @@ class LruRetention:
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._free)
+
+
+class LruRetention(_CachedFree):
+    """Cached-free blocks, reused least recently released first."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, None] = {}  # insertion order = release order
 
     def expect(self, block: int, return_s: float) -> None:
         """An owner let go of `block` (ignored: only the release order counts)."""
@@ -77,7 +83,7 @@ class LruRetention:
         return block
 
 
-class ReadingRetention:
+class ReadingRetention(_CachedFree):
     """Cached-free blocks, reused by the readers' expected next use (module docstring)."""
 
     def __init__(self, patience_s: float) -> None:
@@ -88,15 +94,6 @@ class ReadingRetention:
         self._latest: list[tuple[float, int, int]] = []  # (-next use, order, block)
         self._soonest: list[tuple[float, int, int]] = []  # (next use, order, block)
         self._order = count()
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._free
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._free)
 
     def next_use_s(self, block: int, now_s: float) -> float:
         """The soonest expectation of `block` not overdue at `now_s` (overdue ones are
