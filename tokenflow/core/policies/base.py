@@ -112,7 +112,11 @@ class SchedulingView:
         hit = self._hits.get(request.request_id)
         if hit is None:
             kv = self.kv
-            if request.state is RequestState.WAITING and not request.computes_whole_prompt:
+            if (
+                kv.config.prefix_caching
+                and request.state is RequestState.WAITING
+                and not request.computes_whole_prompt
+            ):
                 hashes = request.prompt_block_hashes(kv.block_size)
                 hit = kv.find_prefix(request.prompt_token_ids, hashes)
             else:
@@ -145,6 +149,8 @@ class SchedulingView:
         where residents hold it, and neither does its cached-free part where an earlier waiting
         request's prefix has it too (the first in the queue pays for it)."""
         kv = self.kv
+        if not kv.config.prefix_caching:
+            return 0.0
         if request.state is not RequestState.WAITING:
             rid = request.request_id
             return kv.num_device_blocks_of(rid) - kv.num_charged_device_blocks(rid)
