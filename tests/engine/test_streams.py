@@ -105,3 +105,18 @@ def test_the_engine_keeps_the_class_it_is_given(tiny_model_dir) -> None:
         "reader": Consumption.READER,
     }
     engine.close()
+
+
+def test_the_snapshot_shows_what_readers_ask_whole_against_gamma() -> None:
+    """A reader faster than its slot's share of Gamma counts at most that share in the demand
+    the policy schedules by, but whole in what is asked: an engine slower than its readers shows
+    as overloaded, and the snapshot says how many readers are on the device."""
+    core, clock, _ = make_core("fcfs", num_device_blocks=12, block_size=4, step_s=0.5)
+    for i in range(6):
+        core.add_request(make_request(f"r{i}", num_prompt=8, max_tokens=12, rate=900.0))
+    for _ in range(3):
+        core.step()
+    s = take_snapshot(core.scheduler, clock.now(), 10, "fcfs", None)
+    assert s.asked_tps == 6 * 900.0 > s.capacity_tps
+    assert s.demand_tps < s.asked_tps
+    assert s.num_readers == 6 and 0 < s.num_served_readers <= 6

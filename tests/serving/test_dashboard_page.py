@@ -56,3 +56,4 @@ async def test_metrics_carry_the_capacity_and_demand_of_a_snapshot(client: httpx
     text = (await client.get("/metrics")).text
     assert "tokenflow_capacity_tokens_per_second 100.0" in text
     assert "tokenflow_reading_demand_tokens_per_second 0.0" in text
+    assert "tokenflow_reading_asked_tokens_per_second 0.0" in text

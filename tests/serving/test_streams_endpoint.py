@@ -93,6 +93,8 @@ def test_an_idle_server_answers_every_engine_field(served):
     assert data["object"] == "tokenflow.streams" and data["policy"] == "tokenflow"
     assert isinstance(data["capacity_tps"], float) and data["capacity_tps"] > 0
     assert data["demand_tps"] == 0 and data["streams"] == []
+    assert data["asked_tps"] == 0 and data["is_overloaded"] is False
+    assert data["num_readers"] == data["num_served_readers"] == 0
     kv, stats = engine.engine.scheduler.kv.config, engine.stats()  # (idle: no step changes it)
     assert data["kv"] == {
         "device_used_blocks": 0,

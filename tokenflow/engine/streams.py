@@ -68,6 +68,9 @@ class StreamsSnapshot:
     num_paused: int
     capacity_tps: float  # Gamma: what the engine generates at the feasible batch
     demand_tps: float  # the started streams' reading rates, each at most one share of Gamma
+    asked_tps: float  # every unfinished request's ask, whole (`Capacity.asked_tps`)
+    num_readers: int  # unfinished readers
+    num_served_readers: int  # of them, on the device
     num_device_blocks_used: int
     num_device_blocks: int
     num_host_blocks_used: int
@@ -147,6 +150,9 @@ def take_snapshot(
         num_paused=len(scheduler.preempted),
         capacity_tps=capacity.gamma_tps,
         demand_tps=capacity.demand_tps(started),
+        asked_tps=capacity.asked_tps(requests),
+        num_readers=sum(1 for r in requests if r.is_reader),
+        num_served_readers=sum(1 for r in scheduler.running if r.is_reader),
         num_device_blocks_used=kv.config.num_device_blocks - kv.num_free_device_blocks,
         num_device_blocks=kv.config.num_device_blocks,
         num_host_blocks_used=kv.config.num_host_blocks - kv.num_free_host_blocks,

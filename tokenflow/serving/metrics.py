@@ -192,6 +192,12 @@ class ServingMetrics:
             "Tokens/s the started streams' readers ask, each at most one share of Gamma.",
             self.registry,
         )
+        self._asked = _nan_gauge(
+            "tokenflow_reading_asked_tokens_per_second",
+            "Tokens/s every unfinished request asks, a reader's rate whole (above the capacity "
+            "the engine is overloaded).",
+            self.registry,
+        )
         self.registry.register(EngineStatsCollector(engine))
 
     def observe_ttft(self, seconds: float, stream_class: str) -> None:
@@ -211,10 +217,12 @@ class ServingMetrics:
         for _ in range(num_tokens - 1):
             histogram.observe(0.0)
 
-    def observe_capacity(self, capacity_tps: float, demand_tps: float) -> None:
-        """Record the engine's capacity Gamma and the readers' demand, both tokens/s."""
+    def observe_capacity(self, capacity_tps: float, demand_tps: float, asked_tps: float) -> None:
+        """Record the engine's capacity Gamma, the readers' demand and what every request
+        asks, all tokens/s."""
         self._capacity.set(capacity_tps)
         self._demand.set(demand_tps)
+        self._asked.set(asked_tps)
 
     def count_finished(self, finish_reason: str) -> None:
         """Count a request that ended: an engine finish reason, "abort" or "error"."""

@@ -107,6 +107,10 @@ class StreamsResponse(BaseModel):
     policy: str
     capacity_tps: float | None  # Gamma; None only if the estimate is not a finite number
     demand_tps: float  # the started streams' reading rates, each at most one share of Gamma
+    asked_tps: float  # every unfinished request's ask, a reader's rate whole
+    is_overloaded: bool  # asked_tps above Gamma: some readers cannot be served at their rate
+    num_readers: int  # unfinished readers
+    num_served_readers: int  # of them, on the device
     totals: StreamTotals
     kv: KVBlocks
     prefix_cache: PrefixCacheTotals
@@ -176,6 +180,10 @@ def streams_response(snapshot: StreamsSnapshot) -> StreamsResponse:
         policy=s.policy,
         capacity_tps=finite_or_none(s.capacity_tps),
         demand_tps=s.demand_tps,
+        asked_tps=s.asked_tps,
+        is_overloaded=s.asked_tps > s.capacity_tps,
+        num_readers=s.num_readers,
+        num_served_readers=s.num_served_readers,
         totals=StreamTotals(
             num_unfinished=s.num_waiting + s.num_running + s.num_loading + s.num_paused,
             num_waiting=s.num_waiting,
@@ -256,7 +264,9 @@ class StreamsWatch:
             message = f"the engine did not answer within {SNAPSHOT_TIMEOUT_S:g} s"
             raise ApiError(503, message, type="server_error") from None
         self.num_taken += 1
-        self._metrics.observe_capacity(snapshot.capacity_tps, snapshot.demand_tps)
+        self._metrics.observe_capacity(
+            snapshot.capacity_tps, snapshot.demand_tps, snapshot.asked_tps
+        )
         return snapshot
 
 

@@ -38,6 +38,13 @@ class Capacity:
         cap_tps = self.rate_cap_tps
         return sum(reader_demand_tps(r, cap_tps) for r in requests)
 
+    def asked_tps(self, requests: Iterable[Request]) -> float:
+        """What the requests ask, whole: a reader its stated rate, past its slot's share too
+        (that part no schedule meets: it shows a slow engine), an eager or batch stream one
+        share.  Above Gamma the engine is overloaded, whatever `demand_tps` says."""
+        cap_tps = self.rate_cap_tps
+        return sum(r.rate_tps if r.is_reader else cap_tps for r in requests)
+
 
 def reader_demand_tps(request: Request, rate_cap_tps: float) -> float:
     """Tokens/s a reader asks of the engine: its rate, at most one stream's share of Gamma."""
