@@ -21,7 +21,7 @@ from tokenflow.core.appender import TokenAppender, check_sampled
 from tokenflow.core.chunker import ChunkBuilder
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
-from tokenflow.core.kv_manager import KVConfig, KVTierManager
+from tokenflow.core.kv_manager import KVConfig, KVTierManager, PrefixHit
 from tokenflow.core.migration import StreamState, request_of, stream_state
 from tokenflow.core.plan import (
     BlockCopy,
@@ -254,11 +254,12 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 return
             if request.state is RequestState.WAITING:
-                if self.kv.config.prefix_caching and not request.computes_whole_prompt:
+                hit = self._prefix_hit(request)
+                if hit is not None:
                     promised = self._promised_keys() if promised is None else promised
-                    if self._waits_for_prefix(request, promised):
+                    if self._waits_for_prefix(request, hit, promised):
                         continue
-                state = self._start_fresh(request, load_host=start.by_load)
+                state = self._start_fresh(request, hit, load_host=start.by_load)
                 if state is None:
                     return
                 if promised is not None:
@@ -278,17 +279,25 @@ class Scheduler:
                 state = RequestState.RUNNING
             self.queues.enter_device(request, state)
 
-    def _start_fresh(self, request: Request, load_host: bool) -> RequestState | None:
-        """Device blocks for a never-started request (None: they do not fit), and the state it
-        starts in.  With prefix caching it shares the cached blocks of its prompt's leading
-        full blocks (`Request.num_cached_tokens`), loading the host's beyond the device's when
-        `load_host` (it starts loading), unless it computes its whole prompt
-        (`Request.computes_whole_prompt`)."""
-        kv, rid = self.kv, request.request_id
+    def _prefix_hit(self, request: Request) -> PrefixHit | None:
+        """What the tiers cache of a never-started request's prompt; None without prefix
+        caching or for one that computes its whole prompt (`Request.computes_whole_prompt`)."""
+        kv = self.kv
         if not kv.config.prefix_caching or request.computes_whole_prompt:
-            return RequestState.RUNNING if kv.allocate(rid, request.num_tokens) else None
+            return None
         hashes = request.prompt_block_hashes(kv.block_size)
-        hit = kv.find_prefix(request.prompt_token_ids, hashes)
+        return kv.find_prefix(request.prompt_token_ids, hashes)
+
+    def _start_fresh(
+        self, request: Request, hit: PrefixHit | None, load_host: bool
+    ) -> RequestState | None:
+        """Device blocks for a never-started request (None: they do not fit), and the state it
+        starts in.  With a prefix `hit` it shares the cached blocks of its prompt's leading
+        full blocks (`Request.num_cached_tokens`), loading the host's beyond the device's when
+        `load_host` (it starts loading)."""
+        kv, rid = self.kv, request.request_id
+        if hit is None:
+            return RequestState.RUNNING if kv.allocate(rid, request.num_tokens) else None
         load_host = load_host and hit.num_host_load_blocks > 0
         if not kv.allocate_with_prefix(rid, request.num_tokens, hit, load_host):
             return None
@@ -315,14 +324,13 @@ class Scheduler:
                 promised.update(self._keys_to_compute(request))
         return promised
 
-    def _waits_for_prefix(self, request: Request, promised: set[int]) -> bool:
-        """Whether a waiting request's first block past its cached prefix is one a resident is
-        computing: it starts once that is cached, computing only what follows."""
+    def _waits_for_prefix(self, request: Request, hit: PrefixHit, promised: set[int]) -> bool:
+        """Whether a waiting request's first block past its cached prefix (`hit`) is one a
+        resident is computing: it starts once that is cached, computing only what follows."""
         if not promised:
             return False
         bs = self.kv.block_size
         hashes = request.prompt_block_hashes(bs)
-        hit = self.kv.find_prefix(request.prompt_token_ids, hashes)
         index = len(hit.block_hashes)
         return index < (request.num_prompt_tokens - 1) // bs and hashes[index] in promised
 
