@@ -66,8 +66,8 @@ def test_gamma_is_measured_at_the_batch_the_device_holds_at_the_mean_lifetime_fo
     assert capacity.batch == max(1, int(24 / beta))
     expected = view.estimator.capacity_tps(capacity.batch, beta * 4)
     assert capacity.gamma_tps == expected
-    assert capacity.demand_tps([r1, r2]) == min(2.0, capacity.rate_cap_tps) + min(
-        15.0, capacity.rate_cap_tps
+    assert capacity.demand_tps([r1, r2]) == min(2.0, capacity.solo_tps) + min(
+        15.0, capacity.solo_tps
     )
 
 

@@ -49,7 +49,7 @@ def test_preempted_stream_resumes_by_load_before_its_buffer_runs_dry():
         consume = t if consume is None else max(t, consume + 1 / r1.rate_tps)
 
 
-def test_over_capacity_the_decision_degrades_admits_nobody_and_balances_by_arrival(
+def test_over_capacity_the_decision_admits_nobody_and_serves_the_earliest_readers_it_can_feed(
     monkeypatch,
 ):
     core, clock, (r1, r2, r3) = three_streams()
@@ -62,14 +62,20 @@ def test_over_capacity_the_decision_degrades_admits_nobody_and_balances_by_arriv
 
     monkeypatch.setattr(tokenflow_policy, "select", spy)
     policy = TokenFlowPolicy(TokenFlowConfig())
-    assert [s.request_id for s in policy.decide(view).starts] == ["R3"]
+    decision = policy.decide(view)
+    assert [s.request_id for s in decision.starts] == ["R3"]
     assert policy.num_degraded_decisions == 0 and orders == [False]
-    for r in (r1, r2):  # readers far faster than the engine
+    assert not decision.is_overloaded and not decision.unserved
+    for r in (r1, r2):  # readers far faster than the engine: each alone takes all of it
         r.rate_tps = 1e4
     fresh = TokenFlowPolicy(TokenFlowConfig())
     fresh._capacity_floor = TrustAll()  # even where the trusted Gamma would leave room
-    assert all(s.request_id != "R3" for s in fresh.decide(view).starts)
-    assert fresh.num_degraded_decisions == 1 and orders == [False, True]
+    decision = fresh.decide(view)
+    assert all(s.request_id != "R3" for s in decision.starts)
+    assert fresh.num_degraded_decisions == 1 and decision.is_overloaded
+    assert decision.unserved == {r2.request_id}  # the earlier arrival is served, whole
+    assert [p.request_id for p in decision.preemptions] == [r2.request_id]
+    assert orders == [False, False]  # within the served set, by utility as ever
 
 
 class TrustAll:
@@ -231,7 +237,7 @@ def test_an_eager_or_batch_stream_is_never_paused_for_its_buffer(consumption):
 def test_an_eager_reader_asks_one_streams_share_of_gamma():
     core, clock, (r1, r2, r3) = three_streams(consumption=Consumption.EAGER)
     capacity = measure_capacity(core.scheduler.view(clock.t))
-    assert capacity.demand_tps([r1]) == capacity.rate_cap_tps < math.inf
+    assert capacity.demand_tps([r1]) == capacity.share_tps < math.inf
 
 
 def test_an_arrival_after_the_queue_drained_is_not_held_by_the_last_prefill_pace():

@@ -8,6 +8,8 @@ import math
 import pytest
 
 from tests.core.helpers import make_core, make_request
+from tokenflow.core.policies.base import Policy
+from tokenflow.core.policies.capacity import measure_capacity
 from tokenflow.core.request import MIN_READER_RATE_TPS, Consumption, SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
@@ -32,15 +34,16 @@ def test_a_stream_state_for_a_reader_and_an_eager_request() -> None:
     reader = make_request("reader", rate=4.0, arrival=0.5)
     for i, t in enumerate((1.0, 1.0, 1.0, 1.0)):
         reader.append_token(100 + i, t)
-    state = stream_state(reader, now_s=1.5)
+    state = stream_state(reader, now_s=1.5, policy=Policy())
     assert state.state == "waiting" and state.ttft_s == pytest.approx(0.5)
+    assert state.wait_reason == "queued"
     assert state.num_output_tokens == 4
     # Tokens at c = 1.0, 1.25, 1.5, 1.75: at 1.5 the first three are read, 0.25 s buffered.
     assert state.buffered_s == pytest.approx(0.25) and state.num_consumed_tokens == 3
     assert state.stalled_s == pytest.approx(0.0)
     eager = make_request("eager", consumption=Consumption.EAGER)
     eager.append_token(100, 1.0)
-    state = stream_state(eager, now_s=2.0)
+    state = stream_state(eager, now_s=2.0, policy=Policy())
     assert math.isinf(state.rate_tps) and state.buffered_s is None and state.stalled_s is None
     assert state.num_consumed_tokens == 1
 
@@ -49,7 +52,7 @@ def test_the_slowest_reader_allowed_has_a_finite_stream_state() -> None:
     # 1e-309 tokens/s once passed validation and made the snapshot raise for everyone
     reader = make_request("slow", rate=MIN_READER_RATE_TPS)
     reader.append_token(100, 1.0)
-    state = stream_state(reader, now_s=2.0)
+    state = stream_state(reader, now_s=2.0, policy=Policy())
     assert state.num_consumed_tokens == 1 and math.isfinite(state.buffered_s)
 
 
@@ -107,16 +110,18 @@ def test_the_engine_keeps_the_class_it_is_given(tiny_model_dir) -> None:
     engine.close()
 
 
-def test_the_snapshot_shows_what_readers_ask_whole_against_gamma() -> None:
-    """A reader faster than its slot's share of Gamma counts at most that share in the demand
-    the policy schedules by, but whole in what is asked: an engine slower than its readers shows
-    as overloaded, and the snapshot says how many readers are on the device."""
+def test_the_snapshot_shows_what_every_reader_asks_against_gamma() -> None:
+    """Each reader counts its rate whole, up to what the engine gives one stream alone (past
+    that it stalls whatever the schedule): six readers far faster than the engine ask six solo
+    streams' worth, above Gamma, so the engine shows as overloaded; and the snapshot says how
+    many readers are on the device."""
     core, clock, _ = make_core("fcfs", num_device_blocks=12, block_size=4, step_s=0.5)
     for i in range(6):
         core.add_request(make_request(f"r{i}", num_prompt=8, max_tokens=12, rate=900.0))
     for _ in range(3):
         core.step()
     s = take_snapshot(core.scheduler, clock.now(), 10, "fcfs", None)
-    assert s.asked_tps == 6 * 900.0 > s.capacity_tps
-    assert s.demand_tps < s.asked_tps
+    solo_tps = measure_capacity(core.scheduler.view(clock.now())).solo_tps
+    assert s.asked_tps == pytest.approx(6 * solo_tps) and s.asked_tps > s.capacity_tps
+    assert s.demand_tps < s.asked_tps  # (the started ones only)
     assert s.num_readers == 6 and 0 < s.num_served_readers <= 6

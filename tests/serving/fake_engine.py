@@ -274,6 +274,7 @@ def _fake_stream(request_id: str) -> StreamState:
         stalled_s=None,
         age_s=0.0,
         num_preemptions=0,
+        wait_reason=None,
     )
 
 

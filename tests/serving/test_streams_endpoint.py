@@ -31,6 +31,7 @@ STREAM_FIELDS = {
     "stream_class": str,
     "state": str,
     "kv_on_host": bool,
+    "wait_reason": (str, type(None)),
     "num_output_tokens": int,
     "num_consumed_tokens": int,
     "slack_s": float,

@@ -216,7 +216,7 @@ def _must_leave(source: ReplicaLoad, movable: Movable) -> bool:
     full batch gets: a floor, since a draining replica takes no new request).  The others
     finish where they are: a move would cost their target a recompute for nothing."""
     report = source.report
-    rate_tps = report.capacity_at(_mean_blocks(report)).rate_cap_tps
+    rate_tps = report.capacity_at(_mean_blocks(report)).share_tps
     return movable.num_left_tokens > rate_tps * (source.drain_left_s or 0.0)
 
 
@@ -232,7 +232,7 @@ def _shed(
     started in a whole period (its policy has no room for them there)."""
     report = source.report
     load = project(report, source.routed_since).load
-    cap_tps = report.capacity_at(_mean_blocks(report)).rate_cap_tps
+    point = report.capacity_at(_mean_blocks(report))
     offered = [
         m for m in source.movable if m.kind is not StreamKind.RUNNING and mode.allows(m.kind)
     ]
@@ -244,7 +244,7 @@ def _shed(
         move = _place(source, movable, targets, move_latency_s)
         if move is not None:
             moves.append(move)
-            load -= min(movable.route.rate_tps, cap_tps) / report.gamma_tps
+            load -= point.demand_tps(movable.route.rate_tps) / report.gamma_tps
     return moves
 
 

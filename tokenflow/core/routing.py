@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from tokenflow.core.policies.base import SchedulingView
-from tokenflow.core.policies.capacity import measure_capacity
+from tokenflow.core.policies.capacity import measure_capacity, request_demand_tps
 from tokenflow.core.policies.pricing import lifetime_blocks
 from tokenflow.core.request import Consumption, Request, is_reader_rate, reader_rate_error
 
@@ -82,11 +82,16 @@ class CapacityPoint:
     beta_blocks: float
     gamma_tps: float
     batch: int  # the feasible batch at that footprint
+    solo_tps: float = math.inf  # one stream alone (`Capacity.solo_tps`; inf: no cap)
 
     @property
-    def rate_cap_tps(self) -> float:
-        """One stream's share of Gamma: the most a single reader's rate counts for."""
+    def share_tps(self) -> float:
+        """One stream's share of Gamma (`Capacity.share_tps`)."""
         return self.gamma_tps / self.batch
+
+    def demand_tps(self, rate_tps: float) -> float:
+        """What a request of `rate_tps` asks at this footprint (`request_demand_tps`)."""
+        return request_demand_tps(rate_tps, self.share_tps, self.solo_tps)
 
 
 @dataclass(frozen=True)
@@ -142,7 +147,8 @@ class LoadReport:
                 )
                 gamma = low.gamma_tps + share * (high.gamma_tps - low.gamma_tps)
                 batch = low.batch + share * (high.batch - low.batch)
-                return CapacityPoint(beta_blocks, gamma, max(round(batch), 1))
+                solo = low.solo_tps + share * (high.solo_tps - low.solo_tps)
+                return CapacityPoint(beta_blocks, gamma, max(round(batch), 1), solo)
         return points[-1]
 
 
@@ -177,7 +183,7 @@ def _capacity_points(view: SchedulingView) -> tuple[CapacityPoint, ...]:
     beta = 1.0
     while True:
         capacity = measure_capacity(view, beta)
-        points.append(CapacityPoint(beta, capacity.gamma_tps, capacity.batch))
+        points.append(CapacityPoint(beta, capacity.gamma_tps, capacity.batch, capacity.solo_tps))
         if beta >= view.kv.config.num_device_blocks:
             return tuple(points)
         beta *= _LADDER_STEP
@@ -303,9 +309,8 @@ def project(report: LoadReport, joining: Sequence[RouteRequest]) -> Projection:
         r.num_choices * _blocks(r.lifetime_tokens, block_size) for r in joining
     )
     point = report.capacity_at(blocks / num_requests if num_requests else 1.0)
-    cap_tps = point.rate_cap_tps
     demand_tps = report.working_demand_tps + report.waiting_demand_tps
-    demand_tps += sum(r.num_choices * min(r.rate_tps, cap_tps) for r in joining)
+    demand_tps += sum(r.num_choices * point.demand_tps(r.rate_tps) for r in joining)
     needed = sum(r.num_choices * _blocks(r.end_tokens, block_size) for r in joining)
     spare = report.num_free_device_blocks + report.num_free_host_blocks - needed
     return Projection(load=demand_tps / point.gamma_tps, num_spare_blocks=spare)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, replace
 
+from tokenflow.core.policies.base import Policy
 from tokenflow.core.policies.capacity import measure_capacity
 from tokenflow.core.request import Consumption, Request, RequestState
 from tokenflow.core.scheduler import Scheduler
@@ -41,6 +42,7 @@ class StreamState:
     stalled_s: float | None  # the reader's stalls so far, the current one included
     age_s: float  # since the engine received it
     num_preemptions: int
+    wait_reason: str | None  # why it is off the device (`WaitReason`); None while on it
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,8 @@ class StreamsSnapshot:
     num_loading: int
     num_paused: int
     capacity_tps: float  # Gamma: what the engine generates at the feasible batch
-    demand_tps: float  # the started streams' reading rates, each at most one share of Gamma
-    asked_tps: float  # every unfinished request's ask, whole (`Capacity.asked_tps`)
+    demand_tps: float  # the started streams' demand (`Capacity.demand_tps`)
+    asked_tps: float  # every unfinished request's demand (`Capacity.demand_tps`)
     num_readers: int  # unfinished readers
     num_served_readers: int  # of them, on the device
     num_device_blocks_used: int
@@ -108,9 +110,11 @@ def stalled_s(request: Request, now_s: float) -> float:
     return max(past_s, 0.0) + max(now_s - request.dry_s, 0.0)
 
 
-def stream_state(request: Request, now_s: float) -> StreamState:
-    """What the endpoint tells of one unfinished request at `now_s`."""
+def stream_state(request: Request, now_s: float, policy: Policy) -> StreamState:
+    """What the endpoint tells of one unfinished request at `now_s` (why it waits: `policy`'s
+    reason)."""
     is_reader = request.is_reader
+    reason = policy.wait_reason(request)
     has_token = bool(request.output_token_ids)
     num_output = request.num_output_tokens
     return StreamState(
@@ -127,6 +131,7 @@ def stream_state(request: Request, now_s: float) -> StreamState:
         stalled_s=stalled_s(request, now_s) if is_reader and has_token else None,
         age_s=max(now_s - request.arrival_s, 0.0),
         num_preemptions=request.num_preemptions,
+        wait_reason=None if reason is None else reason.value,
     )
 
 
@@ -143,14 +148,14 @@ def take_snapshot(
     return StreamsSnapshot(
         taken_s=now_s,
         policy=policy,
-        streams=tuple(stream_state(r, now_s) for r in urgent),
+        streams=tuple(stream_state(r, now_s, scheduler.policy) for r in urgent),
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running) - num_loading,
         num_loading=num_loading,
         num_paused=len(scheduler.preempted),
         capacity_tps=capacity.gamma_tps,
         demand_tps=capacity.demand_tps(started),
-        asked_tps=capacity.asked_tps(requests),
+        asked_tps=capacity.demand_tps(requests),
         num_readers=sum(1 for r in requests if r.is_reader),
         num_served_readers=sum(1 for r in scheduler.running if r.is_reader),
         num_device_blocks_used=kv.config.num_device_blocks - kv.num_free_device_blocks,

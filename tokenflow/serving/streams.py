@@ -56,6 +56,9 @@ class StreamInfo(BaseModel):
     rate_tps: float | None  # None: eager or batch (reads each token at once)
     state: StreamStateName
     kv_on_host: bool  # paused with its KV in the host tier (resumes by a load)
+    # Why it is off the device: queued (admission holds it), buffered (paused while its reader
+    # reads its buffer), overload (left out of the served set), memory; None while on it.
+    wait_reason: Literal["queued", "buffered", "overload", "memory"] | None
     num_output_tokens: int
     num_consumed_tokens: int  # by the reader model
     buffer_s: float | None  # seconds of reading buffered; None unless a reader
@@ -152,6 +155,7 @@ def stream_info(stream: StreamState) -> StreamInfo:
         rate_tps=finite_or_none(stream.rate_tps),
         state=stream.state,  # type: ignore[arg-type]  (a value of engine.streams.STATE_NAMES)
         kv_on_host=stream.is_kv_on_host,
+        wait_reason=stream.wait_reason,  # type: ignore[arg-type]  (a value of WaitReason)
         num_output_tokens=stream.num_output_tokens,
         num_consumed_tokens=stream.num_consumed_tokens,
         buffer_s=finite_or_none(stream.buffered_s),

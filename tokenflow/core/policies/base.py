@@ -7,6 +7,7 @@ that does not fit.  Mechanism (block allocation, copies, OOM handling) lives in 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -198,6 +199,15 @@ class SchedulingView:
         return self.kv.blocks_for(int(remaining * self.new_token_ratio))
 
 
+class WaitReason(enum.Enum):
+    """Why an unfinished request is off the device (`Policy.wait_reason`)."""
+
+    QUEUED = "queued"  # not started: admission holds it (memory, reading rate, prefill budget)
+    BUFFERED = "buffered"  # paused while its reader reads its buffer; back before it runs dry
+    OVERLOAD = "overload"  # left out of the served set while the engine is overloaded
+    MEMORY = "memory"  # paused because decoding found no free device block
+
+
 class Policy:
     """Base policy: FCFS admission with a conservative memory reserve, no write-through."""
 
@@ -207,6 +217,14 @@ class Policy:
     def plan_moves(self, view: SchedulingView) -> Moves:
         """Decide this step's preemptions and starts."""
         return Moves(starts=tuple(fcfs_starts(view)))
+
+    def wait_reason(self, request: Request) -> WaitReason | None:
+        """Why `request` is off the device now; None while it is on it (running, loading)."""
+        if request.state is RequestState.WAITING:
+            return WaitReason.QUEUED
+        if request.state is RequestState.PREEMPTED:
+            return WaitReason.MEMORY
+        return None
 
     def init_new_token_ratio(self, config: SchedulerConfig) -> float:
         """Where the admission reserve's new-token ratio starts, and returns to after an

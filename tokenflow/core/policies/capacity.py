@@ -3,52 +3,65 @@ the working set's readers ask more than that.
 
 Gamma is the engine's generation rate (tokens/s) at the feasible batch: as many streams as the
 device tier holds at the members' mean lifetime footprint beta (capped by max_num_seqs), each
-at that footprint's context.  The working set is schedulable while the sum of its readers'
-rates stays within Gamma; each reader counts at most one stream's share of Gamma (a reader
-faster than the engine can serve it cannot take more than its slot).
+at that footprint's context.  The working set is schedulable while the sum of its requests'
+demands stays within Gamma (`request_demand_tps`):
+
+- a reader asks its rate whole: a reader faster than its slot's share of Gamma is demand no
+  schedule at that batch meets, and counting it as only its share would hide a slow engine (20
+  readers of 2-4 tok/s on an engine making 25 tok/s at a batch of 32 looked schedulable at
+  0.8 tok/s each); at most what the engine gives one stream alone (`Capacity.solo_tps`): a
+  reader faster than that stalls whatever the schedule, as an eager client waits;
+- an eager or batch stream (an infinite rate) asks one stream's share of Gamma: it takes its
+  slot and no more.
+
+Gamma is trusted only as far as steps were measured (`trusted_batch`): until the estimator has
+timed decode steps of a batch, the feasible batch counts as at most twice the largest batch it
+has timed (Gamma at one stream before any step).  Admission spends Gamma, so the first burst on
+a fresh engine joins in steps as measured step times arrive, not wholesale on the prior's guess
+of the machine's speed at a full batch.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
+from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.pricing import lifetime_blocks
 from tokenflow.core.request import Request
 
+SLOW_START_FACTOR = 2  # Gamma trusted up to this many times the largest batch timed
+
 
 @dataclass(frozen=True)
 class Capacity:
-    """Gamma and the batch it is measured at."""
+    """Gamma, the batch it is measured at, and what one stream alone gets."""
 
     gamma_tps: float  # tokens/s the engine generates at the feasible batch
-    batch: int  # the feasible batch: streams the device tier holds at beta
+    batch: int  # the feasible batch: streams the device tier holds at beta (`trusted_batch`)
     beta_blocks: float  # the members' mean lifetime footprint
+    solo_tps: float  # tokens/s of one stream decoding alone at beta's context
 
     @property
-    def rate_cap_tps(self) -> float:
-        """One stream's share of Gamma: the most a single reader's rate counts for."""
+    def share_tps(self) -> float:
+        """One stream's share of Gamma: what an eager or batch stream asks."""
         return self.gamma_tps / self.batch
 
     def demand_tps(self, requests: Iterable[Request]) -> float:
-        """The readers' demands, summed."""
-        cap_tps = self.rate_cap_tps
-        return sum(reader_demand_tps(r, cap_tps) for r in requests)
-
-    def asked_tps(self, requests: Iterable[Request]) -> float:
-        """What the requests ask, whole: a reader its stated rate, past its slot's share too
-        (that part no schedule meets: it shows a slow engine), an eager or batch stream one
-        share.  Above Gamma the engine is overloaded, whatever `demand_tps` says."""
-        cap_tps = self.rate_cap_tps
-        return sum(r.rate_tps if r.is_reader else cap_tps for r in requests)
+        """The requests' demands (`request_demand_tps`), summed."""
+        share_tps, solo_tps = self.share_tps, self.solo_tps
+        return sum(request_demand_tps(r.rate_tps, share_tps, solo_tps) for r in requests)
 
 
-def reader_demand_tps(request: Request, rate_cap_tps: float) -> float:
-    """Tokens/s a reader asks of the engine: its rate, at most one stream's share of Gamma."""
-    return min(request.rate_tps, rate_cap_tps)
+def request_demand_tps(rate_tps: float, share_tps: float, solo_tps: float) -> float:
+    """Tokens/s a request of `rate_tps` asks of the engine (module docstring): a reader its
+    rate, at most `solo_tps`; an eager or batch request (infinite rate) `share_tps`."""
+    return share_tps if math.isinf(rate_tps) else min(rate_tps, solo_tps)
 
 
 def mean_lifetime_blocks(view: SchedulingView) -> float:
@@ -66,9 +79,41 @@ def measure_capacity(view: SchedulingView, beta: float | None = None) -> Capacit
     """Gamma at the feasible batch (module docstring); at footprint `beta` blocks if given."""
     beta = mean_lifetime_blocks(view) if beta is None else beta
     fit = int(view.kv.config.num_device_blocks / beta)
-    batch = max(1, min(view.config.max_num_seqs, fit))
-    gamma = view.estimator.capacity_tps(batch, beta * view.kv.block_size)
-    return Capacity(gamma, batch, beta)
+    estimator, context = view.estimator, beta * view.kv.block_size
+    batch = trusted_batch(estimator, max(1, min(view.config.max_num_seqs, fit)))
+    gamma = estimator.capacity_tps(batch, context)
+    return Capacity(gamma, batch, beta, solo_tps=estimator.capacity_tps(1, context))
+
+
+def trusted_batch(estimator: StepTimeEstimator, batch: int) -> int:
+    """`batch`, at most `SLOW_START_FACTOR` x the largest decode batch the estimator has timed
+    (1 before any): beyond that Gamma is the prior's guess, not a measurement."""
+    return max(1, min(batch, SLOW_START_FACTOR * estimator.max_timed_batch))
+
+
+def served_set(
+    view: SchedulingView, capacity: Capacity, requests: Sequence[Request]
+) -> list[Request]:
+    """Of `requests`, in the order given, each that still lets every one taken keep reading:
+    the smallest batch up to the feasible one that generates their demands' sum (it gives each
+    stream the most) still gives one stream the largest demand.  The first is always taken
+    (its demand is at most what one stream alone gets); a request that does not fit is passed
+    over, not the ones after it.  O(log batch) a request: Gamma grows with the batch."""
+    context = capacity.beta_blocks * view.kv.block_size
+    steps_s = [view.estimator.decode_time_s(b, context) for b in range(1, capacity.batch + 1)]
+    rates_tps = list(accumulate((b / s for b, s in enumerate(steps_s, 1)), max))
+    share_tps, solo_tps = capacity.share_tps, capacity.solo_tps
+    served: list[Request] = []
+    total_tps = fastest_tps = 0.0
+    for request in requests:
+        demand_tps = request_demand_tps(request.rate_tps, share_tps, solo_tps)
+        total, fastest = total_tps + demand_tps, max(fastest_tps, demand_tps)
+        index = bisect_left(rates_tps, total)  # (the smallest batch, less one, generating it)
+        fits = index < len(steps_s) and 1.0 / steps_s[index] >= fastest
+        if fits or not served:
+            served.append(request)
+            total_tps, fastest_tps = total, fastest
+    return served
 
 
 def paced_batch(view: SchedulingView, requests: Iterable[Request], demand_tps: float) -> int:

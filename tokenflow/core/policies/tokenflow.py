@@ -33,8 +33,9 @@ Write-through copies go largest buffer first (section 5: the likeliest paused is
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
@@ -53,6 +54,7 @@ from tokenflow.core.policies.base import (
     Preemption,
     SchedulingView,
     Start,
+    WaitReason,
     fcfs_starts,
 )
 from tokenflow.core.policies.capacity import (
@@ -60,7 +62,8 @@ from tokenflow.core.policies.capacity import (
     CapacityFloor,
     measure_capacity,
     paced_batch,
-    reader_demand_tps,
+    request_demand_tps,
+    served_set,
 )
 from tokenflow.core.policies.pricing import (
     Member,
@@ -75,6 +78,8 @@ from tokenflow.core.policies.resume import resume_start
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _OFF_DEVICE = (RequestState.WAITING, RequestState.PREEMPTED)
+logger = logging.getLogger(__name__)
+_OVERLOAD_OVER = 0.9  # overload is logged as over once demand is this share of Gamma or less
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,12 @@ class Decision:
     starts: tuple[Start, ...] = ()
     start_requests: Mapping[str, Request] = field(default_factory=dict)
     spare_rate_tps: float = 0.0  # reading rate waiting requests may still add
-    rate_cap_tps: float = math.inf  # the most one reader's rate counts for
+    share_tps: float = math.inf  # what an eager or batch request asks (`Capacity.share_tps`)
+    solo_tps: float = math.inf  # the most a reader's rate counts for (`Capacity.solo_tps`)
     max_batch: int = 1 << 30  # the most streams on the device (`capacity.paced_batch`)
     prefill_budget_s: float = 0.0  # prefill time newcomers may still take this interval
+    is_overloaded: bool = False  # the started streams ask more than Gamma
+    unserved: frozenset[str] = frozenset()  # started streams left out of the served set
 
     @property
     def moves(self) -> Moves:
@@ -98,8 +106,8 @@ class Decision:
         return Moves(preemptions=self.preemptions, starts=self.starts)
 
     def demand_tps(self, request: Request) -> float:
-        """What `request`'s reader asks of the engine, capped as the decision measured."""
-        return reader_demand_tps(request, self.rate_cap_tps)
+        """What `request` asks of the engine, as the decision measured."""
+        return request_demand_tps(request.rate_tps, self.share_tps, self.solo_tps)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class TokenFlowPolicy(Policy):
         self._capacity_floor = CapacityFloor(config.capacity_window_s)  # recent Gammas
         self.num_decisions = 0
         self.num_degraded_decisions = 0
+        self.is_overloaded = False  # as last logged (`_note_overload`)
 
     def init_new_token_ratio(self, config: SchedulerConfig) -> float:
         """A smaller reserve than SGLang's (`TokenFlowConfig.init_new_token_ratio`): a
@@ -180,21 +189,29 @@ class TokenFlowPolicy(Policy):
         growth = self.growth_tokens(view)
         prices = Prices.at(self.config, view)
         started_requests = (*view.running, *view.preempted)
-        started = [member(cfg, view, r, growth, prices) for r in started_requests]
         capacity = measure_capacity(view)
         demand_tps = capacity.demand_tps(started_requests)
         degraded = demand_tps > capacity.gamma_tps
         self.num_degraded_decisions += int(degraded)
+        served = self._served(view, capacity, started_requests, demand_tps)
+        self._note_overload(demand_tps, capacity.gamma_tps, len(served), started_requests)
+        started = [member(cfg, view, r, growth, prices) for r in started_requests]
         admitted = self._admission(view, last, capacity, demand_tps, degraded, started)
         newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
         hold_s = prefill_hold_s(view, sum(map(view.start_tokens, admitted.requests)))
-        kept = [m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf) for m in started]
-        max_batch = paced_batch(view, started_requests, demand_tps)
+        kept = [
+            m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf)
+            for m in started
+            if m.request.request_id in served or (m.is_pinned and not m.request.is_decoding)
+        ]  # (an unserved stream is paused however short its buffer; one mid-prefill stays)
+        served_requests = [m.request for m in kept]
+        served_ids = [r.request_id for r in served_requests]  # (pinned unserved ones stay)
+        max_batch = paced_batch(view, served_requests, capacity.demand_tps(served_requests))
         selected = select(
             [*kept, *newcomers],
             view.kv.config.num_device_blocks,
             max_batch,
-            by_arrival=degraded,
+            by_arrival=degraded and len(served) == len(started_requests),
             resume_budget_s=cfg.schedule_interval_s,
         )
         chosen = {m.request.request_id for m in selected}
@@ -207,10 +224,50 @@ class TokenFlowPolicy(Policy):
             starts=tuple(resume_start(view, r, queued) for r in resumed),
             start_requests={r.request_id: r for r in resumed},
             spare_rate_tps=admitted.spare_rate_tps,
-            rate_cap_tps=capacity.rate_cap_tps,
+            share_tps=capacity.share_tps,
+            solo_tps=capacity.solo_tps,
             max_batch=max_batch,
             prefill_budget_s=admitted.prefill_budget_s,
+            is_overloaded=degraded,
+            unserved=frozenset(r.request_id for r in started_requests) - set(served_ids),
         )
+
+    def _note_overload(
+        self, demand_tps: float, gamma_tps: float, num_served: int, started: Sequence[Request]
+    ) -> None:
+        """One log line as the engine enters overload (its started streams ask more than
+        Gamma), one as it leaves it: once they ask at most `_OVERLOAD_OVER` of Gamma, so a
+        demand hovering at Gamma logs once, not every decision."""
+        if not self.is_overloaded and demand_tps > gamma_tps:
+            self.is_overloaded = True
+            num_readers = sum(1 for r in started if r.is_reader)
+            logger.warning(
+                "overloaded: streams ask %.1f tok/s of the %.1f the engine makes; serving %d of "
+                "%d started streams (%d readers), the rest wait",
+                demand_tps, gamma_tps, num_served, len(started), num_readers,
+            )  # fmt: skip
+        elif self.is_overloaded and demand_tps <= _OVERLOAD_OVER * gamma_tps:
+            self.is_overloaded = False
+            logger.info(
+                "overload over: streams ask %.1f tok/s of the %.1f the engine makes",
+                demand_tps, gamma_tps,
+            )  # fmt: skip
+
+    def _served(
+        self,
+        view: SchedulingView,
+        capacity: Capacity,
+        started: Sequence[Request],
+        demand_tps: float,
+    ) -> frozenset[str]:
+        """The started streams the decision serves: all of them while their demand fits
+        `queue_headroom` x Gamma (at most Gamma by default); past it, the served set
+        (`capacity.served_set`) in arrival order, so the readers served keep reading and the
+        stalls fall on the fewest, the latest arrivals, not on all."""
+        if demand_tps <= max(self.config.queue_headroom, 1.0) * capacity.gamma_tps:
+            return frozenset(r.request_id for r in started)
+        in_order = sorted(started, key=lambda r: r.sort_key)
+        return frozenset(r.request_id for r in served_set(view, capacity, in_order))
 
     def growth_tokens(self, view: SchedulingView) -> int:
         """Tokens a running stream gains in one interval at the current step time."""
@@ -230,10 +287,10 @@ class TokenFlowPolicy(Policy):
     ) -> _Admitted:
         """The waiting requests admitted, and the budgets left for starts between decisions."""
         trusted_tps = self._capacity_floor.observe(view.now_s, capacity.gamma_tps)
-        cap_tps = capacity.rate_cap_tps
+        share_tps, solo_tps = capacity.share_tps, capacity.solo_tps
 
         def demand_of(request: Request) -> float:
-            return reader_demand_tps(request, cap_tps)
+            return request_demand_tps(request.rate_tps, share_tps, solo_tps)
 
         queue_fits = self._queue_fits(view, trusted_tps, demand_tps, demand_of)
         if degraded and not queue_fits:
@@ -287,8 +344,10 @@ class TokenFlowPolicy(Policy):
         last = replace(last, starts=(), start_requests={})
         if view.kv.num_free_device_blocks == 0:
             return last, []
-        # (a paused stream gains no tokens: by when its reader runs dry is by slack)
-        preempted = sorted(view.preempted, key=lambda r: (r.dry_s, r.sort_key))
+        # (a paused stream gains no tokens: by when its reader runs dry is by slack; one the
+        # decision left out of its served set waits for the next decision)
+        served = [r for r in view.preempted if r.request_id not in last.unserved]
+        preempted = sorted(served, key=lambda r: (r.dry_s, r.sort_key))
         has_other_work = bool(view.running or preempted)
         waiting = waiting_within_budget(
             view,
@@ -310,6 +369,19 @@ class TokenFlowPolicy(Policy):
         return last, starts
 
     # -- mechanism hooks -------------------------------------------------------------------------
+    def wait_reason(self, request: Request) -> WaitReason | None:
+        """Off the device while the last decision found the engine overloaded: a waiting
+        request, or a paused stream it left out of its served set, waits for the overload
+        (`WaitReason.OVERLOAD`); otherwise a paused stream reads its buffer and a waiting one
+        waits for admission."""
+        last, state = self.last_decision, request.state
+        if state is RequestState.WAITING:
+            return WaitReason.OVERLOAD if last.is_overloaded else WaitReason.QUEUED
+        if state is RequestState.PREEMPTED:
+            is_unserved = request.request_id in last.unserved
+            return WaitReason.OVERLOAD if is_unserved else WaitReason.BUFFERED
+        return None
+
     def choose_oom_victim(self, candidates: list[Request], view: SchedulingView) -> Preemption:
         """Offload the pausable stream with the most reading buffered; else the decoding one
         with the most (its KV goes to the host, or is dropped when the host has no room: a
