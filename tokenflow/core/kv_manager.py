@@ -8,19 +8,9 @@ cache behind the device: full blocks of running requests are copied as the write
 so an eviction only has to copy the unsynced tail, and frees the synced blocks at once.
 
 With `KVConfig.prefix_caching` on, both tiers share blocks between requests whose tokens begin
-alike (prefix_cache.py), and keep the blocks no request holds until their memory is needed, in
-the order of `KVConfig.prefix_retention` (retention.py):
-- the device: a request starting fresh takes the cached blocks of its prompt's leading full
-  blocks (`find_prefix`, `allocate_with_prefix`); its computed full blocks are cached as they
-  fill (`cache_full_blocks`);
-- the host: a full block written through or evicted is cached under the same key once its copy
-  is done (`end_step`), and a block whose key the host holds already is shared, not copied.  A
-  finished stream's blocks stay there, cached-free; a device block reused for other KV leaves
-  its host copy.  A request starting fresh shares the host's run of its leading blocks as its
-  host table, and may load the part the device lacks instead of computing it.
-The host's run is looked up from block 0, as the device's: write-through copies a stream's
-blocks in order and both retentions give a prefix's tail up before its head, so a prefix cached
-in the host tier is (almost always) whole from its first block.
+alike and keep the blocks no request holds until their memory is needed: the lookup of a
+prompt's cached runs, a start from them and the keys of each request's blocks are
+prefix_tiers.py; each tier's free blocks, plain and cached-free, are block_pool.py.
 
 Invariants (`check_integrity`): per tier free + owned == total; no block owned twice (without
 prefix caching) or a block's reference count equals its owners (with it); no block both free and
@@ -33,9 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
+from tokenflow.core.block_pool import BlockPool
 from tokenflow.core.plan import BlockCopy, CopyKind
-from tokenflow.core.prefix_cache import RETENTIONS, PrefixCache, extend_chain
+from tokenflow.core.prefix_cache import RETENTIONS, PrefixCache
+from tokenflow.core.prefix_tiers import PrefixHit, PrefixTiers
 from tokenflow.core.retention import NOT_EXPECTED, make_retention
+
+__all__ = ["EvictionPlan", "KVConfig", "KVTierManager", "PrefixHit"]
 
 
 @dataclass(frozen=True)
@@ -75,32 +69,6 @@ class KVConfig:
 
 
 @dataclass(frozen=True)
-class PrefixHit:
-    """The leading full blocks of a prompt whose KV the tiers cache, each run from block 0."""
-
-    block_hashes: tuple[int, ...]  # the keys of the longer run's blocks, in order
-    device_block_ids: tuple[int, ...]  # cached on the device
-    host_block_ids: tuple[int, ...]  # cached in the host tier
-    block_size: int
-
-    @property
-    def num_device_tokens(self) -> int:
-        """Leading tokens whose KV the device holds (shared at a start: no compute, no copy)."""
-        return len(self.device_block_ids) * self.block_size
-
-    @property
-    def num_host_load_blocks(self) -> int:
-        """Blocks after the device's run that the host holds (a start may load them)."""
-        return max(len(self.host_block_ids) - len(self.device_block_ids), 0)
-
-    def num_cached_tokens(self, load_host: bool) -> int:
-        """Leading tokens a start need not compute: the device's run, and the host's beyond it
-        when it loads them."""
-        extra = self.num_host_load_blocks if load_host else 0
-        return self.num_device_tokens + extra * self.block_size
-
-
-@dataclass(frozen=True)
 class EvictionPlan:
     """What offloading a request takes: the copies of its unsynced blocks (their device blocks
     are released at `end_step()`; the synced ones were released at once)."""
@@ -114,9 +82,6 @@ class KVTierManager:
     def __init__(self, config: KVConfig) -> None:
         self.config = config
         self.block_size = config.block_size
-        # Free lists are stacks popped from the end; initial order makes low ids go first.
-        self._free_device = list(range(config.num_device_blocks - 1, -1, -1))
-        self._free_host = list(range(config.num_host_blocks - 1, -1, -1))
         self._device_tables: dict[str, list[int]] = {}
         self._host_tables: dict[str, list[int]] = {}
         self._synced_tokens: dict[str, int] = {}
@@ -124,8 +89,10 @@ class KVTierManager:
         self._load_blocks: dict[str, int] = {}  # request -> blocks its load copies in all
         self._num_blocks_to_load = 0  # of the loads in flight, blocks not yet planned
         self._release_after_step: list[int] = []  # device blocks whose eviction copy is in flight
+        self._return_after_step: list[float] = []  # when the evicting owners expect them back
         self._prefix: PrefixCache | None = None  # the device's prefix cache
         self._host_prefix: PrefixCache | None = None
+        self._tiers: PrefixTiers | None = None  # both, with each request's keys
         if config.prefix_caching:
             patience_s = config.expected_think_s
             retention = config.prefix_retention
@@ -135,12 +102,9 @@ class KVTierManager:
             self._host_prefix = PrefixCache(
                 "host", config.num_host_blocks, make_retention(retention, patience_s)
             )
-        # Per request, with prefix caching: the keys of its leading full blocks (computed, or
-        # given by a hit), and how many leading device table entries were offered a key.
-        self._hashes: dict[str, list[int]] = {}
-        self._device_keyed: dict[str, int] = {}
-        self._return_after_step: list[float] = []  # when the evicting owners expect them back
-        self._host_keys_after_step: dict[int, int] = {}  # host block -> key, being copied to
+            self._tiers = PrefixTiers(self._prefix, self._host_prefix, config.block_size)
+        self._device_pool = BlockPool("device", config.num_device_blocks, self._prefix)
+        self._host_pool = BlockPool("host", config.num_host_blocks, self._host_prefix)
         self._now_s = 0.0  # the time retention ranks by (`set_time`)
 
     # -- queries -----------------------------------------------------------------------------------
@@ -151,16 +115,12 @@ class KVTierManager:
     @property
     def num_free_device_blocks(self) -> int:
         """Device blocks allocation may take: plain free ones and cached-free ones."""
-        if self._prefix is None:
-            return len(self._free_device)
-        return len(self._free_device) + self._prefix.num_cached_free
+        return self._device_pool.num_free
 
     @property
     def num_free_host_blocks(self) -> int:
         """Host blocks allocation may take: plain free ones and cached-free ones."""
-        if self._host_prefix is None:
-            return len(self._free_host)
-        return len(self._free_host) + self._host_prefix.num_cached_free
+        return self._host_pool.num_free
 
     @property
     def num_cached_device_blocks(self) -> int:
@@ -211,10 +171,7 @@ class KVTierManager:
     def cached_free_block_ids(self, hit: PrefixHit) -> tuple[int, ...]:
         """Device blocks of `hit` that no request holds (a start sharing them takes them out
         of the free memory)."""
-        cache = self._prefix
-        if cache is None:
-            return ()
-        return tuple(b for b in hit.device_block_ids if cache.is_cached_free(b))
+        return () if self._tiers is None else self._tiers.cached_free_block_ids(hit)
 
     def synced_tokens(self, request_id: str) -> int:
         return self._synced_tokens.get(request_id, 0)
@@ -258,63 +215,10 @@ class KVTierManager:
             if not table:
                 del self._device_tables[request_id]
             return False
-        self._take_device_blocks(table, missing)
+        self._device_pool.take(table, missing, self._now_s)
         return True
 
-    def _take_device_blocks(self, table: list[int], num: int) -> None:
-        """Append `num` free device blocks to `table` (the caller checked there are enough):
-        plain free ones first, then cached-free ones in the retention's order."""
-        free, cache = self._free_device, self._prefix
-        if cache is None:
-            for _ in range(num):
-                table.append(free.pop())
-            return
-        for _ in range(num):
-            if free:
-                block = free.pop()
-                cache.claim(block)
-            else:
-                block = cache.reuse(self._now_s)
-            table.append(block)
-
-    def _take_host_block(self) -> int:
-        """One free host block (the caller checked there is one), as `_take_device_blocks`."""
-        cache = self._host_prefix
-        if cache is None:
-            return self._free_host.pop()
-        if self._free_host:
-            block = self._free_host.pop()
-            cache.claim(block)
-            return block
-        return cache.reuse(self._now_s)
-
-    def _release_device(self, blocks: list[int], return_s: float = NOT_EXPECTED) -> None:
-        """Drop one owner of each of `blocks` (a table or a slice of one, in table order), which
-        expects them back at `return_s` (retention.py).  They are released last to first, so a
-        prefix's tail goes before its head in the release order."""
-        cache, free = self._prefix, self._free_device
-        if cache is None:
-            free.extend(reversed(blocks))
-            return
-        now_s = self._now_s
-        for block in reversed(blocks):
-            if cache.release(block, return_s, now_s):
-                free.append(block)
-
-    def _release_host(self, blocks: list[int], return_s: float) -> None:
-        """`_release_device` for host blocks; one whose copy is in flight is not keyed when it
-        lands (the block may be reused first)."""
-        cache, free = self._host_prefix, self._free_host
-        if cache is None:
-            free.extend(reversed(blocks))
-            return
-        now_s, pending = self._now_s, self._host_keys_after_step
-        for block in reversed(blocks):
-            if cache.release(block, return_s, now_s):
-                free.append(block)
-                pending.pop(block, None)
-
-    # -- prefix cache ---------------------------------------------------------------------------
+    # -- prefix cache (prefix_tiers.py) -----------------------------------------------------------
     def set_time(self, now_s: float) -> None:
         """The time retention ranks cached-free blocks by (the scheduler sets it each step)."""
         self._now_s = now_s
@@ -326,18 +230,9 @@ class KVTierManager:
         leave at least the last token to compute (its logits are needed); empty without prefix
         caching.  `block_hashes`, the keys of its full blocks, if known (else they are hashed
         here).  Pure: pass it to `allocate_with_prefix` before any other change."""
-        device, host = self._prefix, self._host_prefix
-        if device is None or host is None:
+        if self._tiers is None:
             return PrefixHit((), (), (), self.block_size)
-        if block_hashes is None:
-            hashes: list[int] = []
-            extend_chain(hashes, token_ids, self.block_size)
-            block_hashes = hashes
-        keys = block_hashes[: (len(token_ids) - 1) // self.block_size]
-        device_ids, host_ids = device.find(keys), host.find(keys)
-        num_keys = max(len(device_ids), len(host_ids))
-        hit_keys = tuple(keys[:num_keys])
-        return PrefixHit(hit_keys, tuple(device_ids), tuple(host_ids), self.block_size)
+        return self._tiers.find(token_ids, block_hashes)
 
     def allocate_with_prefix(
         self, request_id: str, num_tokens: int, hit: PrefixHit, load_host: bool = False
@@ -350,22 +245,18 @@ class KVTierManager:
         already or `hit` is stale."""
         if request_id in self._device_tables:
             raise ValueError(f"request {request_id} already has device blocks")
-        device, host = self._prefix, self._host_prefix
-        if device is None or host is None:
+        tiers = self._tiers
+        if tiers is None:
             return self.allocate(request_id, num_tokens)
-        keys, shared = hit.block_hashes, hit.device_block_ids
-        num_free = self.num_free_device_blocks - device.num_cached_free_in(shared, keys)
-        host.num_cached_free_in(hit.host_block_ids, keys)  # (raises if stale)
+        shared = hit.device_block_ids
+        num_free = self.num_free_device_blocks - tiers.num_cached_free_in(hit)
         missing = max(self.blocks_for(num_tokens) - len(shared), 0)
         if missing > num_free:
             return False
-        device.share(shared)
+        tiers.start(request_id, hit)  # (takes the shared blocks out of the free memory first)
         table = self._device_tables[request_id] = list(shared)
-        self._take_device_blocks(table, missing)
-        self._hashes[request_id] = list(keys)
-        self._device_keyed[request_id] = len(shared)
+        self._device_pool.take(table, missing, self._now_s)
         if hit.host_block_ids:
-            host.share(hit.host_block_ids)
             self._host_tables[request_id] = list(hit.host_block_ids)
             self._synced_tokens[request_id] = len(hit.host_block_ids) * self.block_size
         if load_host and hit.num_host_load_blocks:
@@ -384,21 +275,9 @@ class KVTierManager:
         `num_computed_tokens` tokens), keyed by the tokens `token_ids_from(position, count)`
         gives; call after each step that computed tokens of it (hashes only the blocks filled
         since the last call).  A no-op without prefix caching or a device table."""
-        cache, table = self._prefix, self._device_tables.get(request_id)
-        if cache is None or table is None:
-            return
-        num_full = num_computed_tokens // self.block_size
-        keyed = self._device_keyed.get(request_id, 0)
-        if num_full <= keyed:
-            return
-        hashes, bs = self._hashes.setdefault(request_id, []), self.block_size
-        if len(hashes) < num_full:
-            extend_chain(
-                hashes, token_ids_from(len(hashes) * bs, (num_full - len(hashes)) * bs), bs
-            )
-        for index in range(keyed, num_full):
-            cache.key(table[index], hashes[index])
-        self._device_keyed[request_id] = num_full
+        tiers, table = self._tiers, self._device_tables.get(request_id)
+        if tiers is not None and table is not None:
+            tiers.key_device_blocks(request_id, table, num_computed_tokens, token_ids_from)
 
     def _host_block_for(
         self, request_id: str, index: int, host: list[int]
@@ -407,24 +286,22 @@ class KVTierManager:
         copied there), the block appended to its table `host` if past its end; None when the
         host tier is full.  A full block whose key the host caches is shared, not copied; one
         copied to a new host block is keyed once the copy is done (`end_step`)."""
+        tiers = self._tiers
         if index < len(host):  # (a tail an eviction copied, or a block a hit shared: cached)
             block = host[index]
-            cache = self._host_prefix
-            return block, cache is None or not cache.is_cached(block)
-        hashes, cache = self._hashes.get(request_id, ()), self._host_prefix
-        key = hashes[index] if cache is not None and index < len(hashes) else None
-        if key is not None and cache is not None:
-            cached = cache.block_of(key)
+            return block, tiers is None or not tiers.host.is_cached(block)
+        key = None if tiers is None else tiers.key_of(request_id, index)
+        if key is not None and tiers is not None:
+            cached = tiers.share_host_block(key)
             if cached is not None:
-                cache.share((cached,))
                 host.append(cached)
                 return cached, False
         if not self.num_free_host_blocks:
             return None
-        block = self._take_host_block()
+        block = self._host_pool.take_one(self._now_s)
         host.append(block)
-        if key is not None:
-            self._host_keys_after_step[block] = key
+        if key is not None and tiers is not None:
+            tiers.key_host_block_after_step(block, key)
         return block, True
 
     # -- write-through --------------------------------------------------------------------------
@@ -495,14 +372,16 @@ class KVTierManager:
             if target[1]:
                 copies.append(BlockCopy(request_id, CopyKind.EVICT, device[index], target[0]))
         synced_now = first_unsynced if self.config.free_synced_on_evict else 0
-        self._release_device(device[:synced_now], return_s)
-        self._release_device(device[needed:], return_s)
+        now_s, pool = self._now_s, self._device_pool
+        pool.release(device[:synced_now], return_s, now_s)
+        pool.release(device[needed:], return_s, now_s)
         # (keeps the request's reference: a block shared with another owner stays theirs)
         pinned = device[synced_now:needed]
         self._release_after_step.extend(pinned)
         self._return_after_step.extend(return_s for _ in pinned)
         self._device_tables.pop(request_id, None)
-        self._device_keyed.pop(request_id, None)
+        if self._tiers is not None:
+            self._tiers.leave_device(request_id)
         self._end_load(request_id)
         # (a host hit may have given it more than it computed: those blocks stay synced)
         self._synced_tokens[request_id] = max(num_tokens, self._synced_tokens.get(request_id, 0))
@@ -548,12 +427,10 @@ class KVTierManager:
         back at `return_s` (retention.py)."""
         device = self._device_tables.pop(request_id, [])
         self._end_load(request_id)
-        self._device_keyed.pop(request_id, None)  # (blocks it gets back are keyed anew)
-        if self._prefix is None:
-            self._free_device.extend(reversed(device))
-            return len(device)
+        if self._tiers is not None:
+            self._tiers.leave_device(request_id)
         num_free = self.num_free_device_blocks
-        self._release_device(device, return_s)
+        self._device_pool.release(device, return_s, self._now_s)
         return self.num_free_device_blocks - num_free
 
     def _end_load(self, request_id: str) -> None:
@@ -566,48 +443,28 @@ class KVTierManager:
         """Forget a request in both tiers (finish, abort, or preemption by recompute); with
         prefix caching its cached blocks stay, expected back at `return_s` (retention.py)."""
         self.free_device(request_id, return_s)
-        self._release_host(self._host_tables.pop(request_id, []), return_s)
+        host = self._host_tables.pop(request_id, [])
+        freed = self._host_pool.release(host, return_s, self._now_s)
         self._synced_tokens.pop(request_id, None)
-        self._hashes.pop(request_id, None)
+        if self._tiers is not None:
+            self._tiers.forget_host_blocks(freed)
+            self._tiers.forget(request_id)
 
     def end_step(self) -> None:
         """The step's copies are done: release the device blocks of finished evictions, and
         cache the host blocks that now hold a copy of a keyed block."""
-        if self._prefix is None:
-            self._release_device(self._release_after_step)
-        else:
-            now_s, cache, free = self._now_s, self._prefix, self._free_device
-            for block, return_s in zip(
-                self._release_after_step, self._return_after_step, strict=True
-            ):
-                if cache.release(block, return_s, now_s):
-                    free.append(block)
-            self._return_after_step.clear()
+        self._device_pool.release_pinned(
+            self._release_after_step, self._return_after_step, self._now_s
+        )
         self._release_after_step.clear()
-        host = self._host_prefix
-        if host is not None:
-            for block, key in self._host_keys_after_step.items():
-                host.key(block, key)  # (still held: a block released meanwhile left the list)
-            self._host_keys_after_step.clear()
+        self._return_after_step.clear()
+        if self._tiers is not None:
+            self._tiers.end_step()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any tier's bookkeeping is inconsistent."""
-        if self._prefix is None:
-            self._check_tier(
-                "device",
-                self.config.num_device_blocks,
-                self._free_device + self._release_after_step,
-                self._device_tables,
-            )
-        else:
-            tables, pinned = self._device_tables.values(), self._release_after_step
-            self._prefix.check(tables, pinned, self._free_device)
-        if self._host_prefix is None:
-            self._check_tier(
-                "host", self.config.num_host_blocks, self._free_host, self._host_tables
-            )
-        else:
-            self._host_prefix.check(self._host_tables.values(), (), self._free_host)
+        self._device_pool.check(self._device_tables.values(), self._release_after_step)
+        self._host_pool.check(self._host_tables.values(), ())
         for request_id, synced in self._synced_tokens.items():
             covered = len(self._host_tables.get(request_id, ())) * self.block_size
             assert synced <= covered, f"{request_id}: {synced} synced tokens, host holds {covered}"
@@ -617,11 +474,3 @@ class KVTierManager:
         to_load = sum(max(n - self._loaded_blocks[rid], 0) for rid, n in self._load_blocks.items())
         kept = self._num_blocks_to_load
         assert to_load == kept, f"{to_load} blocks left to load, {kept} kept"
-
-    @staticmethod
-    def _check_tier(name: str, total: int, free: list[int], tables: dict[str, list[int]]) -> None:
-        owned = [block for table in tables.values() for block in table]
-        everything = free + owned
-        assert len(everything) == total, f"{name}: free {len(free)} + owned {len(owned)} != {total}"
-        assert len(set(everything)) == total, f"{name}: a block is owned twice or free and owned"
-        assert all(0 <= b < total for b in everything), f"{name}: block id out of range"

@@ -17,11 +17,12 @@ changes every step), and a block is keyed only once its KV is in place (computed
 A cached block whose count falls to 0 stays *cached-free*: free memory (allocation may take
 it), still found by lookups until allocation does take it, in the order of the tier's
 retention (retention.py), and its key is then forgotten.  An uncached block at 0 goes back to
-the manager's plain free list, which allocation prefers.  A block at 0 therefore is in exactly
-one of the two free sets.
+the tier's plain free list (block_pool.py), which allocation prefers.  A block at 0 therefore
+is in exactly one of the two free sets.
 
 This class owns the counts, the keys and the retention of one tier; `KVTierManager` owns the
-tables and the plain free lists, and calls it on every change of a block's owners.
+tables, the tier's `BlockPool` the plain free list, and they call it on every change of a
+block's owners; `PrefixTiers` (prefix_tiers.py) looks both tiers up together.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class PrefixCache:
     ) -> None:
         """AssertionError unless the counts match `tables` and `pinned` (blocks of copies in
         flight), and every block is owned or in exactly one free set (`plain_free`, the
-        manager's, or the cached-free one), with keys consistent."""
+        pool's, or the cached-free one), with keys consistent."""
         name, total = self.name, len(self._refcounts)
         counts = [0] * total
         for table in tables:

@@ -2,9 +2,10 @@
 
 Requests, aborts, snapshot requests (`streams()`), streams moving in and out (`resume()`,
 `export_streams()`) and readings of engine state (`between_steps()`) go to the thread through a
-command queue, applied between two steps; deltas, snapshots, exported states and readings come
-back to each asker via `loop.call_soon_threadsafe` (deltas through the request's `_DeltaSink`)
-or a thread-safe future.  What can go wrong, and who hears of it:
+command queue (the commands and their answer channels are commands.py), applied between two
+steps; deltas, snapshots, exported states and readings come back to each asker via
+`loop.call_soon_threadsafe` (deltas through the request's `DeltaSink`) or a thread-safe future.
+What can go wrong, and who hears of it:
 
 - one request fails (its sampling row, its text, its add): only that request gets an error;
 - a step's plan fails: only the plan's requests get an error (see `LLMEngine.step`);
@@ -17,15 +18,13 @@ or a thread-safe future.  What can go wrong, and who hears of it:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 
@@ -42,6 +41,18 @@ from tokenflow.engine.client import (
     RequestFailed,
     StreamMoved,
 )
+from tokenflow.engine.commands import (
+    AbortRequest,
+    AddRequest,
+    CallEngine,
+    Command,
+    DeltaSink,
+    ImportStream,
+    SnapshotStreams,
+    Submission,
+    send,
+    settle,
+)
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
 from tokenflow.engine.streams import StreamsSnapshot
@@ -54,86 +65,6 @@ _IDLE_WAIT_S = 0.05  # how long the thread blocks on its queue when there is not
 _NOTHING_RAN_WAIT_S = 0.002  # pause after a step in which nothing could run
 _MAX_UNATTRIBUTED_FAILURES = 3  # scheduler failures in a row before the engine is dead
 _T = TypeVar("_T")
-
-
-@dataclass
-class _DeltaSink:
-    """One request's output queue, bounded: deltas the reader has not taken yet are merged into
-    one (token ids and text concatenated), so a slow reader holds one pending delta, not one per
-    token.  Touched only on its event loop's thread."""
-
-    pending: GenerationDelta | None = None
-    error: BaseException | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def put(self, item: GenerationDelta | BaseException) -> None:
-        if isinstance(item, BaseException):
-            self.error = item
-        elif self.pending is None:
-            self.pending = item
-        else:
-            self.pending = self.pending.followed_by(item)
-        self.ready.set()
-
-    async def get(self) -> GenerationDelta:
-        """The next (merged) delta; raises the delivered error once no delta is pending."""
-        await self.ready.wait()
-        if self.pending is not None:
-            item, self.pending = self.pending, None
-            if self.error is None:
-                self.ready.clear()
-            return item
-        assert self.error is not None
-        raise self.error
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    rate_tps: float
-    consumption: Consumption
-    sink: _DeltaSink
-    loop: asyncio.AbstractEventLoop
-    grammar: CompiledGrammar | None  # its structured output's, compiled off the engine thread
-    session_key: str | None  # the client's session hint (OpenAI's prompt_cache_key)
-
-
-@dataclass(frozen=True)
-class _Import:
-    """A stream another engine exported, to go on here (`resume()`)."""
-
-    state: StreamState
-    sink: _DeltaSink
-    loop: asyncio.AbstractEventLoop
-    grammar: CompiledGrammar | None
-
-    @property
-    def request_id(self) -> str:
-        return self.state.request_id
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    limit: int
-    future: asyncio.Future[StreamsSnapshot]
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass(frozen=True)
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    future: Future[Any]  # thread-safe: settled on the engine thread
-
-
-_Submission = _Add | _Import  # a request that gets deltas through its sink
-_Command = _Add | _Import | _Abort | _Snapshot | _Call
 
 
 class AsyncEngine:
@@ -161,8 +92,8 @@ class AsyncEngine:
         self.max_num_requests = args.max_num_requests
         # SimpleQueue: its put() is reentrant, so stop() is safe from a signal handler that
         # interrupts this thread inside get() (a Queue's lock would deadlock there).
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._sinks: dict[str, _Submission] = {}
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Submission] = {}
         self._num_pending_adds = 0
         self._lock = threading.Lock()  # guards _num_pending_adds, _death and queueing adds
         self._death: str | None = None
@@ -196,8 +127,8 @@ class AsyncEngine:
         except ValueError as err:
             raise EngineRequestError(str(err)) from None
         grammar = await self._compiled(sampling_params)
-        sink, loop = _DeltaSink(), asyncio.get_running_loop()
-        add = _Add(
+        sink, loop = DeltaSink(), asyncio.get_running_loop()
+        add = AddRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
             params=sampling_params,
@@ -221,8 +152,8 @@ class AsyncEngine:
         except ValueError as err:
             raise EngineRequestError(str(err)) from None
         grammar = await self._compiled(state.sampling_params)
-        sink, loop = _DeltaSink(), asyncio.get_running_loop()
-        self._submit(_Import(state, sink, loop, grammar))
+        sink, loop = DeltaSink(), asyncio.get_running_loop()
+        self._submit(ImportStream(state, sink, loop, grammar))
         async for delta in self._deltas(state.request_id, sink):
             yield delta
 
@@ -265,10 +196,10 @@ class AsyncEngine:
         with self._lock:  # (a command queued before the loop died is answered by `_die`)
             if self._death is not None:
                 raise EngineDead(self._death)
-            self._commands.put(_Call(fn, future))
+            self._commands.put(CallEngine(fn, future))
         return future
 
-    def _submit(self, command: _Submission) -> None:
+    def _submit(self, command: Submission) -> None:
         """Queue a request for the engine thread, unless the engine is dead or full."""
         with self._lock:
             if self._death is not None:
@@ -283,7 +214,7 @@ class AsyncEngine:
             self._num_pending_adds += 1
             self._commands.put(command)
 
-    async def _deltas(self, request_id: str, sink: _DeltaSink) -> AsyncIterator[GenerationDelta]:
+    async def _deltas(self, request_id: str, sink: DeltaSink) -> AsyncIterator[GenerationDelta]:
         """A submitted request's deltas until its finish; aborts it if the caller stops early."""
         finished = False
         try:
@@ -302,11 +233,11 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._commands.put(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Cancel a request; a no-op if it already ended."""
-        self._commands.put(_Abort(request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step."""
@@ -321,7 +252,7 @@ class AsyncEngine:
         with self._lock:  # (a command queued before the loop died is answered by `_die`)
             if self._death is not None:
                 raise EngineDead(self._death)
-            self._commands.put(_Snapshot(limit=limit, future=future, loop=loop))
+            self._commands.put(SnapshotStreams(limit=limit, future=future, loop=loop))
         return await future
 
     def health(self) -> EngineHealth:
@@ -396,11 +327,11 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add | _Import):
-                self._send(command, error)
-            elif isinstance(command, _Snapshot):
-                _settle(command, error)
-            elif isinstance(command, _Call):
+            if isinstance(command, AddRequest | ImportStream):
+                send(command, error)
+            elif isinstance(command, SnapshotStreams):
+                settle(command, error)
+            elif isinstance(command, CallEngine):
                 command.future.set_exception(error)
         self._fail_all(error)
 
@@ -421,21 +352,21 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Snapshot):
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, SnapshotStreams):
             try:
-                _settle(command, self.engine.streams(command.limit))
+                settle(command, self.engine.streams(command.limit))
             except Exception as err:  # noqa: BLE001 - the asker hears of it; the loop goes on
                 logger.exception("the streams snapshot failed")
-                _settle(command, err)
+                settle(command, err)
             return
-        if isinstance(command, _Call):
+        if isinstance(command, CallEngine):
             try:
                 command.future.set_result(command.fn(self.engine))
             except Exception as err:  # noqa: BLE001 - its caller hears of it; the loop goes on
                 command.future.set_exception(err)
             return
-        if isinstance(command, _Abort):
+        if isinstance(command, AbortRequest):
             delta = self.engine.abort(command.request_id)
             if delta is not None:
                 self._deliver(delta)
@@ -444,7 +375,7 @@ class AsyncEngine:
         with self._lock:
             self._num_pending_adds -= 1
         try:
-            if isinstance(command, _Import):
+            if isinstance(command, ImportStream):
                 self.engine.import_stream(command.state, command.grammar)
             else:
                 self.engine.add_request(
@@ -457,11 +388,11 @@ class AsyncEngine:
                     session_key=command.session_key,
                 )
         except ValueError as err:
-            self._send(command, EngineRequestError(str(err)))
+            send(command, EngineRequestError(str(err)))
             return
         except Exception as err:  # noqa: BLE001 - this request alone could not be added
             logger.exception("request %s could not be added", command.request_id)
-            self._send(command, RequestFailed(f"the engine could not add the request: {err}"))
+            send(command, RequestFailed(f"the engine could not add the request: {err}"))
             return
         self._sinks[command.request_id] = command
         self._stats = self.engine.stats()
@@ -486,7 +417,7 @@ class AsyncEngine:
                 logger.info("request %s stays: %s", request_id, err)
                 continue
             del self._sinks[request_id]
-            self._send(submission, StreamMoved(state))
+            send(submission, StreamMoved(state))
             states.append(state)
         self._stats = self.engine.stats()
         return states
@@ -497,13 +428,7 @@ class AsyncEngine:
             return
         if delta.finish_reason is not None:
             del self._sinks[delta.request_id]
-        self._send(add, delta)
-
-    @staticmethod
-    def _send(submission: _Submission, item: GenerationDelta | BaseException) -> None:
-        # RuntimeError: its event loop is closed, nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            submission.loop.call_soon_threadsafe(submission.sink.put, item)
+        send(add, delta)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, add in list(self._sinks.items()):
@@ -511,20 +436,5 @@ class AsyncEngine:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - the request is failed below either way
                 logger.exception("aborting %s failed", request_id)
-            self._send(add, error)
+            send(add, error)
         self._sinks.clear()
-
-
-def _settle(command: _Snapshot, item: StreamsSnapshot | BaseException) -> None:
-    """Hand a snapshot (or why there is none) to its asker's event loop."""
-
-    def settle() -> None:
-        if command.future.done():  # (the asker gave up waiting)
-            return
-        if isinstance(item, BaseException):
-            command.future.set_exception(item)
-        else:
-            command.future.set_result(item)
-
-    with contextlib.suppress(RuntimeError):  # its event loop is closed
-        command.loop.call_soon_threadsafe(settle)
