@@ -55,7 +55,7 @@ class StepTimeEstimator:
         self._decode_obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._decode_sums = _DecodeSums()  # the window's moments, kept as steps come and go
         self._num_decode_seen = 0
-        self.max_timed_batch = 0  # the largest decode batch timed so far (the fit's reach)
+        self.max_timed_batch = 0  # the most decoding streams a timed step held (the fit's reach)
         self._prefill_obs: deque[tuple[int, float]] = deque(maxlen=32)  # (tokens, extra s)
         self._mean_context = 0.0  # context tokens per stream over the window
         self._held: list[tuple[bool, tuple]] = []  # slow steps left out in a row: (prefill?, obs)
@@ -72,6 +72,9 @@ class StepTimeEstimator:
         decoding streams, the tokens each attends to)."""
         if duration_s <= 0 or (num_decode <= 0 and num_prefill_tokens <= 0):
             return
+        # (a step with prefill times its decodes too: the prefill model is fitted on what the
+        # decode model leaves of it)
+        self.max_timed_batch = max(self.max_timed_batch, num_decode)
         decode_s = self._base_s + self._per_seq_s * num_decode
         decode_s += self._per_token_s * decode_context_tokens
         is_prefill = num_prefill_tokens > 0
@@ -107,7 +110,6 @@ class StepTimeEstimator:
                 self._decode_sums.add(*decode[0], sign=-1.0)
             decode.append(obs)
             self._decode_sums.add(*obs)
-            self.max_timed_batch = max(self.max_timed_batch, obs[0])
             self._num_decode_seen += 1
             if self._num_decode_seen % decode.maxlen == 0:  # bound the float drift of -/+
                 self._decode_sums = _DecodeSums.of(decode)
