@@ -9,10 +9,11 @@ kernels, as profiled, not float32: the scenario is sized on the profiled simulat
 and bfloat16's kernels are not batch-invariant, so the text is not compared with an undisturbed
 run's; tests_ray/test_live_join.py and test_live_moves.py compare it, in float32.)"""
 
+import httpx
 import pytest
 import ray
 
-from tests_ray.answers import KEY, check_whole, chunks_of, greedy_answers, read_all
+from tests_ray.answers import AUTH, KEY, check_whole, chunks_of, greedy_answers, read_all
 from tests_ray.fleet import TIMEOUT_S, running_fleet, until
 from tokenflow.core.rebalance import StreamKind
 from tokenflow.replicas.launch import scale
@@ -47,6 +48,7 @@ def test_a_replica_that_joins_mid_burst_takes_streams_paused_on_the_other(fleet)
 
     results, _, threads = read_all(url, ANSWERS * NUM_COPIES, rate=READ_RATE)
     until(lambda: all(r.get("status") for r in results), "every answer of the burst to open")
+    until(lambda: _some_paused(url), "the policy to pause streams for the others")
     scale(2)
     for thread in threads:
         thread.join(timeout=TIMEOUT_S)
@@ -67,3 +69,12 @@ def test_a_replica_that_joins_mid_burst_takes_streams_paused_on_the_other(fleet)
     assert paused_to_new and moved  # paused streams moved, and their answers went on there
     for result in moved:  # each had tokens before its move: it was paused, not queued
         assert len([c for c in chunks_of(result) if c["choices"]]) > 1
+
+
+def _some_paused(url: str) -> bool:
+    """Whether the one replica has paused streams for the others: the join this test is about
+    comes after that.  (Joined at once, while the burst is all queued, a replica warm from the
+    suite's earlier tests started fast and filled with queued requests, with no room left for
+    paused streams.)"""
+    totals = httpx.get(f"{url}/v1/tokenflow/streams", headers=AUTH, timeout=30).json()["totals"]
+    return totals["num_paused"] > 0
