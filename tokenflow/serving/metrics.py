@@ -189,7 +189,7 @@ class ServingMetrics:
         )
         self._demand = _nan_gauge(
             "tokenflow_reading_demand_tokens_per_second",
-            "Tokens/s the started streams' readers ask, each at most one share of Gamma.",
+            "Tokens/s the started streams ask (a reader its rate, an eager stream one share).",
             self.registry,
         )
         self._asked = _nan_gauge(

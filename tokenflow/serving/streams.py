@@ -109,8 +109,8 @@ class StreamsResponse(BaseModel):
     object: Literal["tokenflow.streams"] = "tokenflow.streams"
     policy: str
     capacity_tps: float | None  # Gamma; None only if the estimate is not a finite number
-    demand_tps: float  # the started streams' reading rates, each at most one share of Gamma
-    asked_tps: float  # every unfinished request's ask, a reader's rate whole
+    demand_tps: float  # what the started streams ask (`Capacity.demand_tps`)
+    asked_tps: float  # the same over every unfinished request, waiting ones too
     is_overloaded: bool  # asked_tps above Gamma: some readers cannot be served at their rate
     num_readers: int  # unfinished readers
     num_served_readers: int  # of them, on the device
