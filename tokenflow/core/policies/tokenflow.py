@@ -199,13 +199,8 @@ class TokenFlowPolicy(Policy):
         admitted = self._admission(view, last, capacity, demand_tps, degraded, started)
         newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
         hold_s = prefill_hold_s(view, sum(map(view.start_tokens, admitted.requests)))
-        kept = [
-            m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf)
-            for m in started
-            if m.request.request_id in served or (m.is_pinned and not m.request.is_decoding)
-        ]  # (an unserved stream is paused however short its buffer; one mid-prefill stays)
+        kept = _kept(started, served, hold_s)
         served_requests = [m.request for m in kept]
-        served_ids = [r.request_id for r in served_requests]  # (pinned unserved ones stay)
         max_batch = paced_batch(view, served_requests, capacity.demand_tps(served_requests))
         selected = select(
             [*kept, *newcomers],
@@ -229,7 +224,8 @@ class TokenFlowPolicy(Policy):
             max_batch=max_batch,
             prefill_budget_s=admitted.prefill_budget_s,
             is_overloaded=degraded,
-            unserved=frozenset(r.request_id for r in started_requests) - set(served_ids),
+            unserved=frozenset(r.request_id for r in started_requests)
+            - {r.request_id for r in served_requests},
         )
 
     def _note_overload(
@@ -405,3 +401,15 @@ class TokenFlowPolicy(Policy):
         now = view.now_s
         running = [r for r in pending if r.state is RequestState.RUNNING]
         return sorted(running, key=lambda r: (-r.slack_s(now), r.sort_key))
+
+
+def _kept(started: Sequence[Member], served: frozenset[str], hold_s: float) -> list[Member]:
+    """The started members the balancer may keep: those in the served set, and an unserved one
+    mid-prefill (it cannot pause; an unserved decoding stream is paused however short its
+    buffer).  One whose buffer does not outlast the newcomers' prefill (`hold_s`) cannot be
+    paused for them: it stays pinned."""
+    return [
+        m if outlasts(m, hold_s) else replace(m, pause_margin_s=-math.inf)
+        for m in started
+        if m.request.request_id in served or (m.is_pinned and not m.request.is_decoding)
+    ]
