@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from tests.core.helpers import make_core, make_request
 from tests.core.tokenflow_states import OPTIMISTIC
+from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import Policy, WaitReason
 from tokenflow.core.policies.capacity import measure_capacity, served_set
 from tokenflow.core.policies.tokenflow import Decision, TokenFlowPolicy
@@ -98,3 +99,14 @@ def test_each_stream_off_the_device_says_why_it_waits():
     assert policy.wait_reason(left_out) is WaitReason.OVERLOAD
     assert policy.wait_reason(paused) is WaitReason.BUFFERED
     assert Policy().wait_reason(paused) is WaitReason.MEMORY  # (FCFS pauses only for memory)
+
+
+def test_overload_is_logged_once_on_entering_and_once_on_leaving(caplog):
+    """A demand hovering at Gamma logs one line, not one a decision; leaving needs demand at
+    most 0.9 Gamma."""
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    caplog.set_level("INFO", logger="tokenflow.core.policies.tokenflow")
+    for demand_tps in (90.0, 101.0, 99.0, 102.0, 95.0, 101.0, 89.0, 80.0, 101.0):
+        policy._note_overload(demand_tps, 100.0, num_served=3, started=[])
+    lines = [r.getMessage().split(":")[0] for r in caplog.records]
+    assert lines == ["overloaded", "overload over", "overloaded"]

@@ -131,7 +131,7 @@ class TokenFlowPolicy(Policy):
         self._capacity_floor = CapacityFloor(config.capacity_window_s)  # recent Gammas
         self.num_decisions = 0
         self.num_degraded_decisions = 0
-        self.is_overloaded = False  # as last logged (`_note_overload`)
+        self._logged_overload = False  # the overload state the log last said (`_note_overload`)
 
     def init_new_token_ratio(self, config: SchedulerConfig) -> float:
         """A smaller reserve than SGLang's (`TokenFlowConfig.init_new_token_ratio`): a
@@ -234,16 +234,16 @@ class TokenFlowPolicy(Policy):
         """One log line as the engine enters overload (its started streams ask more than
         Gamma), one as it leaves it: once they ask at most `_OVERLOAD_OVER` of Gamma, so a
         demand hovering at Gamma logs once, not every decision."""
-        if not self.is_overloaded and demand_tps > gamma_tps:
-            self.is_overloaded = True
+        if not self._logged_overload and demand_tps > gamma_tps:
+            self._logged_overload = True
             num_readers = sum(1 for r in started if r.is_reader)
             logger.warning(
                 "overloaded: streams ask %.1f tok/s of the %.1f the engine makes; serving %d of "
                 "%d started streams (%d readers), the rest wait",
                 demand_tps, gamma_tps, num_served, len(started), num_readers,
             )  # fmt: skip
-        elif self.is_overloaded and demand_tps <= _OVERLOAD_OVER * gamma_tps:
-            self.is_overloaded = False
+        elif self._logged_overload and demand_tps <= _OVERLOAD_OVER * gamma_tps:
+            self._logged_overload = False
             logger.info(
                 "overload over: streams ask %.1f tok/s of the %.1f the engine makes",
                 demand_tps, gamma_tps,
