@@ -224,6 +224,10 @@ def test_generate_trace_fills_missing_rates_from_the_mix(tmp_path: Path) -> None
         ('{"arrival_s": 1, "prompt_tokens": 2, "output_tokens": 3, "rate_tps": NaN}', "rate_tps"),
         ('{"arrival_s": 1, "prompt_tokens": 2, "output_tokens": 3, "rate_tps": null}', "rate_tps"),
         ('{"arrival_s": 1, "prompt_tokens": 2, "output_tokens": 3, "rate_tps": "x"}', "rate_tps"),
+        (
+            '{"arrival_s": 1, "prompt_tokens": 2, "output_tokens": 3, "rate_tps": 2000}',
+            r"rate_tps: a reader's rate must be a number of tokens/s in \[0.001, 1000\], got 2000",
+        ),
     ],
 )
 def test_trace_errors_name_file_and_line(tmp_path: Path, line: str, match: str) -> None:
@@ -233,6 +237,21 @@ def test_trace_errors_name_file_and_line(tmp_path: Path, line: str, match: str) 
         load_trace(path, default_rate_tps=20.0)
     message = str(caught.value)
     assert message.startswith(f"{path}:3: ") and "\n" not in message
+
+
+def test_a_rate_the_server_and_the_simulator_refuse_never_makes_a_workload(tmp_path: Path) -> None:
+    # (`is_reader_rate`'s bound: the one the server and the simulator's Request hold too)
+    with pytest.raises(WorkloadError, match="default_rate_tps: a reader's rate must be"):
+        load_trace(
+            write(tmp_path, '{"arrival_s": 0, "prompt_tokens": 1, "output_tokens": 1}'), 2000
+        )
+    with pytest.raises(WorkloadError, match="rate: a reader's rate must be"):
+        RateMix.parse("20,2000")
+    with pytest.raises(WorkloadError, match="request r: rate_tps: a reader's rate must be"):
+        WorkloadRequest("r", 0.0, 1, 1, 2000.0)
+    assert WorkloadRequest("r", 0.0, 1, 1, 1000.0, consumption="eager").rate_tps == 1000.0
+    with pytest.raises(WorkloadError, match="class must be one of reader, eager, batch"):
+        WorkloadRequest("r", 0.0, 1, 1, 4.0, consumption="robot")
 
 
 def test_trace_file_level_errors(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from tokenflow.replicas.guards import (
     should_retry,
 )
 from tokenflow.replicas.reports import MAX_ROUTED_TOKENS, route_facts
+from tokenflow.serving.classes import ClassRules
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.drain import Drain
 from tokenflow.serving.validation import ApiError
@@ -95,7 +96,7 @@ def test_an_empty_body_is_an_empty_object():
 def test_route_facts_hold_a_few_numbers_whatever_the_prompt():
     parsed = parse_body(json.dumps({"prompt": "x" * (1 << 20), "max_tokens": 16}).encode())
     tracemalloc.start()
-    facts = route_facts(parsed, {}, 4.0)
+    facts = route_facts(parsed, {}, ClassRules(), 4.0)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 64 << 10  # (was a tuple of 2**18 tokens: 2 MiB)
@@ -109,17 +110,20 @@ def test_route_facts_size_chat_messages_by_their_text_alone():
         {"role": "user", "content": {"nested": ["not", "text"]}},
         "not a message",
     ]
-    facts = route_facts({"messages": messages, "max_tokens": 10}, {}, 4.0)
+    facts = route_facts({"messages": messages, "max_tokens": 10}, {}, ClassRules(), 4.0)
     assert facts["end_tokens"] == 4400 // 4 + 1 + 10
 
 
 def test_route_facts_survive_any_number_a_body_states():
     for value in (10**400, 1e308, -5, "NaN", [1], {"a": 1}, True):
-        facts = route_facts({"prompt": "x", "max_tokens": value, "stream_rate": value}, {}, 4.0)
+        body = {"prompt": "x", "max_tokens": value, "stream_rate": value, "stream": True}
+        facts = route_facts(body, {}, ClassRules(), 4.0)
         assert 0 < facts["end_tokens"] <= MAX_ROUTED_TOKENS + 1
     # A rate the server would refuse (over 1000 tok/s) is not the router's: the default is.
-    assert route_facts({"prompt": "x", "stream_rate": 5000}, {}, 4.0)["rate_tps"] == 4.0
-    assert route_facts({"prompt": "x"}, {"x-stream-rate": "1e-9"}, 4.0)["rate_tps"] == 4.0
+    readers = ClassRules.parse("reader", ())
+    stream = {"prompt": "x", "stream": True}
+    assert route_facts({**stream, "stream_rate": 5000}, {}, readers, 4.0)["rate_tps"] == 4.0
+    assert route_facts(stream, {"x-stream-rate": "1e-9"}, readers, 4.0)["rate_tps"] == 4.0
 
 
 def test_a_refusal_is_offered_again_a_bounded_number_of_times():

@@ -8,6 +8,7 @@ import pytest
 from tokenflow.replicas.deployments import server_config
 from tokenflow.replicas.keys import ingress_gate, replica_config, starts_work, work_of
 from tokenflow.replicas.reports import facts_to_route_request, route_facts
+from tokenflow.serving.classes import ClassRules
 from tokenflow.serving.tenants import Work
 from tokenflow.serving.validation import ApiError
 
@@ -40,7 +41,8 @@ def test_the_ingress_gate_refuses_at_once_and_never_makes_a_request_wait():
 
 
 def test_a_requests_work_is_each_choice_holding_its_prompt_and_max_tokens():
-    facts = route_facts({"prompt": ["x" * 40, "y" * 40], "max_tokens": 20, "n": 3}, {}, 4.0)
+    body = {"prompt": ["x" * 40, "y" * 40], "max_tokens": 20, "n": 3}
+    facts = route_facts(body, {}, ClassRules(), 4.0)
     assert work_of(facts_to_route_request(facts)) == Work(6, 6 * (11 + 20))
 
 

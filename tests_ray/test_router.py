@@ -2,9 +2,15 @@
 replica (no cluster: Ray Serve's router object on hand-made candidates)."""
 
 import json
+import math
 from dataclasses import dataclass, replace
 
+import pytest
+
+from tokenflow.core.consumption import DEFAULT_READER_RATE_TPS
+from tokenflow.core.request import Consumption
 from tokenflow.core.routing import CapacityPoint, LoadReport
+from tokenflow.replicas.deployments import served_default_rate
 from tokenflow.replicas.guards import parse_body
 from tokenflow.replicas.reports import (
     report_to_stats,
@@ -13,7 +19,10 @@ from tokenflow.replicas.reports import (
     with_preferred,
 )
 from tokenflow.replicas.router import TokenFlowRequestRouter
-from tokenflow.serving.protocol import MAX_CHOICES
+from tokenflow.serving.auth import bearer_token
+from tokenflow.serving.classes import ClassRules, Stated
+from tokenflow.serving.config import ServerConfig
+from tokenflow.serving.protocol import MAX_CHOICES, CompletionRequest
 
 
 @dataclass
@@ -60,13 +69,13 @@ def _router() -> TokenFlowRequestRouter:
 def _choose(
     router,
     replicas,
-    body=b'{"prompt": "hi", "max_tokens": 16, "stream_rate": 4}',
+    body=b'{"prompt": "hi", "max_tokens": 16, "stream": true, "stream_rate": 4}',
     avoid=(),
     prefer=None,
 ):
     import asyncio
 
-    facts = with_avoided(route_facts(parse_body(body), {}, 4.0), avoid)
+    facts = with_avoided(route_facts(parse_body(body), {}, ClassRules(), 4.0), avoid)
     pending = _Pending((facts if prefer is None else with_preferred(facts, prefer),))
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
     return [rank[0].replica_id.unique_id for rank in ranks]
@@ -123,16 +132,81 @@ def test_a_planned_replica_that_is_not_a_candidate_leaves_the_choice_to_the_rule
     assert _choose(_router(), [busy, idle], avoid=["a"], prefer="a") == ["b"]  # it refused
 
 
-def test_route_facts_read_the_rate_as_the_server_does():
-    body = parse_body(b'{"prompt": "x" , "max_tokens": 10, "stream_rate": 8}')
-    assert route_facts(body, {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 8.0
-    assert route_facts({"prompt": "x"}, {"x-stream-rate": "2"}, 4.0)["rate_tps"] == 2.0
-    assert route_facts({"prompt": "x"}, {}, 4.0)["rate_tps"] == 4.0
-    assert route_facts({}, {}, 4.0)["rate_tps"] == 4.0
+_KEYS = ("reader-key=reader:6", "eager-key=eager", "soft-key=~reader:5", "soft-eager-key=~eager")
+_STREAM = {"prompt": "x", "max_tokens": 10, "stream": True}
+# (default class, body, headers): what a request states, on a server with `_KEYS`' rules.
+_CLASS_CASES = [
+    ("eager", _STREAM, {}),  # rateless streaming: the server's default class
+    ("reader", _STREAM, {}),  # ... a reader at the server's --default-rate
+    ("eager", {"prompt": "x"}, {}),  # no `stream`: batch
+    ("reader", {**_STREAM, "stream": False, "stream_rate": 8}, {}),  # batch, its rate ignored
+    ("eager", {**_STREAM, "stream_rate": 8}, {}),  # a stated rate: a reader
+    ("eager", _STREAM, {"x-stream-rate": "2"}),
+    ("eager", {**_STREAM, "stream_rate": 8}, {"x-stream-rate": "2"}),  # the body's wins
+    ("reader", {**_STREAM, "stream_class": "eager", "stream_rate": 8}, {}),
+    ("reader", _STREAM, {"x-stream-class": "eager"}),
+    ("eager", {**_STREAM, "stream_class": "reader"}, {}),  # a reader at the default rate
+    ("eager", {**_STREAM, "stream_rate": 500}, {"authorization": "Bearer reader-key"}),  # binds
+    ("reader", {**_STREAM, "stream_class": "reader"}, {"authorization": "Bearer eager-key"}),
+    ("eager", {**_STREAM, "stream": False}, {"authorization": "Bearer reader-key"}),  # batch
+    ("eager", _STREAM, {"authorization": "Bearer soft-key"}),  # the key's default rate
+    ("eager", {**_STREAM, "stream_rate": 2}, {"authorization": "Bearer soft-key"}),
+    ("eager", {**_STREAM, "stream_class": "eager"}, {"authorization": "Bearer soft-key"}),
+    ("reader", _STREAM, {"authorization": "Bearer soft-eager-key"}),
+    ("reader", {**_STREAM, "stream_rate": 3}, {"authorization": "Bearer soft-eager-key"}),
+    ("reader", _STREAM, {"authorization": "Bearer other-key"}),  # a key without a rule
+]
+
+
+@pytest.mark.parametrize(("default_class", "body", "headers"), _CLASS_CASES)
+def test_route_facts_read_the_class_and_rate_as_the_server_does(default_class, body, headers):
+    config = ServerConfig(default_class=default_class, api_key_classes=_KEYS)
+    default_rate_tps = 7.0  # (not the core's default: the router must be told the server's)
+    request = CompletionRequest.model_validate(body)
+    header_rate = headers.get("x-stream-rate")
+    stated = Stated(
+        rate_tps=None if header_rate is None else float(header_rate),
+        stream_class=headers.get("x-stream-class"),
+        api_key=bearer_token(headers.get("authorization")),
+    )
+    served = config.class_rules.resolve(
+        request.stream, request.stream_class, request.stream_rate, stated, default_rate_tps
+    )
+    parsed = parse_body(json.dumps(body).encode())
+    facts = route_facts(parsed, headers, config.class_rules, default_rate_tps)
+    assert facts["rate_tps"] == served.rate_tps  # (inf for eager and batch, as RouteRequest has)
+    assert math.isfinite(facts["rate_tps"]) == (served.consumption is Consumption.READER)
+
+
+def test_the_class_cases_cover_every_class_and_rate_source():
+    config = ServerConfig(default_class="eager", api_key_classes=_KEYS)
+    rates = set()
+    for default_class, body, headers in _CLASS_CASES:
+        rules = replace(config, default_class=default_class).class_rules
+        rates.add(route_facts(body, headers, rules, 7.0)["rate_tps"])
+    assert rates == {math.inf, 7.0, 8.0, 2.0, 6.0, 5.0, 3.0}
+
+
+def test_the_router_reads_the_replicas_default_rate_from_their_options():
+    assert served_default_rate([]) == DEFAULT_READER_RATE_TPS
+    assert served_default_rate(["--model", "m", "--default-rate", "6", "--port", "1"]) == 6.0
+    with pytest.raises(ValueError, match="--default-rate: a reader's rate must be"):
+        served_default_rate(["--default-rate", "5000"])
+
+
+def test_route_facts_route_a_class_the_server_refuses_as_if_unstated():
+    readers = ClassRules.parse("reader", ())
+    for body, headers in (
+        ({**_STREAM, "stream_class": "robot"}, {}),
+        ({**_STREAM, "stream_class": "batch"}, {}),  # (a 400: batch is not streamed)
+        (_STREAM, {"x-stream-class": "robot"}),
+        ({**_STREAM, "stream_class": 5}, {}),  # (a 422)
+    ):
+        assert route_facts(body, headers, readers, 7.0)["rate_tps"] == 7.0
 
 
 def _facts(body: dict) -> dict:
-    return route_facts(parse_body(json.dumps(body).encode()), {}, 4.0)
+    return route_facts(parse_body(json.dumps(body).encode()), {}, ClassRules(), 4.0)
 
 
 def test_route_facts_count_every_choice_a_body_starts():
@@ -163,7 +237,7 @@ def test_the_router_counts_every_choice_a_request_starts():
     router = _router()
     a = _Replica(_Id("a"), report_to_stats(_report(40.0)))  # readers at 4 tok/s: 4% each
     b = _Replica(_Id("b"), report_to_stats(_report(50.0)))
-    body = {"prompt": "hi", "max_tokens": 16, "stream_rate": 4}
+    body = {"prompt": "hi", "max_tokens": 16, "stream": True, "stream_rate": 4}
     assert _choose(router, [a, b], json.dumps({**body, "n": 4}).encode())[0] == "a"
     # "a" holds 56% once its 4 choices start, "b" 50%: the next request goes to "b"
     assert _choose(router, [a, b], json.dumps(body).encode())[0] == "b"

@@ -69,6 +69,26 @@ async def test_unknown_or_contradictory_classes_are_a_400():
     assert got == [400, 400, 400, 400]
 
 
+async def test_a_refused_class_is_a_400_naming_the_field():
+    transport = httpx.ASGITransport(app=build_app(FakeEngine(), ServerConfig()))
+    refused = []
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        for body, headers in (
+            (BODY, {"X-Stream-Class": "robot"}),  # (the body's own is checked by its type)
+            ({**BODY, "stream_class": "batch"}, {}),
+            ({**BODY, "stream": False, "stream_class": "eager"}, {}),
+        ):
+            response = await http.post("/v1/completions", json=body, headers=headers)
+            error = response.json()["error"]
+            refused.append((response.status_code, error["message"], error["param"]))
+    unknown = "unknown stream class 'robot'; choose one of reader, eager, batch"
+    assert refused == [
+        (400, unknown, "stream_class"),
+        (400, "stream_class batch is for stream: false", "stream_class"),
+        (400, "stream_class eager needs stream: true", None),
+    ]
+
+
 async def test_classes_by_api_key_and_the_server_default():
     config = ServerConfig(
         api_keys=("other",),
@@ -113,7 +133,7 @@ def test_the_class_rules_come_from_a_config_file_too(tmp_path):
     import argparse
 
     from tokenflow.cli.config_file import ConfigFileError, add_config_argument, apply_config_file
-    from tokenflow.cli.serve import add_serve_arguments
+    from tokenflow.serving.server import add_serve_arguments
 
     path = tmp_path / "serve.toml"
     path.write_text('default_class = "eager"\napi_key_class = ["chat-key=reader:6"]\n')

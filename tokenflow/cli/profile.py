@@ -179,6 +179,7 @@ def measure_server_overhead(
     """A short burst through the engine's whole step: (fixed, per chunk) seconds a step costs
     beyond its forward pass and the scheduler charge the simulator adds on its own."""
     from tokenflow.calibrate.costs import nonnegative_lstsq
+    from tokenflow.core.consumption import DEFAULT_READER_RATE_TPS
     from tokenflow.core.request import SamplingParams
     from tokenflow.sim.overhead import default_overhead
 
@@ -189,7 +190,7 @@ def measure_server_overhead(
     )
     for i in range(_BURST_REQUESTS):
         prompt = [1000 + (7 * i + j) % 5000 for j in range(_BURST_PROMPT_TOKENS)]
-        engine.add_request(f"profile-{i}", prompt, params, rate_tps=4.0)
+        engine.add_request(f"profile-{i}", prompt, params, rate_tps=DEFAULT_READER_RATE_TPS)
     rows, targets = [], []
     while engine.has_work:
         timed.last_plan, timed.last_s = None, 0.0

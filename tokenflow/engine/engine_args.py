@@ -18,6 +18,7 @@ from tokenflow.core.config import (
     policy_config,
     tokenflow_defaults,
 )
+from tokenflow.core.consumption import DEFAULT_READER_RATE_TPS, add_default_rate_argument
 from tokenflow.core.policies import POLICY_NAMES
 from tokenflow.core.prefix_cache import RETENTIONS
 from tokenflow.core.request import is_reader_rate, reader_rate_error
@@ -53,7 +54,7 @@ class EngineArgs:
     chunk_tokens: int = 512  # step budget of the chunked policy (simulator; see step_target_ms)
     step_target_ms: float = 250.0  # every policy prefills in chunks sized to about this step time
     max_num_requests: int = 256  # unfinished requests beyond this are refused (HTTP 429)
-    default_rate_tps: float = 4.0  # reading rate of a request that states none (tokens/s)
+    default_rate_tps: float = DEFAULT_READER_RATE_TPS  # of a reader that states none (tokens/s)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     serial_below_tokens: int = SERIAL_BELOW_TOKENS  # smaller CPU steps run on one thread
@@ -252,13 +253,7 @@ def _add_runtime_arguments(group: argparse._ArgumentGroup) -> None:
         default=EngineArgs.grammar_compile_workers,
         help="processes that compile structured outputs' grammars (off the server and engine)",
     )
-    group.add_argument(
-        "--default-rate",
-        type=float,
-        default=EngineArgs.default_rate_tps,
-        dest="default_rate_tps",
-        help="tokens/s of a reader that states no rate (see --default-class)",
-    )
+    add_default_rate_argument(group)
 
 
 def _device_defaults(field: str) -> str:

@@ -11,7 +11,8 @@ import math
 import random
 from dataclasses import dataclass
 
-CLASSES = ("reader", "eager", "batch")  # consumption classes (tokenflow.core.request)
+from tokenflow.core.consumption import CLASS_NAMES
+from tokenflow.core.request import is_reader_rate, reader_rate_error
 
 
 class WorkloadError(ValueError):
@@ -32,6 +33,12 @@ def is_int(value: object) -> bool:
 def is_positive(value: object) -> bool:
     """A finite number > 0."""
     return is_number(value) and math.isfinite(value) and value > 0  # type: ignore[arg-type]
+
+
+def is_rate(value: object) -> bool:
+    """A number that is a reader's rate (`is_reader_rate`: the bound the server and the engine
+    check, so a workload the simulator or a server would refuse never loads)."""
+    return is_number(value) and is_reader_rate(value)  # type: ignore[arg-type]
 
 
 def parse_float(text: str, where: str) -> float:
@@ -91,8 +98,8 @@ class RateMix:
         if not rates or len(rates) != len(weights):
             raise WorkloadError("a rate mix needs one weight per rate and at least one rate")
         for rate in rates:
-            if not is_positive(rate):
-                raise WorkloadError(f"rate must be a finite number > 0 tokens/s, got {rate!r}")
+            if not is_rate(rate):
+                raise WorkloadError(f"rate: {reader_rate_error(rate)}")
         for weight in weights:
             if not (is_number(weight) and math.isfinite(weight) and weight >= 0):
                 raise WorkloadError(f"rate weight must be a finite number >= 0, got {weight!r}")
@@ -141,8 +148,8 @@ class ClassMix:
         if not self.classes or len(self.classes) != len(self.weights):
             raise WorkloadError("a class mix needs one weight per class and at least one class")
         for name in self.classes:
-            if name not in CLASSES:
-                raise WorkloadError(f"unknown class {name!r}; choose from {', '.join(CLASSES)}")
+            if name not in CLASS_NAMES:
+                raise WorkloadError(f"unknown class {name!r}; choose from {', '.join(CLASS_NAMES)}")
         if any(not (math.isfinite(w) and w >= 0) for w in self.weights) or sum(self.weights) <= 0:
             raise WorkloadError("class weights must be finite, >= 0, and not all 0")
 

@@ -13,7 +13,9 @@ import math
 import os
 from dataclasses import dataclass
 
-from tokenflow.eval.distributions import CLASSES, WorkloadError, is_int, is_number, is_positive
+from tokenflow.core.consumption import CLASS_NAMES
+from tokenflow.core.request import reader_rate_error
+from tokenflow.eval.distributions import WorkloadError, is_int, is_number, is_rate
 
 TRACE_REQUIRED_KEYS = ("arrival_s", "prompt_tokens", "output_tokens")
 TRACE_OPTIONAL_KEYS = ("rate_tps", "stream_class", "request_id")
@@ -114,12 +116,12 @@ def parse_trace_line(line: str, where: str) -> TraceLine:
     for key in ("prompt_tokens", "output_tokens"):
         _check_count(record, key, where)
     rate = record.get("rate_tps")
-    if "rate_tps" in record and not is_positive(rate):
-        raise WorkloadError(f"{where}: rate_tps must be a finite number > 0, got {rate!r}")
+    if "rate_tps" in record and not is_rate(rate):
+        raise WorkloadError(f"{where}: rate_tps: {reader_rate_error(rate)}")
     stream_class = record.get("stream_class")
-    if "stream_class" in record and stream_class not in CLASSES:
+    if "stream_class" in record and stream_class not in CLASS_NAMES:
         raise WorkloadError(
-            f"{where}: stream_class must be one of {', '.join(CLASSES)}, got {stream_class!r}"
+            f"{where}: stream_class must be one of {', '.join(CLASS_NAMES)}, got {stream_class!r}"
         )
     if "request_id" in record:
         _check_name(record, "request_id", where)

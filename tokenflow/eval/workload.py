@@ -39,6 +39,8 @@ import os
 import random
 from dataclasses import dataclass, replace
 
+from tokenflow.core.consumption import CLASS_NAMES
+from tokenflow.core.request import reader_rate_error
 from tokenflow.eval.conversation import (
     ConversationSpec,
     Segment,
@@ -49,7 +51,6 @@ from tokenflow.eval.conversation import (
     turn_name,
 )
 from tokenflow.eval.distributions import (
-    CLASSES,
     ClassMix,
     LengthDist,
     RateMix,
@@ -57,6 +58,7 @@ from tokenflow.eval.distributions import (
     is_int,
     is_number,
     is_positive,
+    is_rate,
 )
 from tokenflow.eval.trace_file import TraceLine, TraceTurn, read_trace, write_trace
 
@@ -72,7 +74,7 @@ class WorkloadRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     rate_tps: float  # a reader's tokens/s (eager and batch requests ignore it)
-    consumption: str = "reader"  # "reader" | "eager" | "batch" (tokenflow.core.request)
+    consumption: str = "reader"  # one of CLASS_NAMES (tokenflow.core.consumption)
     # A conversation's turn (tokenflow/eval/conversation.py); None and empty otherwise.
     session_id: str | None = None  # its session (sent as OpenAI's prompt_cache_key)
     turn: int = 0  # 0, 1, ... within the session
@@ -85,16 +87,16 @@ class WorkloadRequest:
 
     def __post_init__(self) -> None:
         where = f"request {self.request_id}"
-        if self.consumption not in CLASSES:
-            raise WorkloadError(f"{where}: class must be one of {', '.join(CLASSES)}")
+        if self.consumption not in CLASS_NAMES:
+            raise WorkloadError(f"{where}: class must be one of {', '.join(CLASS_NAMES)}")
         if not (is_number(self.arrival_s) and math.isfinite(self.arrival_s)):
             raise WorkloadError(f"{where}: arrival_s must be a finite number")
         for name in ("num_prompt_tokens", "num_output_tokens"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise WorkloadError(f"{where}: {name} must be an integer >= 1, got {value!r}")
-        if not is_positive(self.rate_tps):
-            raise WorkloadError(f"{where}: rate_tps must be a finite number > 0")
+        if not is_rate(self.rate_tps):
+            raise WorkloadError(f"{where}: rate_tps: {reader_rate_error(self.rate_tps)}")
         if self.session_id is not None:
             self._check_turn(where)
         elif self.turn or self.after_id or self.think_s or self.app_id or self.segments:
@@ -288,16 +290,15 @@ def load_trace(path: str | os.PathLike[str], default_rate_tps: float) -> list[Wo
     """Read a JSONL trace (the module docstring lists its keys); lines without `rate_tps` get
     `default_rate_tps`, without `stream_class` the reader class.
 
-    Blank lines are skipped.  Arrivals are seconds >= 0, token counts integers >= 1, rates
-    finite numbers > 0; anything else (bad JSON, a missing, unknown or repeated key, a wrong
-    value, a turn that does not follow its session's previous one) raises WorkloadError naming
-    file:line.  Requests are sorted by arrival, stably (equal arrivals keep file order), and
-    numbered in that order unless the lines give request ids; arrival times are kept as recorded.
+    Blank lines are skipped.  Arrivals are seconds >= 0, token counts integers >= 1, rates a
+    reader's (`distributions.is_rate`); anything else (bad JSON, a missing, unknown or repeated
+    key, a wrong value, a turn that does not follow its session's previous one) raises
+    WorkloadError naming file:line.  Requests are sorted by arrival, stably (equal arrivals
+    keep file order), and numbered in that order unless the lines give request ids; arrival
+    times are kept as recorded.
     """
-    if not is_positive(default_rate_tps):
-        raise WorkloadError(
-            f"default_rate_tps must be a finite number > 0, got {default_rate_tps!r}"
-        )
+    if not is_rate(default_rate_tps):
+        raise WorkloadError(f"default_rate_tps: {reader_rate_error(default_rate_tps)}")
     lines = read_trace(path)
     rates = [default_rate_tps if line.rate_tps is None else line.rate_tps for line in lines]
     return _with_stated_classes(_trace_requests(lines, rates), lines)

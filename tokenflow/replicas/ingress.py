@@ -69,6 +69,8 @@ class Forwarder:
     ) -> None:
         config = config or ServerConfig()
         self._engine = engine
+        # The replicas' class rules and --default-rate: routed as the replicas will serve it.
+        self._class_rules = config.class_rules
         self._default_rate_tps = default_rate_tps
         self._max_body_bytes = config.max_body_bytes
         self._max_tries = max_tries
@@ -93,7 +95,7 @@ class Forwarder:
         try:
             body = await read_body(request, self._max_body_bytes)
             parsed = parse_body(body)
-            route = route_facts(parsed, request.headers, self._default_rate_tps)
+            route = route_facts(parsed, request.headers, self._class_rules, self._default_rate_tps)
             admission = await self._admit(request, f"/{path}", route)
         except ApiError as err:
             return error_response(err)

@@ -36,7 +36,12 @@ from ray.serve.config import RequestRouterConfig
 from tokenflow.core.rebalance import MigrateMode
 from tokenflow.core.routing import ROUTER_NAMES
 from tokenflow.replicas.board import DEFAULT_MODE, MoveBoard
-from tokenflow.replicas.deployments import DrainSignal, EngineReplica, server_config
+from tokenflow.replicas.deployments import (
+    DrainSignal,
+    EngineReplica,
+    served_default_rate,
+    server_config,
+)
 from tokenflow.replicas.ingress import ingress_class
 from tokenflow.replicas.router import TokenFlowRequestRouter
 
@@ -60,19 +65,21 @@ def build_application(
     router: str,
     serve_argv: list[str],
     report_period_s: float = 1.0,
-    default_rate_tps: float = 4.0,
     drain_signal: ActorHandle | None = None,
     board: ActorHandle | None = None,
     replica_class: type = EngineReplica,
 ) -> serve.Application:
     """The ingress bound to `num_replicas` engine replicas routed by `router` (one of
     `ROUTERS`); every replica runs `tokenflow serve` with `serve_argv`, and the ingress guards
-    them with its server options (--api-key, --max-body-bytes).  `drain_signal` (a
-    `DrainSignal`) lets `drain` reach every replica; `board` (a `MoveBoard` actor) moves
-    queued requests between them; `replica_class` is for tests."""
+    them with its server options (--api-key, --max-body-bytes) and routes each request by the
+    class and rate the replicas will give it (--default-class, --api-key-class,
+    --default-rate).  `drain_signal` (a `DrainSignal`) lets `drain` reach every replica;
+    `board` (a `MoveBoard` actor) moves queued requests between them; `replica_class` is for
+    tests."""
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
     config = server_config(serve_argv)  # (ValueError before any replica starts)
+    default_rate_tps = served_default_rate(serve_argv)
     if router == RAY_DEFAULT:
         routing = RequestRouterConfig(request_routing_stats_period_s=report_period_s)
     else:
@@ -165,7 +172,6 @@ def start(args: argparse.Namespace, serve_argv: list[str]) -> Fleet:
         args.router,
         serve_argv,
         args.report_period_s,
-        args.default_rate,
         drain_signal=drain_signal,
         board=board,
     )
@@ -251,7 +257,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--report-period-s", type=float, default=1.0, help="replicas report their load this often"
     )
-    parser.add_argument("--default-rate", type=float, default=4.0, help="tok/s of a rateless body")
     parser.add_argument(
         "--migrate",
         choices=MIGRATE_MODES,
@@ -291,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(ours)
     try:
         config = server_config(serve_argv)
+        served_default_rate(serve_argv)
     except ValueError as err:
         parser.error(str(err))
     fleet = start(args, serve_argv)

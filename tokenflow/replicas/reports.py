@@ -6,11 +6,14 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
-from tokenflow.core.request import Consumption, is_reader_rate
+from tokenflow.core.consumption import Resolved, reader_rate_of
 from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest, route_request
+from tokenflow.serving.auth import bearer_token
+from tokenflow.serving.classes import ClassRules, Stated
 from tokenflow.serving.protocol import MAX_CHOICES
+from tokenflow.serving.validation import ApiError
 
 REPORT_KEY = "tokenflow_load_report"
 AVOID_KEY = "avoid"  # in routing facts: replicas that refused the request already
@@ -37,32 +40,58 @@ def report_from_stats(stats: dict[str, object] | None) -> LoadReport | None:
 
 
 def route_facts(
-    parsed: dict[str, object], headers: Mapping[str, str], default_rate_tps: float
+    parsed: dict[str, object],
+    headers: Mapping[str, str],
+    rules: ClassRules,
+    default_rate_tps: float,
 ) -> dict[str, object]:
     """What the router may know of an OpenAI request body (`guards.parse_body`'s object),
-    before any replica validates it: the rate as the server reads it (body `stream_rate`,
-    else X-Stream-Rate, else the default), its choices (prompts x `n`, at most the server's
-    MAX_CHOICES), each choice's prompt size in tokens (a token-id list its length, text
-    estimated from characters; several prompts their mean) and max_tokens.  Only those few
-    fields are read, each to a bounded depth, and nothing is built in proportion to the prompt:
-    the work is bounded by the body's size (--max-body-bytes), the facts are a few numbers
-    whatever the body holds.  (The ingress counts a key's work by the same facts:
-    `keys.work_of`.)"""
-    rate = _rate(parsed.get("stream_rate")) or _rate(headers.get("x-stream-rate"))
-    stream_class = parsed.get("stream_class") or headers.get("x-stream-class") or "reader"
-    consumption = Consumption.READER if stream_class == "reader" else Consumption.EAGER
+    before any replica validates it: its class and rate as the replicas will find them (`rules`
+    and `default_rate_tps`: their --default-class, --api-key-class and --default-rate), its
+    choices (prompts x `n`, at most the server's MAX_CHOICES), each choice's prompt size in
+    tokens (a token-id list its length, text estimated from characters; several prompts their
+    mean) and max_tokens.  Only those few fields are read, each to a bounded depth, and nothing
+    is built in proportion to the prompt: the work is bounded by the body's size
+    (--max-body-bytes), the facts are a few numbers whatever the body holds.  (The ingress
+    counts a key's work by the same facts: `keys.work_of`.)"""
+    consumption, rate_tps = _reading(parsed, headers, rules, default_rate_tps)
     max_tokens = _number(parsed.get("max_completion_tokens")) or _number(parsed.get("max_tokens"))
     num_prompts, num_prompt_tokens = _prompts(parsed)
     num_choices = min(num_prompts * _count(parsed.get("n")), MAX_CHOICES)
     facts = route_request(
         uuid.uuid4().hex,
-        rate or default_rate_tps,
+        rate_tps,
         min(-(-num_prompt_tokens // num_prompts), MAX_ROUTED_TOKENS),
         int(min(max_tokens or DEFAULT_MAX_TOKENS, MAX_ROUTED_TOKENS)),
         consumption,
         num_choices,
     )
     return asdict(facts)
+
+
+def _reading(
+    parsed: dict[str, object],
+    headers: Mapping[str, str],
+    rules: ClassRules,
+    default_rate_tps: float,
+) -> Resolved:
+    """The class and rate the replica gives the request (`ClassRules.resolve`), from what it
+    reads: the body's `stream`, `stream_class` and `stream_rate`, the X-Stream-Class and
+    X-Stream-Rate headers and the API key.  A value the replica refuses (422, 400) is read as
+    not stated: the request is routed all the same, and refused there."""
+    stream = parsed.get("stream") is True  # (a JSON true: the server's `stream` is strict)
+    body_class = _text(parsed.get("stream_class"))
+    body_rate_tps = reader_rate_of(parsed.get("stream_rate"))
+    stated = Stated(
+        rate_tps=reader_rate_of(headers.get("x-stream-rate")),
+        stream_class=_text(headers.get("x-stream-class")),
+        api_key=bearer_token(headers.get("authorization")),
+    )
+    try:
+        return rules.resolve(stream, body_class, body_rate_tps, stated, default_rate_tps)
+    except ApiError:
+        unstated = replace(stated, stream_class=None)
+        return rules.resolve(stream, None, body_rate_tps, unstated, default_rate_tps)
 
 
 def with_avoided(facts: dict[str, object], replica_ids: Sequence[str]) -> dict[str, object]:
@@ -105,10 +134,8 @@ def _number(value: object) -> float | None:
     return number if math.isfinite(number) and number > 0 else None
 
 
-def _rate(value: object) -> float | None:
-    """A reader's rate, if `value` states one the server would accept."""
-    rate = _number(value)
-    return rate if rate is not None and is_reader_rate(rate) else None
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _count(value: object) -> int:

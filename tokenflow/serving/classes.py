@@ -1,21 +1,10 @@
-"""Which consumption class a request belongs to, and at what reading rate.
+"""Which consumption class a request belongs to, and at what reading rate: the server's side of
+the rule in `tokenflow/core/consumption.py` (the order it follows is written there).
 
-Most clients state no rate: the OpenAI SDKs, agent frameworks and benchmark tools do not know
-`stream_rate`.  A request's class (`tokenflow.core.request.Consumption`) comes from, in order:
-
-1. `stream: false`: batch (judged by end-to-end latency; a pause would only delay it);
-2. a binding rule of the request's API key (`--api-key-class KEY=CLASS[:RATE]`): a tenant's
-   key decides its class and rate, and what the request states of them is ignored;
-3. the body's `stream_class`, else the `X-Stream-Class` header: `reader`, `eager` or `batch`
-   (batch needs `stream: false`);
-4. a stated rate (`stream_rate`, else `X-Stream-Rate`): a reader at that rate;
-5. a key's rule written `KEY=~CLASS[:RATE]`: a default its requests may change;
-6. the server's default (`--default-class`: eager, since a client that states nothing may read
-   at once and a pause would serve it worse than FCFS; readers at `--default-rate`).
-
-A reader's rate is its binding rule's, else the stated one, else its key rule's, else the
-default rate.  Eager and batch
-requests reach the engine with an infinite rate: they read each token the moment it exists.
+This module reads the server's rules from its flags (`--default-class`, `--api-key-class
+KEY=CLASS[:RATE]`, a `~` before the class making a key's rule a default its requests may
+change, and `--stream-pacing`), hands the core rule what a request states, and answers a class
+the rule refuses with a 400.
 
 Whether a reader's stream is *paced* (its tokens released at its rate: serving/pacing.py) comes
 from the body's `stream_pacing`, else the `X-Stream-Pacing` header, else the server's
@@ -25,14 +14,22 @@ each token, never what the scheduler is told.  Eager and batch requests are neve
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tokenflow.core.request import Consumption, is_reader_rate, reader_rate_error
+from tokenflow.core.consumption import (
+    CLASS_NAMES,
+    ClassError,
+    ClassRule,
+    Resolved,
+    StatedClass,
+    parse_class,
+    resolve_class,
+)
+from tokenflow.core.request import Consumption
 from tokenflow.serving.validation import ApiError
 
-CLASS_NAMES = tuple(c.value for c in Consumption)
+__all__ = ["CLASS_NAMES", "ClassRules", "Stated"]  # (CLASS_NAMES: the --default-class choices)
 
 
 @dataclass(frozen=True)
@@ -43,22 +40,6 @@ class Stated:
     stream_class: str | None = None  # X-Stream-Class
     api_key: str | None = None  # the bearer token
     pacing: bool | None = None  # X-Stream-Pacing
-
-
-@dataclass(frozen=True)
-class ClassRule:
-    """A class, and a reader's rate (None: the server's default rate)."""
-
-    consumption: Consumption
-    rate_tps: float | None = None
-    binds: bool = False  # what a request states of its class and rate is ignored
-
-    def __post_init__(self) -> None:
-        rate = self.rate_tps
-        if rate is not None and not is_reader_rate(rate):
-            raise ValueError(f"a class rule's rate: {reader_rate_error(rate)}")
-        if rate is not None and self.consumption is not Consumption.READER:
-            raise ValueError(f"only readers have a rate, not {self.consumption.value}")
 
 
 @dataclass(frozen=True)
@@ -93,27 +74,18 @@ class ClassRules:
         body_rate_tps: float | None,
         headers: Stated,
         default_rate_tps: float,
-    ) -> tuple[Consumption, float]:
-        """(The class, the engine's rate: the reader's tokens/s, inf otherwise); the body's
+    ) -> Resolved:
+        """The class and the engine's rate (the reader's tokens/s, inf otherwise); the body's
         class and rate win over the headers', a binding key rule over both.  ApiError 400 for
         an unknown class or one that contradicts `stream`."""
-        stated_class = body_class if body_class is not None else headers.stream_class
-        stated_rate_tps = body_rate_tps if body_rate_tps is not None else headers.rate_tps
-        api_key = headers.api_key
-        bound = self.by_api_key.get(api_key or "")
-        if stream and bound is not None and bound.binds:
-            if bound.consumption is not Consumption.READER:
-                return bound.consumption, math.inf
-            return Consumption.READER, bound.rate_tps or self.default.rate_tps or default_rate_tps
-        consumption = self._class_of(stream, stated_class, stated_rate_tps, api_key)
-        if consumption is not Consumption.READER:
-            return consumption, math.inf
-        rule = self.by_api_key.get(api_key or "", self.default)
-        rate = next(
-            (r for r in (stated_rate_tps, rule.rate_tps, self.default.rate_tps) if r is not None),
-            default_rate_tps,
+        stated = StatedClass(
+            stream, body_class, body_rate_tps, headers.stream_class, headers.rate_tps
         )
-        return consumption, rate
+        key_rule = self.by_api_key.get(headers.api_key or "")
+        try:
+            return resolve_class(stated, key_rule, self.default, default_rate_tps)
+        except ClassError as err:
+            raise ApiError(400, str(err), param=err.param) from None
 
     def is_paced(self, consumption: Consumption, body_pacing: bool | None, headers: Stated) -> bool:
         """Whether the stream's tokens are released at its reader's rate: a reader's only, as
@@ -122,39 +94,3 @@ class ClassRules:
             return False
         stated = body_pacing if body_pacing is not None else headers.pacing
         return self.paces_readers if stated is None else stated
-
-    def _class_of(
-        self,
-        stream: bool,
-        stated_class: str | None,
-        stated_rate_tps: float | None,
-        api_key: str | None,
-    ) -> Consumption:
-        stated = _stated(stated_class)
-        if not stream:
-            if stated not in (None, Consumption.BATCH):
-                raise ApiError(400, f"stream_class {stated.value} needs stream: true")
-            return Consumption.BATCH
-        if stated is Consumption.BATCH:
-            raise ApiError(400, "stream_class batch is for stream: false", param="stream_class")
-        if stated is not None:
-            return stated
-        if stated_rate_tps is not None:
-            return Consumption.READER
-        return self.by_api_key.get(api_key or "", self.default).consumption
-
-
-def parse_class(name: str) -> Consumption:
-    """`reader` / `eager` / `batch` -> Consumption; ValueError naming the valid ones."""
-    if name not in CLASS_NAMES:
-        raise ValueError(f"unknown stream class {name!r}; choose one of {', '.join(CLASS_NAMES)}")
-    return Consumption(name)
-
-
-def _stated(name: str | None) -> Consumption | None:
-    if name is None:
-        return None
-    try:
-        return parse_class(name)
-    except ValueError as err:
-        raise ApiError(400, str(err), param="stream_class") from None

@@ -40,10 +40,11 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tokenflow.core.config import SchedulerConfig
+from tokenflow.core.consumption import reader_rate_of
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies import Moves, Policy, SchedulingView
-from tokenflow.core.request import Request, RequestState, SamplingParams, is_reader_rate
+from tokenflow.core.request import Request, RequestState, SamplingParams
 from tokenflow.core.scheduler import reserved_blocks
 
 _PREEMPTED = RequestState.PREEMPTED
@@ -126,14 +127,8 @@ class PolicyBridge:
     def rate_of(self, extra_args: dict | None) -> float | None:
         """The reading rate from `vllm_xargs.stream_rate`, else the server default (None: vLLM's
         own behaviour).  A malformed rate counts as absent."""
-        value = (extra_args or {}).get("stream_rate", self.default_rate_tps)
-        try:
-            rate = float(value) if value is not None else None
-        except (TypeError, ValueError):
-            return self.default_rate_tps
-        if rate is None or not is_reader_rate(rate):
-            return self.default_rate_tps
-        return rate
+        rate = reader_rate_of((extra_args or {}).get("stream_rate"))
+        return self.default_rate_tps if rate is None else rate
 
     def track(self, request: VllmRequestLike, rate_tps: float, now_s: float) -> Request:
         """Start mirroring a new vLLM request read at `rate_tps`."""
