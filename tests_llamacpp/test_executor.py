@@ -99,5 +99,5 @@ def test_one_failing_row_fails_alone(executor, prompts, oracle, monkeypatch):
     result = executor.execute(plan([good, bad]))
     assert [s.request_id for s in result.sampled] == ["good", "bad"]
     assert result.sampled[0].token_id == oracle(prompts[0], 1)[0]
-    assert set(executor.last_failed_rows) == {"bad"}
+    assert set(result.failed_rows) == {"bad"} and "boom" in result.failed_rows["bad"]
     executor.execute(plan([], released=["good", "bad"]))

@@ -11,6 +11,10 @@ Semantics of one step, which every executor (real or simulated) must honour:
 4. `StepResult.sampled` holds one token per sampling chunk, in the plan's chunk order: the
    scheduler pairs tokens with chunks by position (it checks the count and, of the decodes,
    the first and last token's request id; the executors' tests check the whole order).
+5. A row whose sampling failed (a NaN logit, a token its grammar refuses) still has its
+   place in `sampled`, with a placeholder token, and is named in `StepResult.failed_rows` with
+   why.  The scheduler never appends that token: it ends the request with the reason as an
+   error (`RequestOutput.error`), and the other rows go on.
 
 Block tables cross the seam as deltas (as in vLLM v1): a chunk carries only the device blocks
 its request's table gained since the plan that last included it, and where they go; a table
@@ -21,8 +25,9 @@ keeps them with `BlockTables`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from tokenflow.core.request import FinishReason, SamplingParams
 
@@ -179,9 +184,15 @@ class SampledToken:  # treated as immutable (built per token: see ScheduledChunk
 
 @dataclass(frozen=True)
 class StepResult:
-    """What an executor returns: one sampled token per chunk with `samples_token`."""
+    """What an executor returns: one sampled token per chunk with `samples_token`, and the
+    rows whose sampling failed (step semantics 5)."""
 
     sampled: tuple[SampledToken, ...]
+    failed_rows: Mapping[str, str] = field(default_factory=dict)  # request id -> why it failed
+
+    def __post_init__(self) -> None:
+        # A read-only copy: the executor may go on to reuse the mapping it passed.
+        object.__setattr__(self, "failed_rows", MappingProxyType(dict(self.failed_rows)))
 
 
 @dataclass(slots=True)
@@ -195,6 +206,7 @@ class RequestOutput:
     new_logprobs: tuple[TokenLogprobs, ...] = ()  # of new_token_ids, when the request asks
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # with the first token
     num_cached_tokens: int = 0  # prompt tokens whose KV a prefix-cache hit gave the request
+    error: str | None = None  # why its sampling row failed (it ended as an abort: no token)
 
     @property
     def is_finished(self) -> bool:

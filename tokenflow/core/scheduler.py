@@ -4,7 +4,7 @@
 (a decode that finds no free block retracts a victim the policy picks) -> chunks
 (`ChunkBuilder`, chunker.py) -> copies (loads, then write-through).  `update()` applies the
 step: the executor's tokens meet the requests kept in chunk order (`TokenAppender`,
-appender.py), and the requests that stopped are finished here.
+appender.py), and the requests that stopped, or whose sampling row failed, are finished here.
 
 With prefix caching on (`KVConfig.prefix_caching`), a request starting fresh shares the device's
 cached blocks of its prompt's leading full blocks, loads the host's beyond them when the policy
@@ -449,6 +449,7 @@ class Scheduler:
             if request.state is RequestState.LOADING:
                 self.queues.load_finished(request)
         self._loads_completing.clear()
+        failed = self._fail_rows(result) if result.failed_rows else []
         outputs = self._appender.append_decodes(decoding, sampled, now_s)
         if prefills:
             outputs += self._appender.append_prefills(
@@ -462,6 +463,17 @@ class Scheduler:
         # (a finished request left with its own remaining count: subtracting after is exact)
         self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
         self._decay_new_token_ratio()
+        return outputs + failed
+
+    def _fail_rows(self, result: StepResult) -> list[RequestOutput]:
+        """End the requests whose sampling row failed (`StepResult.failed_rows`) as aborts, with
+        why, before the tokens are appended: their placeholders never are; the others go on."""
+        outputs: list[RequestOutput] = []
+        for request_id, reason in result.failed_rows.items():  # (in row order: deterministic)
+            if (request := self.requests.get(request_id)) is not None:  # (else it ended)
+                self._finish(request, FinishReason.ABORT)  # its KV freed, not expected back
+                n = request.num_output_tokens
+                outputs.append(RequestOutput(request_id, (), n, FinishReason.ABORT, error=reason))
         return outputs
 
     def _cache_computed_blocks(self, decoding: list[Request], prefilling: list[Request]) -> None:

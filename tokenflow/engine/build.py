@@ -32,8 +32,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Executor(Protocol):
     """What the engine's step loop calls (the core's seam, plus the engine's own needs)."""
 
-    last_failed_rows: object
-
     def execute(self, plan: StepPlan) -> StepResult: ...
     def close(self) -> None: ...
 

@@ -7,9 +7,10 @@ forward writes, and the worker is joined (and the copy stream synchronised) befo
 returns, so every copy of a plan is complete when its result is.
 
 Failure isolation: when sampling a batch raises, the rows are sampled one by one and only the
-rows that still fail are given up: they get a placeholder token and are listed in
-`last_failed_rows` (request id -> reason), which the engine reads after the step to finish those
-requests with an error.  A failing forward pass or copy raises: the whole plan failed.
+rows that still fail are given up, as is a row whose token its grammar refuses: they get a
+placeholder token and are named in the result's `failed_rows` (request id -> reason), and the
+core ends those requests with an error (tokenflow.core.plan, step semantics 5).  A failing
+forward pass or copy raises: the whole plan failed.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class ModelExecutor:
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         is_cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
-        self.last_failed_rows: dict[str, str] = {}  # of the latest execute(): request id -> why
         self.block_tables = BlockTables()  # every request's device table, from the plans' deltas
         # On CPU decode attention reads the paged KV in place (a compiled kernel); on CUDA, and
         # where compiling fails, it gathers the blocks for SDPA.
@@ -86,14 +86,14 @@ class ModelExecutor:
         if self.grammars is not None:
             self.grammars.release(plan.released_request_ids)
         self.block_tables.apply(plan)
-        self.last_failed_rows = {}
+        failed_rows: dict[str, str] = {}  # request id -> why its row failed
         copies = self._start_copies(plan)
         try:
-            sampled = self._forward_and_sample(plan)
+            sampled = self._forward_and_sample(plan, failed_rows)
         finally:
             if copies is not None:
                 copies.result()  # joins the worker; re-raises a copy failure
-        return StepResult(sampled=sampled)
+        return StepResult(sampled=sampled, failed_rows=failed_rows)
 
     def _start_copies(self, plan: StepPlan) -> Future[None] | None:
         if not (plan.device_to_host or plan.host_to_device):
@@ -115,7 +115,9 @@ class ModelExecutor:
                 self.kv_cache.apply_copies(plan.device_to_host, plan.host_to_device)
             self._copy_stream.synchronize()
 
-    def _forward_and_sample(self, plan: StepPlan) -> tuple[SampledToken, ...]:
+    def _forward_and_sample(
+        self, plan: StepPlan, failed_rows: dict[str, str]
+    ) -> tuple[SampledToken, ...]:
         if not plan.chunks:
             return ()
         with torch.inference_mode():
@@ -139,14 +141,15 @@ class ModelExecutor:
             self._record_prompt_logprobs([plan.chunks[i] for i in scored], logits[num_sampled:])
             self.token_counts.observe(plan.chunks)
             chunks = [plan.chunks[i] for i in inputs.sampled_chunk_indices]
-            return self._sample(chunks, logits[:num_sampled])
+            return self._sample(chunks, logits[:num_sampled], failed_rows)
 
     def _sample(
-        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor, failed_rows: dict[str, str]
     ) -> tuple[SampledToken, ...]:
         """One token per sampling chunk (logits [len(chunks), vocab], raw), with the logprobs
         of the requests that ask for them (of the model's raw distribution, before penalties and
-        grammar masks, as vLLM reports them by default)."""
+        grammar masks, as vLLM reports them by default); the rows that failed go in
+        `failed_rows`, each with a placeholder token."""
         rows = [
             SamplingRow(
                 c.request_id,
@@ -162,9 +165,9 @@ class ModelExecutor:
             if any(p.logprobs is not None for p in params):
                 raw = logits.clone()  # (the mask writes in place; logprobs are the raw model's)
             grammars.mask(logits, request_ids, params)
-        token_ids = sample_isolated(self.sampler, logits, rows, self.last_failed_rows)
+        token_ids = sample_isolated(self.sampler, logits, rows, failed_rows)
         if grammars is not None:  # once the batch is sampled: the sampler may retry a row
-            grammars.accept(request_ids, token_ids, self.last_failed_rows)
+            grammars.accept(request_ids, token_ids, failed_rows)
         logprobs = sampled_logprobs(raw, params, token_ids)
         return tuple(
             SampledToken(

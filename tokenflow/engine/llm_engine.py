@@ -14,12 +14,12 @@ prompt, or the recompute of a preempted stream, never freezes the other streams 
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
 
 from tokenflow.core.config import SchedulerConfig
+from tokenflow.core.consumption import resolve_given
 from tokenflow.core.engine_core import EngineCore, StepFailed
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.migration import StreamState
@@ -169,15 +169,15 @@ class LLMEngine:
         `session_key` is the client's session hint (OpenAI's `prompt_cache_key`): the prefix
         cache keeps the blocks of a request that names one for its next turn."""
         self.validate(prompt_token_ids, params)
+        consumption, rate_tps = resolve_given(consumption, rate_tps, self.args.default_rate_tps)
         grammar = grammar or self.compile_grammar(params)
         self.outputs.add(request_id, prompt_token_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=tuple(prompt_token_ids),
             sampling_params=params,
-            rate_tps=rate_tps or self.args.default_rate_tps,
-            consumption=consumption
-            or (Consumption.READER if rate_tps != math.inf else Consumption.EAGER),
+            rate_tps=rate_tps,
+            consumption=consumption,
             arrival_s=self.core.clock.now(),
             eos_token_ids=self.model_config.eos_token_ids,
             session_key=session_key,
@@ -243,22 +243,12 @@ class LLMEngine:
         except StepFailed as failed:  # attributed to the plan's requests alone
             return True, self._fail_plan(failed.plan, failed.__cause__)
         self._moves.after_step(self.scheduler, self.core.clock.now())
-        failed_rows = self.executor.last_failed_rows
-        if failed_rows:
-            outputs = [o for o in outputs if o.request_id not in failed_rows]
-        processed = self.outputs.process(outputs)
-        deltas = processed.deltas
+        processed = self.outputs.process(outputs)  # (failed rows come ended, with `error`)
         for request_id in processed.stopped_request_ids:
             self.scheduler.finish_request(request_id, FinishReason.STOP)
         for request_id in processed.failed_request_ids:
             self.core.abort(request_id)
-        for request_id, reason in failed_rows.items():
-            logger.warning("request %s failed alone: %s", request_id, reason)
-            self.core.abort(request_id)  # False if its placeholder token already ended it
-            delta = self.outputs.failed(request_id, reason)
-            if delta is not None:
-                deltas.append(delta)
-        return not plan.is_empty, deltas
+        return not plan.is_empty, processed.deltas
 
     def _fail_plan(self, plan: StepPlan, err: Exception) -> list[GenerationDelta]:
         """End every request the failed plan touched (chunks and copies) with an error."""

@@ -38,7 +38,6 @@ class LlamaCppExecutor:
     ) -> None:
         self.context = LlamaContext(model_path, spec)
         self.sampler = Sampler(eos_token_ids, seed=seed)
-        self.last_failed_rows: dict[str, str] = {}  # of the latest execute(): request id -> why
         self._live: OrderedDict[str, int] = OrderedDict()  # request -> sequence, oldest use first
         self._saved: dict[str, bytes] = {}  # request -> its sequence's KV, out of the pool
         self._free_seqs = list(range(spec.num_seqs - 1, -1, -1))
@@ -50,8 +49,8 @@ class LlamaCppExecutor:
         self.context.close()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run the plan's chunks in one llama_decode call; sample; return the tokens."""
-        self.last_failed_rows = {}
+        """Run the plan's chunks in one llama_decode call; sample; return the tokens (a row
+        whose sampling fails gets a placeholder and is named in the result's `failed_rows`)."""
         for request_id in plan.released_request_ids:
             self._forget(request_id)
         if not plan.chunks:
@@ -72,16 +71,16 @@ class LlamaCppExecutor:
             wants.extend([False] * (n - 1))
             wants.append(chunk.samples_token)
         logits = self._decode(tokens, positions, seqs, wants, in_plan)
-        return StepResult(sampled=self._sample(plan.chunks, logits))
+        failed_rows: dict[str, str] = {}  # request id -> why its row failed
+        sampled = self._sample(plan.chunks, logits, failed_rows)
+        return StepResult(sampled=sampled, failed_rows=failed_rows)
 
     def _sample(
-        self, chunks: tuple[ScheduledChunk, ...], logits: np.ndarray
+        self, chunks: tuple[ScheduledChunk, ...], logits: np.ndarray, failed_rows: dict[str, str]
     ) -> tuple[SampledToken, ...]:
         sampling = [c for c in chunks if c.samples_token]
         rows = [SamplingRow(c.request_id, c.sampling_params, c.num_output_tokens) for c in sampling]
-        token_ids = sample_isolated(
-            self.sampler, torch.from_numpy(logits), rows, self.last_failed_rows
-        )
+        token_ids = sample_isolated(self.sampler, torch.from_numpy(logits), rows, failed_rows)
         return tuple(
             SampledToken(c.request_id, token_id)
             for c, token_id in zip(sampling, token_ids, strict=True)
