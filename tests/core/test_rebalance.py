@@ -5,9 +5,11 @@ at 8 tok/s (each 1/128 of it), one stream's share of Gamma 16 tok/s (64 streams)
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from tests.core.helpers import FLAT_GAMMA_TPS, flat_report, make_request
+from tests.core.helpers import FLAT_GAMMA_TPS, flat_report, make_core, make_request
 from tokenflow.core.rebalance import (
     MigrateMode,
     Movable,
@@ -15,10 +17,11 @@ from tokenflow.core.rebalance import (
     StreamKind,
     movable_of,
     plan_moves,
+    replica_load,
     stream_kind,
 )
 from tokenflow.core.request import RequestState
-from tokenflow.core.routing import RouteRequest
+from tokenflow.core.routing import RouteRequest, load_report
 
 GAMMA = FLAT_GAMMA_TPS
 RATE = 8.0
@@ -185,3 +188,30 @@ def test_a_request_is_queued_paused_or_running_by_its_state_and_an_ended_one_can
     request.state = RequestState.FINISHED
     with pytest.raises(ValueError, match="ended"):
         movable_of(request, 5.0, 2.0)
+
+
+def test_a_replica_offers_its_queue_and_paused_streams_and_everything_once_it_leaves():
+    queued = make_request("q", rate=RATE, arrival=1.0)
+    paused = make_request("p", rate=RATE, arrival=0.5)
+    running = make_request("r", rate=RATE)
+    paused.state, running.state = RequestState.PREEMPTED, RequestState.RUNNING
+    view = SimpleNamespace(now_s=5.0, waiting=(queued,), preempted=(paused,), running=(running,))
+    report = flat_report()
+    serving = replica_load("a", view, {"q": 4.0}, report=report)  # (q moved here at 4 s)
+    assert [m.request_id for m in serving.movable] == ["q", "p"]
+    assert [m.queued_s for m in serving.movable] == [1.0, 4.5]  # since its landing, or arrival
+    assert serving.report is report and not serving.is_leaving
+    leaving = replica_load("a", view, {}, report=report, drain_left_s=3.0)
+    assert [m.request_id for m in leaving.movable] == ["q", "p", "r"]
+    assert leaving.drain_left_s == 3.0
+    only = replica_load("a", view, {}, report=report, movable_ids={"p"}, drain_left_s=3.0)
+    assert [m.request_id for m in only.movable] == ["p"]
+
+
+def test_a_replica_without_a_report_is_measured_from_its_view():
+    core, clock, _ = make_core("tokenflow")
+    core.add_request(make_request("q", rate=RATE))
+    view = core.scheduler.view(clock.now())
+    load = replica_load("a", view, {})
+    assert load.report == load_report(view) and load.report.num_waiting == 1
+    assert [m.request_id for m in load.movable] == ["q"]

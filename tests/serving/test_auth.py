@@ -95,7 +95,7 @@ def test_repeated_api_key_flags_and_a_config_file_string_both_work(tmp_path):
     import argparse
 
     from tokenflow.cli.config_file import add_config_argument, apply_config_file
-    from tokenflow.cli.serve import add_serve_arguments
+    from tokenflow.serving.server import add_serve_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_serve_arguments(parser)

@@ -26,15 +26,6 @@ if TYPE_CHECKING:  # imported lazily at run time: `tokenflow --help` loads no to
 logger = logging.getLogger(__name__)
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Server options plus every engine option."""
-    from tokenflow.engine.engine_args import EngineArgs
-    from tokenflow.serving.config import ServerConfig
-
-    ServerConfig.add_arguments(parser)
-    EngineArgs.add_arguments(parser)
-
-
 def configure_logging(level: str) -> None:
     """The package's loggers print like uvicorn's ("INFO:     tokenflow.x: message")."""
     from uvicorn.logging import DefaultFormatter
@@ -99,24 +90,21 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve(sock: socket.socket, config: object, engine_args: object) -> int:
     import uvicorn
 
-    from tokenflow.engine.async_engine import AsyncEngine
-    from tokenflow.integrations.executors import executor_factory
+    from tokenflow.engine.engine_args import EngineArgs
     from tokenflow.model.config import ModelLoadError
-    from tokenflow.serving.app import build_app
     from tokenflow.serving.config import ServerConfig
-    from tokenflow.serving.drain import Drain
+    from tokenflow.serving.server import build_server
 
-    assert isinstance(config, ServerConfig)
+    assert isinstance(config, ServerConfig) and isinstance(engine_args, EngineArgs)
     try:
-        build_executor = executor_factory(engine_args.executor)  # type: ignore[attr-defined]
-        engine = AsyncEngine(engine_args, False, build_executor)  # type: ignore[arg-type]
+        served = build_server(engine_args, config, start_thread=False)
     except (ModelLoadError, ValueError, OSError) as err:
         return _fail(str(err), 2)
+    engine, drain = served.engine, served.drain
     _log_start(engine, config)
-    drain = Drain()
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(engine, config, drain),
+            served.app,
             log_level=config.log_level,
             # Once the engine stopped, every stream ends at once: this only bounds the flush.
             timeout_graceful_shutdown=5,

@@ -19,6 +19,11 @@ from tokenflow.core.request import FinishReason, Request
 from tokenflow.core.scheduler import Scheduler
 from tokenflow.core.step_budget import StepBudget
 
+# How long the serving engine's loop pauses after a step in which nothing could run (an empty
+# plan: its requests wait, on a copy over the link for one) before it plans again; the
+# simulation of a profiled deployment ticks as often, so it idles as the server does.
+NOTHING_RAN_WAIT_S = 0.002
+
 
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult:

@@ -22,7 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tokenflow.core.request import Consumption, Request, SamplingParams
+from tokenflow.core.request import (
+    Consumption,
+    Request,
+    SamplingParams,
+    reader_dry_s,
+    reader_slack_s,
+)
 
 # What a move costs beyond the target's recompute and the source's wait for the end of its step:
 # the handoff of the state through the ingress and the call that opens the continuation on the
@@ -82,9 +88,8 @@ class StreamState:
 
     def slack_s(self, now_s: float) -> float:
         """Seconds until the reader asks for a token not generated yet (`Request.slack_s`)."""
-        if not self.output_token_ids:
-            return 0.0
-        return self.last_consume_s + 1.0 / self.rate_tps - now_s
+        dry_s = reader_dry_s(self.last_consume_s, self.rate_tps)
+        return reader_slack_s(self.is_started, dry_s, now_s)
 
 
 def stream_state(request: Request) -> StreamState:

