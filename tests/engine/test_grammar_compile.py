@@ -126,7 +126,9 @@ class BlockingWorker(CompileWorker):
         self.info = xgrammar.TokenizerInfo.deserialize_json(info_json)
         self.release, self.started = release, started
 
-    def compile(self, schema_text: str, timeout_s: float, origin: str) -> str:
+    def compile(
+        self, schema_text: str, timeout_s: float, origin: str, kind: str = "json_schema"
+    ) -> str:
         self.started.set()
         assert self.release.wait(60), "the test never released the compile"
         compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
@@ -209,3 +211,50 @@ def test_the_process_worker_compiles_and_names_a_refusal(tokenizer_info):
             worker.compile('{"type": "bogus"}', 120, "x")
     finally:
         worker.close()
+
+
+def _accepts(grammar: xgrammar.CompiledGrammar, text: str) -> bool:
+    """Whether `text`, then the end of the output, is what the grammar allows."""
+    matcher = xgrammar.GrammarMatcher(grammar)
+    return matcher.accept_string(text) and matcher.accept_token(matcher.stop_token_ids[0])
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "allowed", "refused"),
+    [
+        ("regex", r"(yes|no)\d", "no7", "maybe"),
+        ("grammar", 'root ::= "a" | "b" "c"', "bc", "b"),
+        ("grammar", 'root ::= "x\\"y" | "z"', 'x"y', "x"),  # a choice with a quote
+    ],
+)
+def test_a_regex_and_a_grammar_compile_in_the_worker(tiny_grammars, kind, text, allowed, refused):
+    grammar = tiny_grammars.compile(StructuredOutput(text, origin="guided_x", kind=kind))
+    assert _accepts(grammar, allowed)
+    assert not _accepts(grammar, refused)
+
+
+def test_a_regex_or_grammar_over_the_bounds_is_refused_before_it_compiles():
+    compiler = GrammarCompiler(xgrammar.TokenizerInfo(["a"]), make_worker=lambda info: _Never())
+    nested = StructuredOutput("([a-z]{1,20}){1,20}", origin="guided_regex", kind="regex")
+    with pytest.raises(SchemaTooComplex, match="guided_regex: the pattern's nested"):
+        compiler.compile(nested)
+    long = StructuredOutput("root ::= " + '"a" | ' * 20000 + '"b"', "guided_grammar", "grammar")
+    with pytest.raises(SchemaTooComplex, match="guided_grammar: the grammar has"):
+        compiler.compile(long)
+
+
+def test_the_process_worker_names_a_grammar_it_refuses(tokenizer_info):
+    worker = ProcessWorker(tokenizer_info.serialize_json())
+    try:
+        with pytest.raises(GrammarError, match="guided_grammar: the grammar cannot be compiled"):
+            worker.compile("root ::= ", 120, "guided_grammar", "grammar")
+    finally:
+        worker.close()
+
+
+class _Never:
+    def compile(self, *args: object) -> str:
+        raise AssertionError("a constraint over the bounds reached a worker")
+
+    def close(self) -> None:
+        pass

@@ -154,3 +154,62 @@ def test_the_matcher_sees_each_character_once(monkeypatch):
     (matcher,) = matchers
     assert matcher.pieces == list(text)
     assert matcher.num_steps <= 2 * len(text)
+
+
+def _word_piece_tokenizer() -> Tokenizer:
+    """Words and two added special tokens, decoded with spaces between them (WordPiece)."""
+    vocab = {"hi": 0, "there": 1, "[UNK]": 2}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.decoder = tokenizers.decoders.WordPiece()
+    backend.add_special_tokens(["<a>", "<b>"])
+    return Tokenizer(backend, None)
+
+
+def _text_of(tokenizer: Tokenizer, text: str, **params) -> str:
+    """The whole text of `text`'s tokens, one per step, under SamplingParams(**params)."""
+    ids = tokenizer.encode(text)
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", [], SamplingParams(max_tokens=64, **params))
+    pieces = []
+    for index, token_id in enumerate(ids):
+        finish = FinishReason.LENGTH if index == len(ids) - 1 else None
+        (delta,) = processor.process([RequestOutput("r", (token_id,), index + 1, finish)]).deltas
+        pieces.append(delta.text)
+        if delta.finish_reason is not None:
+            break
+    return "".join(pieces)
+
+
+def test_special_tokens_are_kept_when_not_skipped_and_joined_without_spaces():
+    words = _word_piece_tokenizer()
+    assert _text_of(words, "hi <a> <b> there") == "hi there"
+    assert _text_of(words, "hi <a> <b> there", skip_special_tokens=False) == "hi <a> <b> there"
+    joined = _text_of(
+        words, "hi <a> <b> there", skip_special_tokens=False, spaces_between_special_tokens=False
+    )
+    assert joined == "hi <a><b> there"
+
+
+def test_special_tokens_of_a_real_tokenizer_are_kept_when_not_skipped(smollm):
+    text = _text_of(smollm.tokenizer, TEXT, skip_special_tokens=False)
+    assert "<|im_end|>" in text
+    assert "<|im_end|>" not in _text_of(smollm.tokenizer, TEXT)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("stop", ["日本", "text", "ß"])
+def test_a_kept_stop_string_ends_the_text(stop, chunk):
+    processor = OutputProcessor(BYTES)
+    params = SamplingParams(max_tokens=4096, stop=(stop,), include_stop_str_in_output=True)
+    processor.add("r", [], params)
+    steps, texts, total, finish = _steps(TEXT, chunk), [], 0, None
+    for ids in steps:
+        total += len(ids)
+        (delta,) = processor.process([RequestOutput("r", ids, total, None)]).deltas
+        texts.append(delta.text)
+        finish = delta.finish_reason
+        if finish is not None:
+            break
+    assert "".join(texts) == TEXT[: TEXT.find(stop) + len(stop)]
+    assert finish == "stop"

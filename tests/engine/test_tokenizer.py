@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import jinja2
 import pytest
 import tokenizers
 from hypothesis import given, settings
@@ -272,3 +273,47 @@ def test_incremental_detokenizer_equals_the_reference_on_random_ids(smollm, seed
     prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(8)]
     got, expected = _streams(tokenizer, prompt, [[t] for t in ids])
     assert got == expected
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+
+
+def _chat_tokenizer() -> Tokenizer:
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0}, merges=[]))
+    return Tokenizer(backend, None, chat_template=THINKING_TEMPLATE)
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_replace_its_variables():
+    tokenizer = _chat_tokenizer()
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokenizer.render_chat(messages) == "<|user|>hi<|end|><|assistant|>"
+    off = tokenizer.render_chat(messages, chat_template_kwargs={"enable_thinking": False})
+    assert off == "<|user|>hi<|end|><|assistant|><think></think>"
+    ours = {"messages": [], "add_generation_prompt": False}
+    assert tokenizer.render_chat(messages, chat_template_kwargs=ours) == (
+        "<|user|>hi<|end|><|assistant|>"
+    )
+
+
+def test_continue_final_message_leaves_the_last_message_open():
+    tokenizer = _chat_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The an"}]
+    rendered = tokenizer.render_chat(messages, add_generation_prompt=False)
+    assert rendered.endswith("The an<|end|>")
+    opened = tokenizer.render_chat(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert opened == "<|user|>hi<|end|><|assistant|>The an"
+
+
+def test_continue_final_message_refuses_a_template_that_hides_the_message():
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0}, merges=[]))
+    tokenizer = Tokenizer(backend, None, chat_template="{% for m in messages %}x{% endfor %}")
+    messages = [{"role": "assistant", "content": "The an"}]
+    with pytest.raises(jinja2.exceptions.TemplateError, match="final message"):
+        tokenizer.render_chat(messages, add_generation_prompt=False, continue_final_message=True)

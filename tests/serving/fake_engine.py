@@ -58,10 +58,19 @@ class WordTokenizer:
         messages: Sequence[dict[str, str]],
         tools: object = None,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, object] | None = None,
     ) -> list[int]:
+        """`<|role|> content` per message, then `<|assistant|>`; each template variable as a
+        `<|name=value|>` word first; with `continue_final_message`, the last message's turn is
+        left open: its role word becomes `<|role...|>`."""
+        variables = [f"<|{k}={v}|>" for k, v in sorted((chat_template_kwargs or {}).items())]
         parts = [f"<|{m['role']}|> {m['content']}" for m in messages]
+        if continue_final_message:
+            parts[-1] = f"<|{messages[-1]['role']}...|> {messages[-1]['content']}"
         opener = ["<|assistant|>"] if add_generation_prompt else []
-        return self.encode(" ".join([*parts, *opener]))
+        return self.encode(" ".join([*variables, *parts, *opener]))
 
 
 @dataclass
@@ -102,6 +111,7 @@ class FakeEngine:
     submitted: list[tuple[str, SamplingParams, float]] = field(default_factory=list)
     consumptions: list[Consumption] = field(default_factory=list)  # each generate()'s class
     session_keys: list[str | None] = field(default_factory=list)  # each generate()'s hint
+    prompts: list[tuple[int, ...]] = field(default_factory=list)  # each generate()'s prompt
     num_finished: int = 0
     num_refused: int = 0  # generate() calls refused with EngineOverloaded
     death: str | None = None  # health() reports the loop dead, generate() raises EngineDead
@@ -141,6 +151,7 @@ class FakeEngine:
         self.submitted.append((request_id, sampling_params, rate_tps))
         self.consumptions.append(consumption)
         self.session_keys.append(session_key)
+        self.prompts.append(tuple(prompt_token_ids))
         self.active_ids.append(request_id)
         try:
             await asyncio.sleep(self.first_token_delay_s)

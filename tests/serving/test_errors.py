@@ -71,11 +71,34 @@ async def test_wrong_types_are_400(
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-async def test_unknown_field_rejected(client: httpx.AsyncClient, path: str) -> None:
-    body = {"prompt": "x", "messages": MESSAGES, "frobnicate": 1}
+async def test_unknown_field_served_and_logged(
+    client: httpx.AsyncClient, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As vLLM: a field neither API defines is ignored, and the log names it."""
+    body = {"prompt": "x", "messages": MESSAGES, "frobnicate": 1, "max_tokens": 2}
     body.pop("messages" if path == COMPLETIONS else "prompt")
-    error = assert_error(await client.post(path, json=body), 400, "frobnicate")
-    assert "frobnicate" in error["message"]
+    with caplog.at_level("WARNING", logger="tokenflow.serving.serving"):
+        response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert ignored == [
+        "The following fields were present in the request but ignored: ['frobnicate']"
+    ]
+
+
+async def test_unknown_field_inside_a_message_refused(client: httpx.AsyncClient) -> None:
+    body = {"messages": [{"role": "user", "content": "x", "frobnicate": 1}]}
+    assert_error(await client.post(CHAT, json=body), 400, "messages")
+
+
+async def test_refusal_reason_logged(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="tokenflow.serving.app"):
+        assert_error(await client.post(COMPLETIONS, json={"prompt": "x", "n": 0}), 400, "n")
+    lines = [r.getMessage() for r in caplog.records if r.name == "tokenflow.serving.app"]
+    assert len(lines) == 1
+    assert lines[0].startswith("POST /v1/completions -> 400 invalid_request_error: n: ")
 
 
 @pytest.mark.parametrize("rate", ["-1", "0", "NaN", "Infinity", "-Infinity", "1e-309", "1e-4"])
@@ -131,7 +154,11 @@ async def test_lengths(engine: FakeEngine) -> None:
         (COMPLETIONS, {"suffix": "y"}, "suffix"),
         (COMPLETIONS, {"best_of": 3}, "best_of"),
         (CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
-        (CHAT, {"frobnicate": True}, "frobnicate"),  # unknown: it might change the answer
+        (CHAT, {"use_beam_search": True}, "use_beam_search"),
+        (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
+        (CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+        (CHAT, {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+        (CHAT, {"continue_final_message": True}, "continue_final_message"),  # with the opener
         (CHAT, {"reasoning_effort": "extreme"}, "reasoning_effort"),
         (CHAT, {"tools": [{"type": "function"}]}, "tools"),
         (COMPLETIONS, {"min_tokens": 5, "max_tokens": 2}, None),

@@ -129,8 +129,13 @@ class Tokenizer(Protocol):
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Render OpenAI-style messages with the model's chat template and tokenize them."""
+        """Render OpenAI-style messages with the model's chat template and tokenize them;
+        `continue_final_message` leaves the last message open, `chat_template_kwargs` are
+        further variables for the template."""
         ...
 
 

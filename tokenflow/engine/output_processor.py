@@ -1,13 +1,16 @@
 """Turns the core's per-token outputs into text deltas: detokenization and stop strings.
 
 Stop strings are found here, not in the core (the core sees only token ids); when one matches,
-the text is cut before it and the caller finishes the request in the core.  While streaming, a
-suffix that could still grow into a stop string is held back until the next token decides it.
+the text is cut before it (after it with `include_stop_str_in_output`) and the caller finishes
+the request in the core.  While streaming, a suffix that could still grow into a stop string is
+held back until the next token decides it (not when a stop is kept: the text is sent either
+way).
 Each request's `StopMatcher` sees each character once, so a step costs O(its new text) there,
 however long the stops and the text so far.
 
 A request whose detokenization or stop check raises gets an "error" delta and is listed in
-`ProcessedStep.failed_request_ids` (the caller ends it in the core); the others go on.
+`ProcessedStep.failed_request_ids` (the caller ends it in the core); the others go on.  An
+output the core ended with an `error` (its sampling row failed) gets an "error" delta with it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopMatcher | None  # None without (non-empty) stop strings
     num_prompt_tokens: int
+    keeps_stop: bool = False  # a stop string that ends the text stays in it
     num_sent_chars: int = 0
     num_output_tokens: int = 0
 
@@ -48,10 +52,17 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Start tracking a request."""
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
         self._streams[request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+            detokenizer,
             StopMatcher(params.stop) if any(params.stop) else None,
             len(prompt_token_ids),
+            keeps_stop=params.include_stop_str_in_output,
         )
 
     def resume(
@@ -72,7 +83,7 @@ class OutputProcessor:
             if stream.stop_matcher.feed(stream.detokenizer.text) is not None:
                 self.drop(request_id)
                 raise ValueError(f"{request_id}: its text so far already holds a stop string")
-            end -= stream.stop_matcher.partial_length
+            end -= 0 if stream.keeps_stop else stream.stop_matcher.partial_length
         stream.num_sent_chars = end
         stream.num_output_tokens = len(output_token_ids)
 
@@ -89,13 +100,18 @@ class OutputProcessor:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            try:
-                delta = self._advance(stream, output)
-            except Exception as err:  # noqa: BLE001 - attributed to this request alone
-                logger.exception("request %s: producing its text failed", output.request_id)
-                delta = self._error_delta(output.request_id, stream, f"detokenization: {err}")
-                if output.finish_reason is None:
-                    failed.append(output.request_id)
+            if output.error is not None:  # the core ended it: its sampling row failed
+                logger.warning("request %s failed alone: %s", output.request_id, output.error)
+                delta = self._error_delta(output.request_id, stream, output.error)
+            else:
+                try:
+                    delta = self._advance(stream, output)
+                except Exception as err:  # noqa: BLE001 - attributed to this request alone
+                    logger.exception("request %s: producing its text failed", output.request_id)
+                    reason = f"detokenization: {err}"
+                    delta = self._error_delta(output.request_id, stream, reason)
+                    if output.finish_reason is None:
+                        failed.append(output.request_id)
             if delta.finish_reason == "stop" and output.finish_reason is None:
                 stopped.append(output.request_id)
             if delta.finish_reason is not None:
@@ -135,8 +151,8 @@ class OutputProcessor:
         if matcher is not None:  # fed only the text it has not seen: O(new text) per step
             cut = matcher.feed(text[matcher.num_fed_chars :])
             if cut is not None:
-                end, finish = cut, "stop"
-            elif finish is None:
+                end, finish = cut + (matcher.stop_length if stream.keeps_stop else 0), "stop"
+            elif finish is None and not stream.keeps_stop:
                 end -= matcher.partial_length
         end = max(end, stream.num_sent_chars)
         new_text = text[stream.num_sent_chars : end]

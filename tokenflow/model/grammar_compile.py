@@ -33,7 +33,14 @@ from typing import Any, Protocol
 import xgrammar
 
 from tokenflow.core.request import StructuredOutput
-from tokenflow.model.schema_limits import GrammarError, SchemaTooComplex, check_schema, shortened
+from tokenflow.model.schema_limits import (
+    GrammarError,
+    SchemaTooComplex,
+    check_grammar,
+    check_regex,
+    check_schema,
+    shortened,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,14 @@ class CompilerBusy(RuntimeError):
 
 
 CompileFn = Callable[[str], str]  # schema text -> serialized grammar (raises GrammarError)
+
+# Each kind of constraint: the bounds checked before it compiles, and its name in errors.
+_CHECKS: dict[str, Callable[[str, str], None]] = {
+    "json_schema": check_schema,
+    "regex": check_regex,
+    "grammar": check_grammar,
+}
+_NOUNS = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}
 
 
 class GrammarCompiler:
@@ -78,7 +93,7 @@ class GrammarCompiler:
         self._idle: queue.SimpleQueue[CompileWorker] = queue.SimpleQueue()
         for _ in range(num_workers):
             self._idle.put(make(info_json))
-        self._cache: OrderedDict[str, xgrammar.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._cache_bytes = 0
         self._lock = threading.Lock()
 
@@ -86,13 +101,13 @@ class GrammarCompiler:
         """`spec`'s compiled grammar: SchemaTooComplex (a ValueError) over a bound,
         GrammarError when it cannot be compiled or its compile passes the deadline,
         CompilerBusy when no worker was free in time."""
-        key = spec.json_schema
+        key = (spec.kind, spec.json_schema)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-        check_schema(spec.json_schema, spec.origin)
+        _CHECKS[spec.kind](spec.json_schema, spec.origin)
         serialized = self._in_worker(spec)
         grammar = xgrammar.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
         size = grammar.memory_size_bytes
@@ -122,11 +137,11 @@ class GrammarCompiler:
             ) from None
         try:
             left = max(self.timeout_s - (time.monotonic() - started), self.timeout_s / 2)
-            return worker.compile(spec.json_schema, left, spec.origin)
+            return worker.compile(spec.json_schema, left, spec.origin, spec.kind)
         finally:
             self._idle.put(worker)
 
-    def _remember(self, key: str, grammar: xgrammar.CompiledGrammar, size: int) -> None:
+    def _remember(self, key: tuple[str, str], grammar: xgrammar.CompiledGrammar, size: int) -> None:
         with self._lock:
             if key in self._cache:
                 return
@@ -140,8 +155,11 @@ class GrammarCompiler:
 class CompileWorker(Protocol):
     """What `GrammarCompiler` needs of a worker (a process here; a stub in tests)."""
 
-    def compile(self, schema_text: str, timeout_s: float, origin: str) -> str:
-        """The serialized grammar; GrammarError if it cannot be compiled in `timeout_s`."""
+    def compile(
+        self, schema_text: str, timeout_s: float, origin: str, kind: str = "json_schema"
+    ) -> str:
+        """The serialized grammar of `schema_text` (a `StructuredOutput.kind`); GrammarError
+        if it cannot be compiled in `timeout_s`."""
         ...
 
     def close(self) -> None:
@@ -161,9 +179,11 @@ class ProcessWorker:
         self._process: Any = None
         self._conn: Connection | None = None
 
-    def compile(self, schema_text: str, timeout_s: float, origin: str) -> str:
+    def compile(
+        self, schema_text: str, timeout_s: float, origin: str, kind: str = "json_schema"
+    ) -> str:
         conn = self._started()
-        conn.send(schema_text)
+        conn.send((kind, schema_text))
         if not conn.poll(timeout_s):
             logger.warning("a grammar compile passed its %.1f s deadline; worker killed", timeout_s)
             self.close()
@@ -173,7 +193,7 @@ class ProcessWorker:
             )
         ok, payload = conn.recv()
         if not ok:
-            raise GrammarError(f"{origin}: the JSON schema cannot be compiled: {payload}")
+            raise GrammarError(f"{origin}: the {_NOUNS[kind]} cannot be compiled: {payload}")
         return payload
 
     @property
@@ -205,20 +225,28 @@ class ProcessWorker:
 
 
 def serve_compiles(conn: Connection, tokenizer_info_json: str) -> None:
-    """A worker process's loop: schema text in, (True, serialized grammar) or (False, the
+    """A worker process's loop: (kind, text) in, (True, serialized grammar) or (False, the
     compiler's message) out, until the pipe closes."""
     info = xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
     while True:
         try:
-            schema_text = conn.recv()
+            kind, text = conn.recv()
         except EOFError:
             return
         try:
-            grammar = compiler.compile_json_schema(schema_text, any_whitespace=False)
+            grammar = _compiled(compiler, kind, text)
             conn.send((True, grammar.serialize_json()))
         except (RuntimeError, ValueError, TypeError) as err:
             conn.send((False, compiler_message(err)))
+
+
+def _compiled(compiler: xgrammar.GrammarCompiler, kind: str, text: str) -> xgrammar.CompiledGrammar:
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "grammar":
+        return compiler.compile_grammar(text)
+    return compiler.compile_json_schema(text, any_whitespace=False)
 
 
 def compiler_message(err: BaseException) -> str:

@@ -56,11 +56,7 @@ class _Totals:
 def check_schema(schema_text: str, origin: str) -> None:
     """SchemaTooComplex naming the first bound `schema_text` (from `origin`, e.g.
     "response_format.json_schema.schema") is over; nothing if it may be compiled."""
-    if len(schema_text) > MAX_SCHEMA_CHARS:
-        raise SchemaTooComplex(
-            f"{origin}: the schema has {len(schema_text)} characters; at most "
-            f"{MAX_SCHEMA_CHARS} are accepted"
-        )
+    _check_chars(schema_text, origin, "schema")
     try:
         schema = json.loads(schema_text)
     except ValueError:
@@ -72,6 +68,28 @@ def check_schema(schema_text: str, origin: str) -> None:
         if depth > MAX_DEPTH:
             raise SchemaTooComplex(f"{path}: schemas nest deeper than {MAX_DEPTH} levels")
         _check_node(node, path, totals)
+
+
+def check_regex(pattern: str, origin: str) -> None:
+    """SchemaTooComplex when a regular expression (vLLM's `guided_regex`) is over the bounds a
+    schema's `pattern` has, or longer than a schema may be."""
+    _check_chars(pattern, origin, "regular expression")
+    _check_pattern(pattern, origin)
+
+
+def check_grammar(grammar: str, origin: str) -> None:
+    """SchemaTooComplex when an EBNF grammar (vLLM's `guided_grammar`) is longer than a schema
+    may be or nests repetitions past a pattern's bound (its `{m,n}` read as a pattern's)."""
+    _check_chars(grammar, origin, "grammar")
+    _check_pattern(grammar, origin)
+
+
+def _check_chars(text: str, origin: str, what: str) -> None:
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise SchemaTooComplex(
+            f"{origin}: the {what} has {len(text)} characters; at most {MAX_SCHEMA_CHARS} "
+            "are accepted"
+        )
 
 
 def _schemas(node: Any, path: str, depth: int) -> Iterator[tuple[str, dict[str, Any], int]]:

@@ -86,6 +86,11 @@ class Tokenizer:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @functools.cached_property
+    def added_token_texts(self) -> dict[int, str]:
+        """The added tokens (special ones included) by id: their text as written."""
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
+
+    @functools.cached_property
     def renders_tools(self) -> bool:
         """Whether the chat template has a tools section (it reads `tools`, tool messages or
         assistant `tool_calls`); without one they cannot be shown to the model."""
@@ -96,29 +101,46 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The chat template applied to `messages` (and `tools`, for a template with a tools
         section), ending with the assistant's turn opener (unless `add_generation_prompt` is
-        false)."""
+        false), or, with `continue_final_message`, cut right after the last message's text
+        (what Hugging Face's `apply_chat_template` does), for the model to continue it.
+        `chat_template_kwargs` are further variables for the template (e.g. `enable_thinking`);
+        the ones set here (messages, tools, the turn opener, BOS and EOS) take precedence."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
-        extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
-        return self._template.render(
+        variables = dict(chat_template_kwargs or {})
+        if tools is not None:
+            variables["tools"] = [dict(t) for t in tools]
+        rendered = self._template.render(
+            variables,
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
-            **extra,
         )
+        if continue_final_message:
+            return _cut_after_final_message(rendered, messages)
+        return rendered
 
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Render OpenAI-style messages with the chat template and tokenize them (no extra BOS)."""
-        text = self.render_chat(messages, tools, add_generation_prompt)
+        """Render OpenAI-style messages with the chat template (`render_chat`) and tokenize
+        them (no extra BOS)."""
+        options: dict[str, Any] = {"continue_final_message": continue_final_message}
+        options["chat_template_kwargs"] = chat_template_kwargs
+        text = self.render_chat(messages, tools, add_generation_prompt, **options)
         return self.encode(text, add_special_tokens=False)
 
     @classmethod
@@ -241,6 +263,22 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _cut_after_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """`rendered` up to the end of the last message's text (its last occurrence), so nothing
+    the template closes a turn with follows; a TemplateError when the template does not show
+    that text (a template that rewrites it cannot be continued)."""
+    final = str(messages[-1].get("content") or "") if messages else ""
+    stripped = final.strip()
+    start = rendered.rfind(stripped) if stripped else -1
+    if start < 0:
+        raise jinja2.exceptions.TemplateError(
+            "continue_final_message: the final message does not appear in the chat after "
+            "applying the chat template"
+        )
+    kept = final.lstrip()  # with its trailing spaces, where the template kept them
+    return rendered[: start + (len(kept) if rendered.startswith(kept, start) else len(stripped))]
+
+
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -264,22 +302,37 @@ class IncrementalDetokenizer:
     window: the previous emission's tokens plus the new ones, and emits what the new ones
     added); text that ends in an incomplete UTF-8 sequence ("\\ufffd") is held back until the
     character completes or until `flush`, which decodes the held tokens as they are.  Special
-    tokens are left out, as in `Tokenizer.decode`.
+    tokens are left out, as in `Tokenizer.decode`, unless `skip_special_tokens` is false; then,
+    without `spaces_between_special_tokens`, an added token that follows another is its text
+    alone, with no space the decoder would put before it (vLLM's rule for these tokenizers).
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), context_tokens: int = 5
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        context_tokens: int = 5,
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend
+        self._skip_special = skip_special_tokens
         context = list(prompt_token_ids[-context_tokens:])  # context for leading spaces
-        self._stream = decoders.DecodeStream(ids=context, skip_special_tokens=True)
+        self._stream = decoders.DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._prefix_ids = context  # the tokens behind the latest emission (or the context)
         self._held_ids: list[int] = []  # pushed since then
         self.text = ""
+        # The added tokens' texts where two of them join without a space (None: no joining).
+        joins = not (skip_special_tokens or spaces_between_special_tokens)
+        self._joined = tokenizer.added_token_texts if joins else None
+        self._last_added = False
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add new token ids; return the text they complete (possibly empty)."""
+        if self._joined:
+            return "".join([self._push_joined(token_id) for token_id in token_ids])
         if len(token_ids) == 1:  # the common case, one token per step: pass an int
             delta = self._stream.step(self._backend, token_ids[0])
         elif token_ids:
@@ -289,12 +342,23 @@ class IncrementalDetokenizer:
         self._held_ids += token_ids
         return "" if delta is None else self._emit(delta)
 
+    def _push_joined(self, token_id: int) -> str:
+        assert self._joined is not None
+        delta = self._stream.step(self._backend, token_id)
+        self._held_ids.append(token_id)
+        added = self._joined.get(token_id)
+        if added is not None and self._last_added:
+            delta = added
+        self._last_added = added is not None
+        return "" if delta is None else self._emit(delta)
+
     def flush(self) -> str:
         """Emit whatever is held back, incomplete characters included; ends the stream."""
         if not self._held_ids:
             return ""
-        prefix = self.tokenizer.decode(self._prefix_ids)
-        full = self.tokenizer.decode(self._prefix_ids + self._held_ids)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self._skip_special)
+        prefix = decode(self._prefix_ids)
+        full = decode(self._prefix_ids + self._held_ids)
         return self._emit(full[len(prefix) :])
 
     def _emit(self, delta: str) -> str:
@@ -375,6 +439,7 @@ class StopMatcher:
         self._node = 0
         self.num_fed_chars = 0
         self.num_steps = 0  # trie lookups so far: at most 2 * num_fed_chars
+        self.stop_length = 0  # characters of the stop string `feed` found last
 
     def _child(self, node: int, char: str) -> int | None:
         if self._chained[node] and self._chars[node] == char:
@@ -411,7 +476,8 @@ class StopMatcher:
 
     def feed(self, text: str) -> int | None:
         """Consume the stream's next characters; return where (an index into the whole stream)
-        the earliest-starting stop string that ends within them starts, or None.
+        the earliest-starting stop string that ends within them starts (its length in
+        `stop_length`), or None.
 
         For a stream with no stop before `text`, that is `find_stop` on the whole stream.
         """
@@ -425,7 +491,7 @@ class StopMatcher:
             node = child or 0
             length = self._match[node]
             if length and (cut is None or position - length < cut):
-                cut = position - length
+                cut, self.stop_length = position - length, length
         self._node, self.num_fed_chars = node, position
         self.num_steps += steps
         return cut

@@ -14,14 +14,17 @@ the client's disconnect noticed while the stream waits.  While the server drains
 `drain.py`) /health and every /v1 route answer 503.
 
 `/v1/tokenflow/streams` (streams.py) shows what the scheduler does, behind the /v1 guards;
-`/dashboard` (dashboard.py) is a page that draws it.
+`/dashboard` (dashboard.py) is a page that draws it.  Under a server, the app's lifespan logs
+vLLM's stats line (stats_log.py) unless `ServerConfig.disable_log_stats`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -68,9 +71,12 @@ from tokenflow.serving.serving import (
     STREAM_RATE_HEADER,
     OpenAIServing,
 )
+from tokenflow.serving.stats_log import StatsLog, logging_stats
 from tokenflow.serving.streams import StreamsWatch, streams_router
 from tokenflow.serving.tenants import KeyGate
 from tokenflow.serving.validation import ApiError, check_token_ids
+
+logger = logging.getLogger(__name__)
 
 # nginx-style "client closed request": logged, never seen by the (gone) client.
 CLIENT_CLOSED_STATUS = 499
@@ -108,6 +114,7 @@ def build_app(
         summary="Buffer-aware LLM text streaming server",
         docs_url=None,
         redoc_url=None,
+        lifespan=_lifespan,
     )
     metrics = ServingMetrics(engine)
     app.state.engine = engine
@@ -125,6 +132,7 @@ def build_app(
         drain=drain,  # a paced stream sends what it holds once the drain begins
     )
     app.state.streams_watch = StreamsWatch(engine, metrics)
+    app.state.stats_log = None if config.disable_log_stats else StatsLog(engine, metrics.vllm)
     app.state.started_s = int(time.time())
     _add_error_handlers(app)
     app.include_router(_openai_router())
@@ -141,6 +149,11 @@ def build_app(
     )
     app.add_middleware(CountInFlight, drain=drain)  # outermost: counts until the last byte
     return app
+
+
+def _lifespan(app: FastAPI) -> AbstractAsyncContextManager[None]:
+    """While the server runs: the periodic stats line, where the config keeps it."""
+    return logging_stats(app.state.stats_log)
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -421,6 +434,10 @@ def _error_response(
     request: Request, status_code: int, info: ErrorInfo, headers: dict[str, str] | None = None
 ) -> Response:
     request.app.state.metrics.count_http_error(status_code)
+    # uvicorn's access log shows only the status; the reason is what an operator needs.
+    logger.info(
+        "%s %s -> %d %s: %s", request.method, request.url.path, status_code, info.type, info.message
+    )
     return _json(ErrorResponse(error=info).model_dump_json(), status_code, headers)
 
 

@@ -35,6 +35,8 @@ class ServerConfig:
     # served least: serving/tenants.py), then gets 429 (0: no wait, the engine's 429 at once).
     max_queue_wait_s: float = 10.0
     log_level: str = "info"
+    # No periodic stats line (vLLM's flag; serving/stats_log.py): the /metrics series stay.
+    disable_log_stats: bool = False
     # A keep-alive (a blank line, `app.KEEPALIVE`) after this many seconds without a frame on
     # every accepted stream, so that one queued or paused past a proxy's idle timeout (nginx:
     # 60 s) stays open (0: none).
@@ -195,6 +197,12 @@ class ServerConfig:
         )
         server.add_argument("--log-level", default=defaults.log_level, choices=LOG_LEVELS)
         server.add_argument(
+            "--disable-log-stats",
+            action="store_true",
+            help="no periodic stats line (vLLM's: throughput, running, waiting and paused "
+            "requests, KV cache usage every 10 s while there is traffic)",
+        )
+        server.add_argument(
             "--keepalive-s",
             type=float,
             default=defaults.keepalive_s,
@@ -280,6 +288,7 @@ class ServerConfig:
             max_tokens_per_key=args.max_tokens_per_key,
             max_queue_wait_s=args.max_queue_wait_s,
             log_level=args.log_level,
+            disable_log_stats=args.disable_log_stats,
             keepalive_s=args.keepalive_s,
             send_timeout_s=args.send_timeout_s,
             max_body_bytes=args.max_body_bytes,

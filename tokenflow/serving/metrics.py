@@ -2,8 +2,9 @@
 serving layer.
 
 Every app owns its own `CollectorRegistry` (no process-wide default registry), so two apps in one
-process — tests, or one server per policy — never share or clash on series.  All names start
-with `tokenflow_`.
+process — tests, or one server per policy — never share or clash on series.  Our names start
+with `tokenflow_`; vLLM's series under vLLM's names (`vllm:*`, vllm_metrics.py) are fed from the
+same calls and the same engine snapshot.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from tokenflow.engine.client import EngineClient, EngineStats
+from tokenflow.serving.vllm_metrics import VllmMetrics, engine_metrics
 
 # Time to first token spans queueing in a burst (tens of seconds in the paper's baselines).
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 1.3, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -27,7 +29,8 @@ SLACK_THRESHOLDS_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class EngineStatsCollector(Collector):
-    """Turns one `EngineClient.stats()` snapshot per scrape into gauges and counters."""
+    """Turns one `EngineClient.stats()` snapshot per scrape into gauges and counters, ours and
+    vLLM's."""
 
     def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
@@ -69,6 +72,7 @@ class EngineStatsCollector(Collector):
             stats.num_recomputes_total,
         )
         yield from _slack_metrics(stats.buffer_slack_s)
+        yield from engine_metrics(stats, self._engine.model_name)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -144,10 +148,12 @@ def _nan_gauge(name: str, documentation: str, registry: CollectorRegistry) -> Ga
 
 
 class ServingMetrics:
-    """The metrics of one app; the serving layer reports into it, /metrics renders it."""
+    """The metrics of one app; the serving layer reports into it, /metrics renders it.  Each
+    method feeds our series and vLLM's (`self.vllm`) from the one event."""
 
     def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.vllm = VllmMetrics(self.registry, engine.model_name)
         by_class = ["stream_class"]  # reader, eager, batch (serving/classes.py)
         self._ttft = Histogram(
             "tokenflow_time_to_first_token_seconds",
@@ -200,22 +206,39 @@ class ServingMetrics:
         )
         self.registry.register(EngineStatsCollector(engine))
 
-    def observe_ttft(self, seconds: float, stream_class: str) -> None:
-        """Record one request's time from receipt to its first token."""
-        self._ttft.labels(stream_class=stream_class).observe(max(seconds, 0.0))
+    def observe_ttft(
+        self,
+        seconds: float,
+        stream_class: str,
+        *,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+    ) -> None:
+        """Record one request's first token: its time from receipt, and its prompt of
+        `num_prompt_tokens` (`num_cached_tokens` of them from the prefix cache).
+
+        Every output token is recorded once, here (the first) or by `observe_inter_token`
+        (each later one), which is what counts vLLM's generated tokens."""
+        seconds = max(seconds, 0.0)
+        self._ttft.labels(stream_class=stream_class).observe(seconds)
+        self.vllm.observe_first_token(seconds, num_prompt_tokens, num_cached_tokens)
 
     def observe_e2e(self, seconds: float, stream_class: str) -> None:
         """Record one request's time from receipt to its last token."""
-        self._e2e.labels(stream_class=stream_class).observe(max(seconds, 0.0))
+        seconds = max(seconds, 0.0)
+        self._e2e.labels(stream_class=stream_class).observe(seconds)
+        self.vllm.observe_e2e(seconds)
 
     def observe_inter_token(self, gap_s: float, num_tokens: int, stream_class: str) -> None:
-        """Record a delta of `num_tokens` tokens that arrived `gap_s` after the previous one."""
+        """Record a delta of `num_tokens` tokens that arrived `gap_s` after the previous one
+        (the first of them after `gap_s`, the others after none)."""
         if num_tokens <= 0:
             return
+        gaps_s = [max(gap_s, 0.0)] + [0.0] * (num_tokens - 1)
         histogram = self._inter_token.labels(stream_class=stream_class)
-        histogram.observe(max(gap_s, 0.0))
-        for _ in range(num_tokens - 1):
-            histogram.observe(0.0)
+        for gap in gaps_s:
+            histogram.observe(gap)
+        self.vllm.observe_later_tokens(gaps_s)
 
     def observe_capacity(self, capacity_tps: float, demand_tps: float, asked_tps: float) -> None:
         """Record the engine's capacity Gamma, the readers' demand and what every request
@@ -227,6 +250,7 @@ class ServingMetrics:
     def count_finished(self, finish_reason: str) -> None:
         """Count a request that ended: an engine finish reason, "abort" or "error"."""
         self._finished.labels(finish_reason=finish_reason).inc()
+        self.vllm.count_finished(finish_reason)
 
     def count_http_error(self, status_code: int) -> None:
         """Count an error response."""

@@ -1,12 +1,14 @@
 """OpenAI wire format: request, response, chunk and error models for the two text endpoints.
 
-Requests are validated strictly (`extra="forbid"`, no type coercion), so an unknown field or a
-wrong type is a 400, as with OpenAI.  Besides the standard fields we accept a few known extras:
-`stream_rate` (the reader's consumption rate, tokens/s), `stream_class`, `stream_pacing`
-(release the tokens at the reader's rate: serving/pacing.py) and the vLLM sampling extras
-`ignore_eos`, `min_tokens`, `top_k`, `stop_token_ids`, `stream_options.continuous_usage_stats`
-and `guided_json`.  OpenAI's `prompt_cache_key` becomes the engine request's session hint.
-Fields OpenAI defines but we do not implement are accepted only at their neutral value
+Requests are validated strictly (no type coercion), so a wrong type is a 400, as with OpenAI.
+A top-level field neither OpenAI nor vLLM defines is served and ignored, as vLLM does (its
+models allow extra fields): `serving.py` logs which were ignored; the parts of a request
+(messages, tools, stream_options) still refuse unknown fields.  Besides the standard fields we
+accept our extras `stream_rate` (the reader's consumption rate, tokens/s), `stream_class`,
+`stream_pacing` (release the tokens at the reader's rate: serving/pacing.py) and vLLM's request
+extras (docs/usage.md, "vLLM request extras", says which change the answer and which are
+accepted and ignored).  OpenAI's `prompt_cache_key` becomes the engine request's session hint.
+Fields OpenAI or vLLM define but we do not implement are accepted only at their neutral value
 (checked in `validation.py`, which reports them as "not supported").
 
 Every value bound that does not depend on the model is a pydantic constraint here, so a value out
@@ -51,6 +53,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _Body(BaseModel):
+    """A request's top level: unknown fields are kept in `model_extra` (and logged), not refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
 class _Response(BaseModel):
     """Responses are built by us; serialized with `model_dump_json()`."""
 
@@ -81,6 +89,23 @@ class JsonSchemaSpec(_Strict):
 class ResponseFormatJsonSchema(_Strict):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
+
+
+class StructuredOutputsSpec(_Strict):
+    """vLLM's `structured_outputs`: one constraint (json, regex, choice, grammar or json_object);
+    its whitespace and properties options are accepted and ignored (the JSON output is always
+    compact, and a schema's additionalProperties are as it says)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None  # not supported: validation.py refuses it
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
 
 
 ResponseFormatSpec = Annotated[
@@ -124,7 +149,7 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -159,9 +184,26 @@ class _SamplingRequest(_Strict):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    # Structured outputs: OpenAI's `response_format`, or vLLM's `guided_json` (a schema).
+    # vLLM's output extras: how tokens become text, and whether a stop string is kept.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # vLLM's scheduling priority (lower first): accepted, not used for ordering (docs/usage.md).
+    priority: int = Field(default=0, ge=-(1 << 63), le=(1 << 63) - 1)
+    # vLLM extras accepted at their neutral value only (validation.py): beam search.
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)  # beam search only
+    # Structured outputs: OpenAI's `response_format`, vLLM's `structured_outputs`, or vLLM's
+    # earlier `guided_*` fields; at most one constraint per request (structured.py).
     response_format: ResponseFormatSpec | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
     guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    # Accepted and ignored: there is one grammar backend (xgrammar), and JSON is always compact.
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -211,6 +253,12 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None  # accepted; an answer holds at most one call
     # Accepted and ignored: no model served here reasons.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's chat template extras: variables for the template (e.g. `enable_thinking`), the
+    # assistant's turn opener, or the last message left open for the model to continue.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # a client's own template: not supported (validation.py)
 
 
 # -- responses ----------------------------------------------------------------------------------

@@ -256,7 +256,12 @@ class Responder:
         num_new, stream_class = len(delta.token_ids), prepared.consumption.value
         if num_new:
             if progress.last_delta_s is None:
-                metrics.observe_ttft(now - prepared.received_s, stream_class)
+                metrics.observe_ttft(
+                    now - prepared.received_s,
+                    stream_class,
+                    num_prompt_tokens=delta.num_prompt_tokens,
+                    num_cached_tokens=delta.num_cached_tokens,
+                )
                 metrics.observe_inter_token(0.0, num_new - 1, stream_class)
             else:
                 metrics.observe_inter_token(now - progress.last_delta_s, num_new, stream_class)

@@ -11,11 +11,14 @@ Flow of one request::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from jinja2.exceptions import TemplateError
@@ -146,6 +149,7 @@ class OpenAIServing:
         """Serve /v1/completions: a response model, or an async iterator of SSE frames;
         `ticket` (a fleet's request) makes a stream movable, or continues a moved one."""
         check_completion_support(body)
+        _log_ignored(body)
         model = self._check_model(body.model)
         structured = structured_output_of(body)
         prompts = await self._tokenize_prompts(body.prompt, body.echo)
@@ -166,14 +170,17 @@ class OpenAIServing:
         """Serve /v1/chat/completions: a response model, or an async iterator of SSE frames;
         `ticket` as for completions."""
         check_chat_support(body)
+        _log_ignored(body)
         model = self._check_model(body.model)
         renders_tools = self.engine.tokenizer.renders_tools
         check_tool_messages(body, renders_tools)
         is_auto = is_auto_tool_call(body, self.tool_call_parser, renders_tools)
         tool_call = forced_tool_call(body)
-        structured = tool_call or structured_output_of(body)
+        structured = _one_constraint(tool_call, structured_output_of(body))
         tools = body.tools if body.tools and renders_tools else None
-        prompt = await self.apply_chat_template(body.messages, True, tools)
+        prompt = await self.apply_chat_template(
+            body.messages, body.add_generation_prompt, tools, _template_options(body)
+        )
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
@@ -289,17 +296,23 @@ class OpenAIServing:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         tools: list[ToolDefinition] | None = None,
+        options: TemplateOptions | None = None,
     ) -> tuple[int, ...]:
         """The messages (and tools, for a template with a tools section) rendered by the
-        model's chat template, as token ids (400 if it fails)."""
+        model's chat template, as token ids (400 if it fails); `options`: vLLM's extras."""
         rendered = [template_message(m) for m in messages]
         self._check_chars(sum(len(m["content"]) for m in rendered))
         await self._check_head("".join(m["content"] for m in rendered))
         dumped = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+        render = functools.partial(
+            self.engine.tokenizer.apply_chat_template,
+            rendered,
+            dumped,
+            add_generation_prompt,
+            **({} if options is None else dataclasses.asdict(options)),
+        )
         try:
-            ids = await anyio.to_thread.run_sync(
-                self.engine.tokenizer.apply_chat_template, rendered, dumped, add_generation_prompt
-            )
+            ids = await anyio.to_thread.run_sync(render)
         except TemplateError as exc:  # the template refusing these messages (e.g. role order)
             raise ApiError(400, template_refusal(exc), param="messages") from None
         except Exception as exc:  # anything else is ours: logged, not shown
@@ -343,3 +356,43 @@ class OpenAIServing:
     def _check_chars(self, num_chars: int) -> None:
         tokenizer = self.engine.tokenizer
         check_prompt_chars(num_chars, self.engine.max_model_len, tokenizer.max_token_chars)
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """vLLM's chat template extras, as keyword arguments of `Tokenizer.apply_chat_template`."""
+
+    continue_final_message: bool = False  # the last message left open, to be continued
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+
+
+def _template_options(body: ChatCompletionRequest) -> TemplateOptions | None:
+    """The request's template extras; None at their defaults (the plain call)."""
+    if not body.continue_final_message and not body.chat_template_kwargs:
+        return None
+    return TemplateOptions(body.continue_final_message, body.chat_template_kwargs)
+
+
+def _one_constraint(
+    tool_call: StructuredOutput | None, structured: StructuredOutput | None
+) -> StructuredOutput | None:
+    """A forced tool call is the answer's one constraint: another one with it is a 400."""
+    if tool_call is not None and structured is not None:
+        raise ApiError(
+            400,
+            f"{structured.origin} cannot be combined with a forced tool call",
+            param="tool_choice",
+        )
+    return tool_call or structured
+
+
+def _log_ignored(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Log what a request gives that changes nothing here: fields no API we follow defines
+    (served, as vLLM serves them), and a vLLM `priority`, which does not order the service."""
+    if body.model_extra:
+        logger.warning(
+            "The following fields were present in the request but ignored: %s",
+            sorted(body.model_extra),
+        )
+    if body.priority != 0:
+        logger.debug("priority=%d accepted; the scheduler's policy orders service", body.priority)

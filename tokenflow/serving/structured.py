@@ -1,10 +1,16 @@
-"""What a request's output must be: `response_format`, vLLM's `guided_json`, or a forced tool call.
+"""What a request's output must be: `response_format`, vLLM's constraints, or a forced tool call.
 
-Each becomes one `StructuredOutput` (a JSON Schema the engine compiles into a token grammar):
+Each becomes one `StructuredOutput` (a JSON Schema, a regular expression or an EBNF grammar the
+engine compiles into a token grammar, off the event loop and within `schema_limits`' bounds):
 
-- `response_format: {"type": "json_object"}`: any JSON object;
-- `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}`, or
-  `guided_json`: that schema;
+- `response_format: {"type": "json_object"}` or `structured_outputs.json_object`: any JSON
+  object;
+- `response_format: {"type": "json_schema", "json_schema": {"schema": ...}}`,
+  `structured_outputs.json` or `guided_json`: that schema;
+- `structured_outputs.regex` or `guided_regex`: text the whole of which matches it;
+- `structured_outputs.choice` or `guided_choice`: exactly one of the strings (a grammar of
+  their alternatives);
+- `structured_outputs.grammar` or `guided_grammar`: an EBNF grammar (start rule `root`);
 - `tools` with `tool_choice: "required"` or a named function: one call, written as
   `{"name": "<function>", "arguments": <its parameters>}` (for "required", any of the tools,
   each with its own parameters), which `tool_calls.py` turns into `tool_calls`.
@@ -42,21 +48,60 @@ _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 def structured_output_of(
     body: CompletionRequest | ChatCompletionRequest,
 ) -> StructuredOutput | None:
-    """The constraint of `response_format` or `guided_json` (at most one of them), or None."""
-    fmt, guided = body.response_format, body.guided_json
-    if guided is not None:
-        if fmt is not None and fmt.type != "text":
-            raise ApiError(
-                400, "give either response_format or guided_json, not both", param="guided_json"
-            )
-        text = guided if isinstance(guided, str) else json.dumps(guided)
-        return StructuredOutput(text, origin="guided_json")
+    """The request's one constraint, or None; a 400 naming the fields when it gives several."""
+    found = _constraints(body)
+    if len(found) > 1:
+        names = ", ".join(spec.origin for spec in found)
+        raise ApiError(
+            400,
+            f"give at most one structured output constraint; this request gives {names}",
+            param=found[1].origin.split(".")[0],
+        )
+    return found[0] if found else None
+
+
+def _constraints(body: CompletionRequest | ChatCompletionRequest) -> list[StructuredOutput]:
+    """Every constraint the request gives, each named by its field."""
+    fmt, spec = body.response_format, body.structured_outputs
+    found = []
     if isinstance(fmt, ResponseFormatJsonObject):
-        return StructuredOutput(json.dumps(_ANY_OBJECT), origin="response_format")
+        found.append(StructuredOutput(json.dumps(_ANY_OBJECT), origin="response_format"))
     if isinstance(fmt, ResponseFormatJsonSchema):
         schema = fmt.json_schema.schema_ or _ANY_OBJECT
-        return StructuredOutput(json.dumps(schema), origin="response_format.json_schema.schema")
-    return None
+        origin = "response_format.json_schema.schema"
+        found.append(StructuredOutput(json.dumps(schema), origin=origin))
+    if spec is not None:
+        found += _vllm_constraints("structured_outputs.", spec.json_, spec.regex, spec.choice)
+        found += _vllm_grammar("structured_outputs.grammar", spec.grammar)
+        if spec.json_object:
+            origin = "structured_outputs.json_object"
+            found.append(StructuredOutput(json.dumps(_ANY_OBJECT), origin=origin))
+    found += _vllm_constraints("guided_", body.guided_json, body.guided_regex, body.guided_choice)
+    return found + _vllm_grammar("guided_grammar", body.guided_grammar)
+
+
+def _vllm_constraints(
+    prefix: str, schema: dict[str, Any] | str | None, regex: str | None, choice: list[str] | None
+) -> list[StructuredOutput]:
+    """vLLM's json, regex and choice constraints under their field names (`prefix` + name)."""
+    found = []
+    if schema is not None:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        found.append(StructuredOutput(text, origin=prefix + "json"))
+    if regex is not None:
+        found.append(StructuredOutput(regex, origin=prefix + "regex", kind="regex"))
+    if choice is not None:
+        found += _vllm_grammar(prefix + "choice", choice_grammar(choice))
+    return found
+
+
+def _vllm_grammar(origin: str, grammar: str | None) -> list[StructuredOutput]:
+    return [] if grammar is None else [StructuredOutput(grammar, origin=origin, kind="grammar")]
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The EBNF grammar whose texts are exactly `choices` (JSON string literals are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def tool_choice_of(body: ChatCompletionRequest) -> str | NamedToolChoice:

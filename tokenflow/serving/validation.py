@@ -230,6 +230,9 @@ def build_sampling_params(
             min_p=body.min_p,
             logprobs=scores.logprobs,
             prompt_logprobs=scores.prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -256,6 +259,11 @@ def _unsupported(param: str, value: object) -> ApiError:
 def _check_common_support(body: CompletionRequest | ChatCompletionRequest) -> None:
     if body.logit_bias:
         raise _unsupported("logit_bias", body.logit_bias)
+    if body.use_beam_search:
+        raise _unsupported("use_beam_search", body.use_beam_search)
+    spec = body.structured_outputs
+    if spec is not None and spec.structural_tag is not None:
+        raise _unsupported("structured_outputs", "structural_tag")
 
 
 def check_completion_support(body: CompletionRequest) -> None:
@@ -268,5 +276,14 @@ def check_completion_support(body: CompletionRequest) -> None:
 
 
 def check_chat_support(body: ChatCompletionRequest) -> None:
-    """Refuse (400) fields we accept only at their neutral value."""
+    """Refuse (400) fields we accept only at their neutral value, and vLLM's refused pairing of
+    an opened assistant turn with a continued last message."""
     _check_common_support(body)
+    if body.chat_template is not None:
+        raise _unsupported("chat_template", body.chat_template)
+    if body.add_generation_prompt and body.continue_final_message:
+        raise ApiError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
