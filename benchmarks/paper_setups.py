@@ -36,13 +36,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokenflow.core.config import TokenFlowConfig
+from tokenflow.eval.plots import plot_spread
 from tokenflow.eval.report import (
     Spread,
     TargetCheck,
     aggregate,
     check_targets,
     format_targets_table,
-    plot_spread,
 )
 from tokenflow.eval.workload import generate
 from tokenflow.sim.runner import run_simulation, setup_config

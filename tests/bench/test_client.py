@@ -193,3 +193,54 @@ def test_request_shape_and_urls() -> None:
         ClientConfig(url="http://h:1", endpoint="embeddings")
     with pytest.raises(ValueError, match="http"):
         ClientConfig(url="h:1")
+
+
+class _PausingEngine(FakeEngine):
+    """A fake engine whose preemption counters grow with every request it takes: 2 pauses,
+    1 reload and 1 recompute a request."""
+
+    def stats(self):  # type: ignore[no-untyped-def]
+        from dataclasses import replace
+
+        n = len(self.submitted)
+        return replace(
+            super().stats(),
+            num_preemptions_total=3 + 2 * n,
+            num_loads_total=2 + n,
+            num_recomputes_total=1 + n,
+        )
+
+
+def test_the_servers_preemption_count_reaches_the_table(capsys) -> None:
+    engine = _PausingEngine(max_model_len=1024)
+    with serve_in_thread(build_app(engine)) as url:
+        runs = asyncio.run(benchmark([BenchTarget("live", url)], burst(3), config(url)))
+    assert runs["live"].server_counts == {"preemptions": 6, "kv_loads": 3, "recomputes": 3}
+    summaries = report_runs(runs)
+    assert summaries["live"].num_preemptions == 6  # the server's count, not the traces' 0
+    out = capsys.readouterr().out
+    assert "the server counted 6 preemptions, 3 KV reloads, 3 recomputes" in out
+    row = next(line for line in out.splitlines() if line.startswith("live"))
+    assert row.split()[-1] == "6"
+
+
+def test_a_server_without_counters_says_so_instead_of_zero(capsys) -> None:
+    run = asyncio.run(_run_against_no_metrics())
+    assert run.server_counts == {}
+    report_runs({"other": run})
+    assert "preemptions: n/a" in capsys.readouterr().out
+
+
+async def _run_against_no_metrics():  # type: ignore[no-untyped-def]
+    """A run whose server answers /metrics with 404 (as a server without Prometheus does)."""
+    from starlette.responses import PlainTextResponse
+
+    app = build_app(FakeEngine(max_model_len=1024))
+
+    async def without_metrics(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] == "http" and scope["path"] == "/metrics":
+            return await PlainTextResponse("not found", 404)(scope, receive, send)
+        return await app(scope, receive, send)
+
+    with serve_in_thread(without_metrics) as url:
+        return await run_workload(burst(1), config(url))

@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 
 from tokenflow.eval.metrics import RequestTrace, summarize
+from tokenflow.eval.plots import pick_timeline_requests, plot_report, plot_spread
 from tokenflow.eval.report import (
     Spread,
     aggregate,
     check_targets,
     format_spread_table,
     format_table,
-    pick_timeline_requests,
-    plot_report,
-    plot_spread,
     report_records,
     spread,
     write_json,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import shlex
 import sys
@@ -22,7 +23,7 @@ from typing import TextIO
 from tokenflow.cli.workload import add_workload_arguments, workload_from_args
 from tokenflow.eval.client import ENDPOINTS, BenchRun, ClientConfig, run_workload
 from tokenflow.eval.metrics import MetricsConfig, Summary, summarize
-from tokenflow.eval.report import class_summaries, format_table, plot_report, write_json
+from tokenflow.eval.report import class_summaries, format_table, goodput_note, write_json
 from tokenflow.eval.workload import WorkloadRequest, save_trace
 
 
@@ -54,6 +55,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("run and output")
     out.add_argument("--timeout", type=float, default=3600.0, help="whole-run limit (s)")
     out.add_argument("--max-concurrency", type=int, default=None, help="in-flight request cap")
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="goodput's SLOs as vLLM's bench spells them: ttft:MS and/or tpot:MS (default "
+        "ttft:2000 tpot:200); a request is good when it meets every one",
+    )
     out.add_argument("--json", default=None, help="write the summaries to this JSON file")
     out.add_argument("--plot", default=None, help="write plots to this PNG file")
     out.add_argument(
@@ -93,6 +102,23 @@ async def benchmark(
     return runs
 
 
+def goodput_config(items: Sequence[str] | None) -> MetricsConfig:
+    """`--goodput ttft:MS tpot:MS` (vLLM's bench spelling, milliseconds) as the metrics'
+    SLOs; ValueError naming a bad item."""
+    config = MetricsConfig()
+    for item in items or ():
+        key, _, value = item.partition(":")
+        field_name = {"ttft": "slo_ttft_s", "tpot": "slo_tpot_s"}.get(key)
+        try:
+            milliseconds = float(value)
+        except ValueError:
+            milliseconds = math.nan
+        if field_name is None or not milliseconds > 0:
+            raise ValueError(f"--goodput takes ttft:MS and tpot:MS (MS > 0), got {item!r}")
+        config = replace(config, **{field_name: milliseconds / 1000})
+    return config
+
+
 def report_runs(
     runs: Mapping[str, BenchRun],
     *,
@@ -100,15 +126,51 @@ def report_runs(
     plot_path: str | None = None,
     metrics_config: MetricsConfig | None = None,
     out: TextIO | None = None,
+    title: str = "",
 ) -> dict[str, Summary]:
-    """Print the table (and failures to stderr); write the JSON and PNG if asked."""
+    """Print the table (and failures to stderr); write the JSON and PNG if asked.  Preemptions
+    are the server's own count when its /metrics has one (`BenchRun.server_counts`): a client
+    sees a pause only as a gap."""
     config = metrics_config if metrics_config is not None else MetricsConfig()
     out = out if out is not None else sys.stdout
-    summaries = {name: summarize(run.traces, config) for name, run in runs.items()}
+    summaries = {name: _summary(run, config) for name, run in runs.items()}
     print(format_table(summaries), file=out)
     by_class = class_summaries({name: run.traces for name, run in runs.items()}, config)
     if by_class:
         print(format_table(by_class), file=out)
+    print(goodput_note(config), file=out)
+    for name, run in runs.items():
+        print(f"{name}: {_counts_text(run.server_counts)}", file=out)
+    _report_failures(runs)
+    if json_path is not None:
+        write_json(json_path, summaries)
+        print(f"wrote {json_path}", file=sys.stderr)
+    if plot_path is not None:
+        from tokenflow.eval.plots import plot_report
+
+        traces = {name: run.traces for name, run in runs.items()}
+        plot_report(plot_path, summaries, traces, title=title)
+        print(f"wrote {plot_path}", file=sys.stderr)
+    return summaries
+
+
+def _summary(run: BenchRun, config: MetricsConfig) -> Summary:
+    summary = summarize(run.traces, config)
+    if "preemptions" not in run.server_counts:
+        return summary
+    return replace(summary, num_preemptions=run.server_counts["preemptions"])
+
+
+def _counts_text(counts: Mapping[str, int]) -> str:
+    """What the server counted, in words; or that it exports no counters."""
+    if not counts:
+        return "the server's /metrics has no preemption counters (preemptions: n/a)"
+    words = {"preemptions": "preemptions", "kv_loads": "KV reloads", "recomputes": "recomputes"}
+    counted = ", ".join(f"{counts[key]} {word}" for key, word in words.items() if key in counts)
+    return f"the server counted {counted}"
+
+
+def _report_failures(runs: Mapping[str, BenchRun]) -> None:
     for name, run in runs.items():
         if run.num_failed:
             print(f"{name}: {run.num_failed} of {len(run.traces)} requests failed", file=sys.stderr)
@@ -120,32 +182,6 @@ def report_runs(
         if run.num_failed or run.num_unsent:
             for line in run.errors[:5]:
                 print(f"  {line}", file=sys.stderr)
-    if json_path is not None:
-        write_json(json_path, summaries)
-    if plot_path is not None:
-        traces = {name: run.traces for name, run in runs.items()}
-        plot_report(plot_path, summaries, traces)
-    return summaries
-
-
-def bench_targets(
-    targets: Sequence[BenchTarget],
-    requests: Sequence[WorkloadRequest],
-    config: ClientConfig,
-    *,
-    json_path: str | None = None,
-    plot_path: str | None = None,
-) -> int:
-    """Benchmark every target with the same workload and report them side by side."""
-    for path in (json_path, plot_path):
-        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            return _fail(f"cannot write {path}: its directory does not exist")
-    try:
-        runs = asyncio.run(benchmark(targets, requests, config))
-        summaries = report_runs(runs, json_path=json_path, plot_path=plot_path)
-    except (ValueError, OSError) as exc:
-        return _fail(str(exc))
-    return 0 if all(s.num_completed > 0 for s in summaries.values()) else 1
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -153,6 +189,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if (args.url is None) == (args.compare is None):
         return _fail("give exactly one of --url URL and --compare POLICY,POLICY")
     try:
+        for path in (args.json, args.plot):
+            if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"cannot write {path}: its directory does not exist")
+        metrics_config = goodput_config(args.goodput)
         requests = workload_from_args(args)
         if args.save_trace is not None:
             save_trace(args.save_trace, requests)
@@ -160,25 +200,35 @@ def run_bench(args: argparse.Namespace) -> int:
         config = client_config_from_args(argparse.Namespace(**{**vars(args), "url": url}))
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
-    if args.compare is not None:
-        return _run_compare(args, requests, config)
-    targets = [BenchTarget(args.name, args.url)]
-    return bench_targets(targets, requests, config, json_path=args.json, plot_path=args.plot)
-
-
-def _run_compare(
-    args: argparse.Namespace, requests: Sequence[WorkloadRequest], config: ClientConfig
-) -> int:
-    from tokenflow.core.policies import parse_policy_names
-    from tokenflow.eval.compare import ServerStartError, compare_policies
+    from tokenflow.eval.compare import ServerStartError
 
     try:
-        policies = parse_policy_names(args.compare)
-        runs = compare_policies(policies, shlex.split(args.serve_args), requests, config)
-        summaries = report_runs(runs, json_path=args.json, plot_path=args.plot)
+        runs = _run(args, requests, config)
+        model = next((run.model for run in runs.values() if run.model), "the server's")
+        title = f"{len(requests)} requests ({args.workload}), model {model}"
+        summaries = report_runs(
+            runs,
+            json_path=args.json,
+            plot_path=args.plot,
+            metrics_config=metrics_config,
+            title=f"{title}: {' vs '.join(runs)}",
+        )
     except (ServerStartError, ValueError, OSError) as exc:
         return _fail(str(exc))
     return 0 if all(s.num_completed > 0 for s in summaries.values()) else 1
+
+
+def _run(
+    args: argparse.Namespace, requests: Sequence[WorkloadRequest], config: ClientConfig
+) -> dict[str, BenchRun]:
+    """The workload against `--url`, or against one server per `--compare` policy."""
+    if args.compare is None:
+        return asyncio.run(benchmark([BenchTarget(args.name, args.url)], requests, config))
+    from tokenflow.core.policies import parse_policy_names
+    from tokenflow.eval.compare import compare_policies
+
+    policies = parse_policy_names(args.compare)
+    return compare_policies(policies, shlex.split(args.serve_args), requests, config)
 
 
 def _fail(message: str) -> int:

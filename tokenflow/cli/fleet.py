@@ -178,3 +178,4 @@ def _report(
     if args.json:
         extra = {r.router: extra_record(r.prefix_cache, r.sessions) for r in results}
         write_json(args.json, summaries, extra)
+        print(f"wrote {args.json}", file=sys.stderr)

@@ -7,61 +7,71 @@ import os
 import sys
 from collections.abc import Sequence
 
+COMMANDS = {
+    "serve": "serve a model over the OpenAI API (default: SmolLM2)",
+    "simulate": "run the scheduling policies on a GPU cost model or a profile",
+    "bench": "replay a workload of human readers against a server",
+    "profile": "time the real engine's steps and fit simulator costs",
+    "tune": "search the policy's knobs by simulation; write a config",
+}
+CONFIGURABLE = ("serve", "simulate")  # the commands that read `--config FILE`
 
-def build_parser() -> argparse.ArgumentParser:
-    return _build_parsers()[0]
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `tokenflow` parser with every subcommand's options (`command`: only that one's).
+
+    Each command's options are declared next to the code that runs it, which imports what
+    it runs (torch, the server, the simulator); so `main` fills in only the command asked for,
+    and `tokenflow --help` or `tokenflow serve --help` answers without importing the others."""
+    return _build_parsers(command)[0]
 
 
-def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The `tokenflow` parser and its subcommands' parsers by name."""
-    from tokenflow.cli.bench import add_bench_arguments
-    from tokenflow.cli.config_file import add_config_argument
-    from tokenflow.cli.serve import add_serve_arguments
-    from tokenflow.cli.simulate import add_simulate_arguments
-
+def _build_parsers(
+    command: str | None = None,
+) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `tokenflow` parser and its subcommands' parsers by name, each with its options
+    when it is `command` (None: all of them)."""
     parser = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="tokenflow",
         description="A buffer-aware, preemptive LLM text-streaming server.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve", allow_abbrev=False, help="serve a model over the OpenAI API (default: SmolLM2)"
-    )
-    add_engine_arguments(serve)
-    add_serve_arguments(serve)
-    add_config_argument(serve)
-    simulate = sub.add_parser(
-        "simulate",
-        allow_abbrev=False,
-        help="run the scheduling policies on a GPU cost model or a profile",
-    )
-    add_simulate_arguments(simulate)
-    add_config_argument(simulate)
-    add_bench_arguments(
-        sub.add_parser(
-            "bench", allow_abbrev=False, help="replay a workload of human readers against a server"
-        )
-    )
-    from tokenflow.cli.profile import add_profile_arguments
+    parsers = {}
+    for name, help_text in COMMANDS.items():
+        parsers[name] = sub.add_parser(name, allow_abbrev=False, help=help_text)
+        if command in (None, name):
+            _add_arguments(name, parsers[name])
+    return parser, parsers
 
-    add_profile_arguments(
-        sub.add_parser(
-            "profile",
-            allow_abbrev=False,
-            help="time the real engine's steps and fit simulator costs",
-        )
-    )
-    from tokenflow.cli.tune import add_tune_arguments
 
-    add_tune_arguments(
-        sub.add_parser(
-            "tune",
-            allow_abbrev=False,
-            help="search the policy's knobs by simulation; write a config",
-        )
-    )
-    return parser, {"serve": serve, "simulate": simulate}
+def _add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    """Declare `command`'s options on its parser, importing only that command's module."""
+    if command == "serve":
+        from tokenflow.serving.server import add_serve_arguments
+
+        add_engine_arguments(parser)
+        add_serve_arguments(parser)
+    elif command == "simulate":
+        from tokenflow.cli.simulate import add_simulate_arguments
+
+        add_simulate_arguments(parser)
+    elif command == "bench":
+        from tokenflow.cli.bench import add_bench_arguments
+
+        add_bench_arguments(parser)
+    elif command == "profile":
+        from tokenflow.cli.profile import add_profile_arguments
+
+        add_profile_arguments(parser)
+    else:
+        from tokenflow.cli.tune import add_tune_arguments
+
+        add_tune_arguments(parser)
+    if command in CONFIGURABLE:
+        from tokenflow.cli.config_file import add_config_argument
+
+        add_config_argument(parser)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,12 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if argv[:1] == ["serve"] and "-h" not in argv and "--help" not in argv:
         _serve_vllm(argv[1:])
-    parser, configurable = _build_parsers()
-    if argv[:1] and argv[0] in configurable:
+    command = argv[0] if argv[:1] and argv[0] in COMMANDS else "-"
+    parser, parsers = _build_parsers(command)
+    if command in CONFIGURABLE:
         from tokenflow.cli.config_file import ConfigFileError, apply_config_file
 
         try:
-            apply_config_file(configurable[argv[0]], argv[1:])
+            apply_config_file(parsers[command], argv[1:])
         except ConfigFileError as err:
             print(f"tokenflow {argv[0]}: error: {' '.join(str(err).split())}", file=sys.stderr)
             return 2

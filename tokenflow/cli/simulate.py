@@ -24,7 +24,7 @@ from tokenflow.cli.simulate_profile import (
 from tokenflow.cli.workload import add_workload_arguments
 from tokenflow.core.policies import POLICY_NAMES, parse_policy_names
 from tokenflow.eval.metrics import MetricsConfig
-from tokenflow.eval.report import class_summaries, format_table, plot_report, write_json
+from tokenflow.eval.report import class_summaries, format_table, write_json
 from tokenflow.sim.runner import SimResult, extra_record, run_simulation
 from tokenflow.sim.setups import setup_names
 
@@ -136,5 +136,9 @@ def _report(args: argparse.Namespace, results: list[SimResult], title: str) -> N
     if args.json:
         extra = {r.policy: extra_record(r.prefix_cache, r.sessions) for r in results}
         write_json(args.json, summaries, extra)
+        print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        plot_report(args.plot, summaries, {r.policy: r.traces for r in results})
+        from tokenflow.eval.plots import plot_report
+
+        plot_report(args.plot, summaries, {r.policy: r.traces for r in results}, title=title)
+        print(f"wrote {args.plot}", file=sys.stderr)

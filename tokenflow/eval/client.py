@@ -53,6 +53,7 @@ from tokenflow.eval.conversation import (
     turn_name,
 )
 from tokenflow.eval.metrics import RequestTrace, consumption_times_s
+from tokenflow.eval.server_counters import counted_during, read_counters
 from tokenflow.eval.workload import WorkloadRequest
 
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
@@ -104,6 +105,10 @@ class BenchRun:
     errors: tuple[str, ...]  # "request-id: message", at most MAX_ERROR_LINES
     duration_s: float
     num_unsent: int = 0  # conversation turns not sent: an earlier turn of theirs failed
+    # What the server's /metrics counted during the run (`server_counters.COUNTERS`); empty
+    # when it exports none of them.
+    server_counts: Mapping[str, int] = field(default_factory=dict)
+    model: str | None = None  # the model asked for (None: omitted, the server's default)
 
 
 def _v1_base(url: str) -> str:
@@ -269,8 +274,10 @@ class _Replayer:
         model: str | None,
         clock: Callable[[], float],
         states: Sequence[_StreamState] = (),
+        on_tokens: Callable[[int], object] = lambda _: None,
     ) -> None:
         self._states = {state.request.request_id: state for state in states}
+        self._on_tokens = on_tokens  # told how many tokens each answer or event brought
         self._http = http
         self._config = config
         self._model = model
@@ -339,6 +346,7 @@ class _Replayer:
                 state.error = f"HTTP {response.status_code}: {_error_message(response)}"
                 return
             state.on_response(response.json(), self.now_s())
+            self._on_tokens(len(state.token_times_s))
             return
         async with self._http.stream("POST", self._url, json=body) as response:
             if response.status_code != 200:
@@ -348,7 +356,9 @@ class _Replayer:
             # httpx-sse: SSE framing (LF, CRLF or CR lines, comments such as keep-alives skipped);
             # an answer that is not text/event-stream raises SSEError (a failed request).
             async for event in EventSource(response).aiter_sse():
+                num_before = len(state.token_times_s)
                 state.on_data(event.data, self.now_s())
+                self._on_tokens(len(state.token_times_s) - num_before)
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -383,10 +393,14 @@ async def run_workload(
     check_conversations(requests, config)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as http:
         model = await resolve_model(http, config)
+        root = _v1_base(config.url).removesuffix("/v1")
+        counters_before = await read_counters(http, root)
         states = [_StreamState(request) for request in requests]
-        replayer = _Replayer(http, config, model, clock, states)
-        await _replay_all(replayer, states, config, name)
+        with _progress_bar(requests, config, name) as bar:
+            replayer = _Replayer(http, config, model, clock, states, on_tokens=bar.update)
+            await _replay_all(replayer, states, config)
         duration_s = replayer.now_s()
+        counts = counted_during(counters_before, await read_counters(http, root))
     sent = [state for state in states if state.unsent is None]
     traces = tuple(state.trace() for state in sent)
     failed = [s for s, t in zip(sent, traces, strict=True) if t.finish_reason == "error"]
@@ -394,7 +408,16 @@ async def run_workload(
     lines = [f"{s.request.request_id}: {s.error}" for s in failed]
     lines += [f"{s.request.request_id}: {s.unsent}" for s in unsent]
     errors = tuple(lines[:MAX_ERROR_LINES])
-    return BenchRun(name, traces, len(failed), errors, duration_s, num_unsent=len(unsent))
+    return BenchRun(
+        name,
+        traces,
+        len(failed),
+        errors,
+        duration_s,
+        num_unsent=len(unsent),
+        server_counts=counts,
+        model=model,
+    )
 
 
 def check_conversations(requests: Sequence[WorkloadRequest], config: ClientConfig) -> None:
@@ -411,16 +434,21 @@ def check_conversations(requests: Sequence[WorkloadRequest], config: ClientConfi
             )
 
 
-async def _replay_all(
-    replayer: _Replayer, states: list[_StreamState], config: ClientConfig, name: str
-) -> None:
-    """Run every request under the overall timeout, with a progress bar on stderr."""
-    bar = tqdm(
-        total=len(states), desc=name, unit="req", file=sys.stderr, disable=not config.show_progress
+def _progress_bar(requests: Sequence[WorkloadRequest], config: ClientConfig, name: str) -> tqdm:
+    """A bar on stderr over the tokens the workload asks for, moved as they arrive: a burst
+    of readers finishes together after minutes, so a bar over finished requests would sit at
+    0% until then.  (A request that stops early leaves the bar short of its total.)"""
+    total = sum(request.num_output_tokens for request in requests)
+    return tqdm(
+        total=total, desc=name, unit="tok", file=sys.stderr, disable=not config.show_progress
     )
+
+
+async def _replay_all(
+    replayer: _Replayer, states: list[_StreamState], config: ClientConfig
+) -> None:
+    """Run every request under the overall timeout."""
     tasks = [asyncio.create_task(replayer.replay(s, i)) for i, s in enumerate(states)]
-    for task in tasks:
-        task.add_done_callback(lambda _: bar.update(1))
     try:
         _, pending = await asyncio.wait(tasks, timeout=config.timeout_s)
         for task in pending:
@@ -433,4 +461,3 @@ async def _replay_all(
     finally:
         for task in tasks:
             task.cancel()
-        bar.close()

@@ -1,10 +1,9 @@
-"""Side-by-side reports of runs: a text table, a JSON file and a PNG of plots.
+"""Side-by-side reports of runs: a text table and a JSON file (the PNGs: `plots.py`).
 
-Everything takes `dict[str, Summary]` (run or policy name -> its summary) and, for plots, the
-runs' `RequestTrace`s, so the simulator reports its runs with the same code as the HTTP
-benchmark.  Plots use matplotlib's Agg canvas directly (no pyplot, no global backend switch).
-Repeated runs (seeds) are summarised as median and min-max by `aggregate`, plotted by
-`plot_spread`, and judged against a baseline's by `check_targets`.
+Everything takes `dict[str, Summary]` (run or policy name -> its summary), so the simulator
+reports its runs with the same code as the HTTP benchmark.  Repeated runs (seeds) are
+summarised as median and min-max by `aggregate` and judged against a baseline's by
+`check_targets`.
 """
 
 from __future__ import annotations
@@ -17,16 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from tokenflow.eval.metrics import (
     MetricsConfig,
     RequestTrace,
     Summary,
-    buffer_timeline,
     summarize_by_class,
 )
 
@@ -34,19 +27,19 @@ from tokenflow.eval.metrics import (
 TABLE_COLUMNS = (
     ("throughput_tps", "tok/s", "{:.1f}"),
     ("effective_throughput_tps", "eff tok/s", "{:.1f}"),
-    ("ttft_mean_s", "TTFT mean", "{:.3f}"),
-    ("ttft_p50_s", "TTFT p50", "{:.3f}"),
-    ("ttft_p99_s", "TTFT p99", "{:.3f}"),
-    ("tpot_mean_s", "TPOT mean", "{:.4f}"),
-    ("rebuffer_mean_s", "stall mean", "{:.3f}"),
-    ("qoe_mean", "QoE", "{:.3f}"),
-    ("goodput_rps", "goodput", "{:.2f}"),
-    ("num_preemptions", "preempt", "{:d}"),
+    ("ttft_mean_s", "TTFT mean s", "{:.3f}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+    ("tpot_mean_s", "TPOT mean s", "{:.4f}"),
+    ("rebuffer_mean_s", "stall mean s", "{:.3f}"),
+    ("qoe_mean", "QoE 0-1", "{:.3f}"),
+    ("goodput_rps", "goodput req/s", "{:.2f}"),
+    ("num_preemptions", "preemptions", "{:d}"),
 )
 
 
 def format_table(summaries: Mapping[str, Summary]) -> str:
-    """Rows = runs, columns = headline metrics (times in seconds)."""
+    """Rows = runs, columns = headline metrics, each header with its unit."""
     header = ["policy", "done/reqs", *(title for _, title, _ in TABLE_COLUMNS)]
     rows = [header]
     for name, summary in summaries.items():
@@ -55,6 +48,14 @@ def format_table(summaries: Mapping[str, Summary]) -> str:
         cells = [fmt.format(values[key]) for key, _, fmt in TABLE_COLUMNS]
         rows.append([name, done, *cells])
     return _aligned(rows)
+
+
+def goodput_note(config: MetricsConfig) -> str:
+    """What the goodput column counts, under the table."""
+    return (
+        f"goodput: requests/s that met TTFT <= {config.slo_ttft_s:g} s and TPOT <= "
+        f"{config.slo_tpot_s:g} s (`bench --goodput ttft:MS tpot:MS`)"
+    )
 
 
 def class_summaries(
@@ -106,96 +107,6 @@ def write_json(
     with open(path, "w", encoding="utf-8") as file:
         json.dump(report_records(summaries, extra), file, indent=2)
         file.write("\n")
-
-
-# -- plots --------------------------------------------------------------------------------------
-def _ttfts_s(traces: Sequence[RequestTrace]) -> np.ndarray:
-    return np.sort([t.token_times_s[0] - t.arrival_s for t in traces if t.token_times_s])
-
-
-def _plot_ttft_cdf(ax: Axes, traces: Mapping[str, Sequence[RequestTrace]]) -> None:
-    for name, run in traces.items():
-        ttfts = _ttfts_s(run)
-        if ttfts.size:
-            ax.step(ttfts, np.arange(1, ttfts.size + 1) / ttfts.size, where="post", label=name)
-    ax.set(title="TTFT CDF", xlabel="time to first token (s)", ylabel="fraction of requests")
-    ax.grid(alpha=0.3)
-    if ax.get_lines():
-        ax.legend(fontsize="small")
-
-
-def pick_timeline_requests(traces: Mapping[str, Sequence[RequestTrace]], count: int) -> list[str]:
-    """`count` request ids present in every run, spread over arrival order (deterministic)."""
-    runs = list(traces.values())
-    if not runs:
-        return []
-    common = set.intersection(*({t.request_id for t in run if t.token_times_s} for run in runs))
-    ordered = [t.request_id for t in sorted(runs[0], key=lambda t: (t.arrival_s, t.request_id))]
-    candidates = [rid for rid in ordered if rid in common]
-    if len(candidates) <= count:
-        return candidates
-    step = (len(candidates) - 1) / max(count - 1, 1)
-    return [candidates[round(i * step)] for i in range(count)]
-
-
-def _plot_timelines(
-    ax: Axes, traces: Mapping[str, Sequence[RequestTrace]], request_ids: Sequence[str]
-) -> None:
-    styles = ("-", "--", ":", "-.")
-    for run_index, (name, run) in enumerate(traces.items()):
-        by_id = {t.request_id: t for t in run}
-        for line_index, request_id in enumerate(request_ids):
-            trace = by_id[request_id]
-            start, end = trace.arrival_s, trace.token_times_s[-1]
-            end += trace.num_output_tokens / trace.rate_tps  # until the reader is done
-            times = np.linspace(start, end, 400)
-            ax.plot(
-                times,
-                buffer_timeline(trace, times),
-                color=f"C{run_index}",
-                linestyle=styles[line_index % len(styles)],
-                label=f"{name} {request_id}",
-            )
-    ax.set(title="reader buffer of a few requests", xlabel="time (s)", ylabel="tokens buffered")
-    ax.grid(alpha=0.3)
-    if request_ids:
-        ax.legend(fontsize="x-small")
-
-
-def _plot_bars(ax: Axes, summaries: Mapping[str, Summary], keys: Sequence[tuple[str, str]]) -> None:
-    names = list(summaries)
-    positions = np.arange(len(names))
-    width = 0.8 / max(len(keys), 1)
-    for index, (key, label) in enumerate(keys):
-        values = [summaries[name].to_dict()[key] for name in names]
-        ax.bar(positions + index * width, values, width, label=label)
-    ax.set_xticks(positions + width * (len(keys) - 1) / 2, names)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize="small")
-
-
-def plot_report(
-    path: str | os.PathLike[str],
-    summaries: Mapping[str, Summary],
-    traces: Mapping[str, Sequence[RequestTrace]],
-    *,
-    num_timelines: int = 3,
-) -> None:
-    """Write a 2x2 PNG: TTFT CDF per run, buffer timelines, throughput bars, P99 TTFT bars."""
-    figure = Figure(figsize=(13, 9), layout="constrained")
-    FigureCanvasAgg(figure)
-    (cdf, timeline), (throughput, ttft) = figure.subplots(2, 2)
-    _plot_ttft_cdf(cdf, traces)
-    _plot_timelines(timeline, traces, pick_timeline_requests(traces, num_timelines))
-    _plot_bars(
-        throughput,
-        summaries,
-        [("throughput_tps", "throughput"), ("effective_throughput_tps", "effective throughput")],
-    )
-    throughput.set(title="throughput", ylabel="tokens/s")
-    _plot_bars(ttft, summaries, [("ttft_p99_s", "P99 TTFT"), ("ttft_mean_s", "mean TTFT")])
-    ttft.set(title="time to first token", ylabel="seconds")
-    figure.savefig(path, dpi=100)
 
 
 # -- spread over seeds --------------------------------------------------------------------------
@@ -361,41 +272,6 @@ def format_spread_table(rounds: Sequence[Mapping[str, Summary]], label: str = "p
         cells = [spreads[key].text(digits) for key, _, digits in SPREAD_COLUMNS]
         rows.append([name, str(len(records)), *cells])
     return _aligned(rows)
-
-
-def plot_spread(
-    path: str | os.PathLike[str], title: str, spreads: Mapping[str, Mapping[str, Spread]]
-) -> None:
-    """TTFT against stall per policy: medians as points, min-max as error bars (two panels:
-    means, and P99s).  `spreads` maps policy -> `aggregate()` of its runs."""
-    figure = Figure(figsize=(12, 5), layout="constrained")
-    FigureCanvasAgg(figure)
-    panels = figure.subplots(1, 2)
-    for ax, (ttft_key, stall_key, label) in zip(
-        panels,
-        (("ttft_mean_s", "rebuffer_mean_s", "mean"), ("ttft_p99_s", "rebuffer_p99_s", "P99")),
-        strict=True,
-    ):
-        for index, (policy, metrics) in enumerate(spreads.items()):
-            x, y = metrics[ttft_key], metrics[stall_key]
-            ax.errorbar(
-                [x.median],
-                [y.median],
-                xerr=[[x.median - x.minimum], [x.maximum - x.median]],
-                yerr=[[y.median - y.minimum], [y.maximum - y.median]],
-                fmt="o",
-                capsize=4,
-                color=f"C{index}",
-                label=policy,
-            )
-        ax.set(
-            title=f"{title}: {label} TTFT vs {label} stall",
-            xlabel=f"{label} TTFT (s)",
-            ylabel=f"{label} stall per request (s)",
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    figure.savefig(path, dpi=100)
 
 
 def write_marked_block(path: Path, begin: str, end: str, lines: list[str]) -> None:
