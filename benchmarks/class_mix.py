@@ -20,10 +20,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.lib.rounds import interleaved
 from tokenflow.eval.client import ClientConfig, run_workload
-from tokenflow.eval.compare import local_server
+from tokenflow.eval.local_server import local_server
 from tokenflow.eval.metrics import summarize_by_class
-from tokenflow.eval.rounds import interleaved
 from tokenflow.eval.workload import ClassMix, LengthDist, RateMix, WorkloadSpec, generate
 
 POLICIES = ("tokenflow", "fcfs")

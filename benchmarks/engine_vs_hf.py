@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from benchmarks.lib.rounds import interleaved  # noqa: E402
 from tokenflow.core.plan import ScheduledChunk, StepPlan  # noqa: E402
 from tokenflow.core.request import SamplingParams  # noqa: E402
 from tokenflow.engine import ModelExecutor  # noqa: E402
 from tokenflow.engine.engine_args import SERIAL_BELOW_TOKENS  # noqa: E402
-from tokenflow.eval.rounds import interleaved  # noqa: E402
 from tokenflow.model import TieredKVCache, default_model_path, load_model  # noqa: E402
 from tokenflow.model.kernels import ProbeSettings  # noqa: E402
 

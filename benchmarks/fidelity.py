@@ -48,16 +48,15 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from benchmarks.lib.fidelity_doc import write_doc, write_plot
+from benchmarks.lib.rounds import round_order
 from tokenflow.calibrate.costs import fit_compute, point_medians
 from tokenflow.calibrate.machine import cpu_use, read_cpu_times
 from tokenflow.calibrate.profile_file import Profile, PromptTokens, load_profile, pool_profiles
 from tokenflow.eval.client import ClientConfig, run_workload
-from tokenflow.eval.compare import local_server
 from tokenflow.eval.fidelity import WORKLOADS, Workload, analyse
-from tokenflow.eval.fidelity_doc import write_doc, write_plot
-from tokenflow.eval.headline import preemption_counters
+from tokenflow.eval.local_server import local_server
 from tokenflow.eval.metrics import summarize
-from tokenflow.eval.rounds import round_order
 from tokenflow.eval.workload import WorkloadSpec, generate, save_trace
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
 from tokenflow.sim.runner import SimConfig, run_engine
@@ -93,11 +92,6 @@ def take_profile(path: Path, args: argparse.Namespace) -> None:
     subprocess.run(command, check=True)
 
 
-def preemptions(url: str) -> int:
-    """The server's `tokenflow_preemptions` counter."""
-    return int(preemption_counters(url).get("tokenflow_preemptions_total", 0))
-
-
 def real_run(
     workload: Workload,
     policy: str,
@@ -115,7 +109,8 @@ def real_run(
         run = asyncio.run(run_workload(requests, config, name=policy))
         use = cpu_use(before, read_cpu_times())
         summary = summarize(run.traces).to_dict()
-        summary["num_preemptions"] = preemptions(url)
+        # The server is fresh, so what it counted during the run is all it ever counted.
+        summary["num_preemptions"] = run.server_counts.get("preemptions", 0)
     return {
         "workload": workload.name,
         "policy": policy,

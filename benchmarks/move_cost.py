@@ -116,7 +116,7 @@ def _read_all(url: str, answers: list[tuple[str, dict]]) -> tuple[list[dict], li
 
 def _fleet_of_one(migrate: str):
     """A fleet of one replica on a fresh Ray, moving by `migrate`: (its URL, its actors)."""
-    from tokenflow.eval.compare import free_port
+    from tokenflow.eval.local_server import free_port
     from tokenflow.replicas.launch import parse_options, start
 
     port = free_port()

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 import httpx
 
-from tokenflow.eval.compare import free_port, running_server, serve_command
+from tokenflow.eval.local_server import free_port, running_server, serve_command
 
 SYSTEM = (
     "You are the support assistant of a company that sells garden tools. Answer politely, in "

@@ -19,7 +19,7 @@ A profile comes from `tokenflow profile --out PROFILE.json` (minutes; take it on
 docs/results.md reports is docs/results/cpu-profile.json (the 2-core development VM).
 
 `--real` plays each workload's seed-0 requests on the embedded model, both policies per round
-in the order A B B A (`tokenflow.eval.rounds`), with the workload's device KV tier, and pairs
+in the order A B B A (`benchmarks.lib.rounds`), with the workload's device KV tier, and pairs
 the runs by round for the same targets.  Besides the suite it knows `readme-burst`, the
 README's overload burst.  `--serve-args` passes more options to both servers: '--num-threads 1'
 runs the engine on one core, a CPU about half as fast, where the slowed profile's cases show.
@@ -37,14 +37,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.lib.rounds import run_rounds
 from benchmarks.paper_setups import ENGINE
 from benchmarks.paper_setups import PROFILED as MARKERS
 from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.eval.client import ClientConfig, run_workload
-from tokenflow.eval.compare import local_server
 from tokenflow.eval.fidelity import Workload
+from tokenflow.eval.local_server import local_server
 from tokenflow.eval.report import aggregate, check_targets, format_targets_table
-from tokenflow.eval.rounds import run_rounds
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.suite import SUITE, run_suite_workload, suite_score, suite_workload
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 from ray import serve
 
+from benchmarks.lib.rounds import run_rounds
 from tokenflow.cli.bench import main as bench_main
 from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import format_spread_table
-from tokenflow.eval.rounds import run_rounds
 from tokenflow.replicas.launch import APP_NAME, build_application, start_serve
 
 

@@ -26,10 +26,10 @@ the embedded GGUF, for vLLM converted once to float32 safetensors):
 round in A B B A order (this machine's speed drifts between runs by more than most settings
 change), and print each round's table, then medians [min-max] over the rounds.
 
-    .venv/bin/python benchmarks/vs_vllm.py raw --json out.json
-    .venv/bin/python benchmarks/vs_vllm.py burst --repeats 3 [--skip-vllm] [--variant ...]
-    .venv/bin/python benchmarks/vs_vllm.py in-vllm [--tiny] [--no-host-kv] [--ours-first]
-    .venv/bin/python benchmarks/vs_vllm.py bench-client --rounds 2 --json vllm-bench.json
+    .venv/bin/python -m benchmarks.vs_vllm raw --json out.json
+    .venv/bin/python -m benchmarks.vs_vllm burst --repeats 3 [--skip-vllm] [--variant ...]
+    .venv/bin/python -m benchmarks.vs_vllm in-vllm [--tiny] [--no-host-kv] [--ours-first]
+    .venv/bin/python -m benchmarks.vs_vllm bench-client --rounds 2 --json vllm-bench.json
 """
 
 from __future__ import annotations
@@ -44,18 +44,19 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.lib.headline import format_ratios, ratio_spreads
+from benchmarks.lib.raw_decode import DecodeError, best_rows, format_rows, measure, row_records
+from benchmarks.lib.rounds import round_order, run_rounds
 from tokenflow.cli.bench import client_config_from_args, report_runs
 from tokenflow.cli.workload import add_workload_arguments, workload_from_args
 from tokenflow.eval.client import BenchRun, ClientConfig, run_workload
-from tokenflow.eval.compare import ServerStartError, running_server, serve_command
-from tokenflow.eval.headline import format_ratios, preemption_counters, ratio_spreads
+from tokenflow.eval.local_server import ServerStartError, running_server, serve_command
 from tokenflow.eval.metrics import Summary
-from tokenflow.eval.raw_decode import DecodeError, best_rows, format_rows, measure, row_records
 from tokenflow.eval.report import format_spread_table, report_records
-from tokenflow.eval.rounds import round_order, run_rounds
-from tokenflow.eval.vllm_bench_serve import SCENARIOS, bench_serve, median_ratios
-from tokenflow.eval.vllm_bench_serve import format_ratios as format_bench_ratios
-from tokenflow.eval.vllm_setup import (
+from tokenflow.eval.workload import WorkloadRequest
+from tokenflow.integrations.vllm.bench_serve import SCENARIOS, bench_serve, median_ratios
+from tokenflow.integrations.vllm.bench_serve import format_ratios as format_bench_ratios
+from tokenflow.integrations.vllm.peer_setup import (
     CACHE_DIR,
     TOKENFLOW_IN_VLLM_SERVER,
     VLLM_PACKAGE,
@@ -65,7 +66,6 @@ from tokenflow.eval.vllm_setup import (
     ensure_vllm_venv,
     vllm_command,
 )
-from tokenflow.eval.workload import WorkloadRequest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 Server = tuple[str, list[str], dict[str, str]]  # name, command, environment
@@ -190,7 +190,7 @@ def bench_server(
         warm = replace(config, url=running.url, show_progress=False)
         asyncio.run(run_workload(requests[:1], warm, name="warm-up"))
         run = asyncio.run(run_workload(requests, replace(config, url=running.url), name=name))
-        print(f"{name}: server counters {preemption_counters(running.url)}", flush=True)
+        print(f"{name}: server counted {dict(run.server_counts)}", flush=True)
     print(f"{name}: stopped", flush=True)
     return run
 

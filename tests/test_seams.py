@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenflow"
 # the model through the core; integrations plug other engines in (llama.cpp, vLLM); eval scores
 # runs and plays readers; calibrate fits costs to measurements; sim runs the core on costs;
 # serving is the HTTP face of an engine; cli holds the commands; replicas deploys them on Ray.
+# benchmarks/ (outside the package) may import any of them; none imports it.
 LAYERS = (
     "core",
     "model",
@@ -94,6 +95,41 @@ def test_modules_import_one_another_in_no_circle():
 
     for module in graph:
         visit(module, ())
+
+
+def top_level_imports(module: str) -> set[str]:
+    """The top-level package of every absolute import of `module`."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.partition(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.partition(".")[0] for alias in node.names}
+    return found
+
+
+def test_the_package_never_imports_the_benchmarks():
+    """benchmarks/ (its lib/ included) sits above the whole package: it is not installed."""
+    importing = sorted(m for m in MODULES if "benchmarks" in top_level_imports(m))
+    assert importing == []
+
+
+def test_no_test_suite_imports_the_benchmarks():
+    """The test suites test the package; benchmarks/ may be deleted without breaking one
+    (its own helpers are tested under benchmarks/tests/)."""
+    root = PACKAGE.parent
+    suites = [root / "tests", *sorted(root.glob("tests_*"))]
+    importing = []
+    for path in (p for suite in suites for p in suite.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(name.partition(".")[0] == "benchmarks" for name in names):
+                importing.append(str(path.relative_to(root)))
+    assert importing == []
 
 
 def test_no_module_imports_a_private_name_of_another():

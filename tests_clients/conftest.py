@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tokenflow.eval.compare import RunningServer, free_port, running_server, serve_command
+from tokenflow.eval.local_server import RunningServer, free_port, running_server, serve_command
 
 MAX_MODEL_LEN = 1024
 DEVICE_KV_TOKENS = 4096

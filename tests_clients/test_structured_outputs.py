@@ -13,7 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, Field
 
-from tokenflow.eval.compare import RunningServer
+from tokenflow.eval.local_server import RunningServer
 
 
 class Person(BaseModel):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests_clients.conftest import DEVICE_KV_TOKENS
-from tokenflow.eval.compare import RunningServer
-from tokenflow.eval.vllm_bench_serve import Scenario, bench_serve
-from tokenflow.eval.vllm_setup import CACHE_DIR
+from tokenflow.eval.local_server import RunningServer
+from tokenflow.integrations.vllm.bench_serve import Scenario, bench_serve
+from tokenflow.integrations.vllm.peer_setup import CACHE_DIR
 
 VLLM_VENV = Path(os.environ.get("TOKENFLOW_VLLM_VENV", CACHE_DIR / "vllm-venv"))
 VLLM_MODEL_DIR = Path(os.environ.get("TOKENFLOW_VLLM_MODEL_DIR", CACHE_DIR / "smollm2-hf"))

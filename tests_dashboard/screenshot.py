@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from tokenflow.eval.client import ClientConfig, run_workload
-from tokenflow.eval.compare import local_server
+from tokenflow.eval.local_server import local_server
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 BURST = WorkloadSpec(

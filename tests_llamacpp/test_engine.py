@@ -36,10 +36,11 @@ def test_preempted_streams_keep_their_tokens(gguf, oracle):
     assert scheduler.num_preemptions_total > 0  # streams took turns on the device
     exact = 0
     for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.finish_reason == "length"
+        [choice] = output.outputs
+        assert choice.finish_reason == "length"
         reference, margins = oracle.with_margins(prompt, NUM_NEW)
-        assert agrees_but_at_a_near_tie(output.token_ids, reference, margins)
-        exact += output.token_ids == reference
+        assert agrees_but_at_a_near_tie(choice.token_ids, reference, margins)
+        exact += choice.token_ids == reference
     assert exact >= 1
     llm.engine.close()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.helpers import GREEDY_NO_EOS, chunk, greedy_generate, plan
+from tests.model.helpers import GREEDY_NO_EOS, chunk, greedy_generate, plan
 from tests_llamacpp.conftest import agrees_but_at_a_near_tie, make_executor
 from tokenflow.core.request import SamplingParams
 

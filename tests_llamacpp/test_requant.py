@@ -51,6 +51,6 @@ def test_the_engine_runs_the_q8_0_weights():
     try:
         greedy = SamplingParams(max_tokens=6, temperature=0.0)
         [out] = llm.generate(["The capital of France is"], greedy)
-        assert "Paris" in out.text
+        assert "Paris" in out.outputs[0].text
     finally:
         llm.engine.close()

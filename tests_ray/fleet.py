@@ -5,7 +5,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-from tokenflow.eval.compare import free_port
+from tokenflow.eval.local_server import free_port
 from tokenflow.replicas.board import DEFAULT_MODE
 from tokenflow.replicas.launch import Fleet, parse_options, start, stop_serve
 

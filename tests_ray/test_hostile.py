@@ -16,7 +16,7 @@ from ray import serve
 
 from tests_ray.fakes import CHUNKS, FAKE, NAMESPACE, RECORDER, STREAM_ID, FakeReplica, Recorder
 from tests_ray.fleet import until
-from tokenflow.eval.compare import free_port
+from tokenflow.eval.local_server import free_port
 from tokenflow.replicas.guards import MAX_TRIES
 from tokenflow.replicas.ingress import REPLICA_HEADER
 from tokenflow.replicas.launch import APP_NAME, build_application, start_serve, stop_serve

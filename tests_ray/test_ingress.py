@@ -11,7 +11,7 @@ from dataclasses import replace
 from starlette.requests import Request
 
 from tests_ray.fakes import engine_full_429, key_limit_429
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
 from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.replicas.guards import MAX_TRIES
 from tokenflow.replicas.ingress import REPLICA_HEADER, Forwarder
@@ -86,7 +86,7 @@ class _Handle:
 
 def _handoff(num_sent_tokens: int) -> StreamHandoff:
     """What a replica hands the ingress when its answer moves (the ingress only passes it on)."""
-    state = StreamState(
+    state = StreamExport(
         request_id="cmpl-1",
         prompt_token_ids=(1, 2),
         output_token_ids=tuple(range(num_sent_tokens)),

@@ -1,5 +1,5 @@
 """A replica's part in the moves of queued requests and paused streams
-(tokenflow/replicas/rebalancing.py), without a cluster or a model: a core scheduler (fake
+(tokenflow/replicas/rebalancer.py), without a cluster or a model: a core scheduler (fake
 executor) stands for its engine, a `MoveBoard` for the fleet's.  It offers only the queued
 requests and paused streams whose answers can move, counts a moved-in request's wait from its
 landing, exports what the board says if it is still as the board saw it, and names each one's
@@ -7,15 +7,15 @@ target."""
 
 from concurrent.futures import Future
 from dataclasses import replace
-from types import SimpleNamespace
 
 from tests.core.helpers import ManualClock, flat_report, make_core, make_request
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
 from tokenflow.core.rebalance import MigrateMode, ReplicaLoad, StreamKind, movable_of
 from tokenflow.core.request import Consumption, RequestState, SamplingParams
 from tokenflow.core.routing import LoadReport
+from tokenflow.engine.readings import measure_replica_load
 from tokenflow.replicas.board import MoveBoard
-from tokenflow.replicas.rebalancing import Rebalancer
+from tokenflow.replicas.rebalancer import Rebalancer
 from tokenflow.serving.moves import MoveBook
 
 PERIOD_S = 1.0
@@ -29,11 +29,14 @@ class _Engine:
         core, clock, _ = make_core()
         clock.t = now_s
         self.scheduler = core.scheduler
-        self._engine = SimpleNamespace(core=SimpleNamespace(clock=clock), scheduler=core.scheduler)
+        self._clock = clock
 
-    def between_steps(self, fn):
+    def replica_load(self, replica_id, movable_ids, reached_s):
         future = Future()
-        future.set_result(fn(self._engine))
+        now_s = self._clock.now()
+        future.set_result(
+            measure_replica_load(self.scheduler, now_s, replica_id, movable_ids, reached_s)
+        )
         return future
 
     def export_streams(self, request_ids, only_if=None):
@@ -135,10 +138,10 @@ def test_the_target_tells_the_board_when_a_moved_answer_left_its_source_and_reac
     assert (planned.planned_s, planned.handed_off_s, planned.landed_s) == (20.0, 20.125, 20.25)
 
 
-def _paused(request_id: str, now_s: float) -> StreamState:
+def _paused(request_id: str, now_s: float) -> StreamExport:
     """A stream to import as paused: 40 tokens delivered at `now_s` to a reader at 100 tok/s,
     who has 0.4 s of them left to read."""
-    return StreamState(
+    return StreamExport(
         request_id=request_id,
         prompt_token_ids=tuple(range(3, 23)),
         output_token_ids=(7,) * 40,

@@ -27,7 +27,7 @@ from tests_reliability.probe import (
     report,
     serve_args_keys,
 )
-from tokenflow.eval.compare import free_port, running_server, serve_command
+from tokenflow.eval.local_server import free_port, running_server, serve_command
 
 ROWS = pytest.StashKey[list[Row]]()
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
+from tokenflow.core.config import SchedulerConfig, TokenFlowConfig, tokenflow_defaults
 from tokenflow.core.policies import make_policy
 from tokenflow.core.policies.pricing import Prices, is_pausable, recompute_price_s, unsynced_blocks
 from tokenflow.core.request import RequestState
@@ -119,12 +119,30 @@ def test_policy_pauses_a_full_buffer_for_a_waiting_stream():
     assert [(s.request_id, s.by_load) for s in moves.starts] == [("new", False)]
 
 
+def test_reserve_decays_each_plan_and_resets_when_vllm_runs_out_of_memory():
+    bridge = make_bridge()  # SGLang's reserve: from 0.7 to 0.1 in 600 steps
+    request = FakeRequest("a", num_computed_tokens=21, output_token_ids=[5, 6])
+    bridge.track(request, rate_tps=10.0, now_s=0.0)
+    view = bridge.view([request], [], PoolState(8, {"a": 2}), now_s=1.0)
+    assert view.new_token_ratio == 0.7
+    assert view.num_reserved_blocks == 2  # 0.7 x 38 output tokens left = 26 tokens: 2 blocks
+    bridge.plan(view)
+    bridge.plan(view)
+    assert bridge.reserve.value == pytest.approx(0.7 - 2 * 0.6 / 600)
+    bridge.out_of_memory()
+    assert bridge.reserve.value == 0.7
+
+
 def test_settings_from_additional_config():
     settings = IntegrationSettings.from_additional_config(
         {"tokenflow": {"default_rate": 5, "host_factor": 1, "policy": {"critical_slack_s": 1.0}}}
     )
     assert settings.default_rate_tps == 5.0 and settings.host_factor == 1.0
-    assert settings.policy.critical_slack_s == 1.0
+    assert settings.policy_config("cuda").critical_slack_s == 1.0  # the override wins
+    defaults = IntegrationSettings()
+    assert defaults.policy_config("cpu") == tokenflow_defaults("cpu")  # every command's
+    assert defaults.policy_config("cuda") == tokenflow_defaults("cuda")
+    assert defaults.policy_config("cpu") != defaults.policy_config("cuda")
     assert IntegrationSettings.from_additional_config({}).default_rate_tps is None
     with pytest.raises(ValueError, match="unknown"):
         IntegrationSettings.from_additional_config({"tokenflow": {"rate": 1}})

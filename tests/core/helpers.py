@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from tokenflow.core.build import build_core
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import SampledToken, StepPlan, StepResult
-from tokenflow.core.policies import make_policy
 from tokenflow.core.request import Consumption, Request, RequestState, SamplingParams
 from tokenflow.core.routing import CapacityPoint, LoadReport
-from tokenflow.core.scheduler import Scheduler
 
 
 class ManualClock:
@@ -83,8 +82,10 @@ def make_core(
         link_bytes_per_s=1e6, initial_decode_step_s=step_s, chunk_tokens=32
     )
     kv = KVConfig(num_device_blocks, num_host_blocks, block_size, block_bytes=1000)
-    scheduler = Scheduler(config, kv, make_policy(policy, config, tokenflow_config))
-    return EngineCore(scheduler, executor, clock, check_integrity=True), clock, executor
+    core = build_core(
+        config, kv, policy, executor, clock, tokenflow=tokenflow_config, check_integrity=True
+    )
+    return core, clock, executor
 
 
 def run_to_completion(core: EngineCore, clock: ManualClock, max_steps: int = 20_000) -> int:

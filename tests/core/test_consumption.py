@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
 
 from tokenflow.core.consumption import (
     CLASS_NAMES,
-    DEFAULT_READER_RATE_TPS,
     ClassError,
     ClassRule,
     StatedClass,
-    add_default_rate_argument,
     parse_class,
     reader_rate_of,
     resolve_class,
@@ -145,10 +142,3 @@ def test_a_loosely_typed_rate_counts_only_where_a_reader_may_have_it():
     assert reader_rate_of(MAX_READER_RATE_TPS) == MAX_READER_RATE_TPS
     for value in (None, "x", [1], {}, 0, -3, 5000, "1e-9", "inf", "NaN", 10**400):
         assert reader_rate_of(value) is None, value
-
-
-def test_the_default_rate_flag_defaults_to_the_default_reading_rate():
-    parser = argparse.ArgumentParser()
-    add_default_rate_argument(parser)
-    assert parser.parse_args([]).default_rate_tps == DEFAULT_READER_RATE_TPS == 4.0
-    assert parser.parse_args(["--default-rate", "6"]).default_rate_tps == 6.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.core.helpers import make_core, make_request, run_to_completion
-from tokenflow.core.migration import request_of, stream_state
+from tokenflow.core.migration import export_of, request_of
 from tokenflow.core.request import RequestState, StructuredOutput
 
 
@@ -146,22 +146,22 @@ def test_import_refuses_a_duplicate_or_a_stream_too_long_for_it():
     core, _, _ = make_core("fcfs")
     core.add_request(make_request("a"))
     with pytest.raises(ValueError, match="duplicate"):
-        core.scheduler.import_stream(stream_state(make_request("a")))
+        core.scheduler.import_stream(export_of(make_request("a")))
     small, _, _ = make_core("fcfs", num_device_blocks=4)
     with pytest.raises(ValueError, match="device KV pool"):
-        small.scheduler.import_stream(stream_state(make_request("b", num_prompt=40)))
+        small.scheduler.import_stream(export_of(make_request("b", num_prompt=40)))
 
 
 def test_the_state_round_trips_through_a_request():
     request = make_request("s", num_prompt=8, max_tokens=10, seed=3)
     for position in range(4):
         request.append_token(100 + position, 0.1 * (position + 1))
-    again = request_of(stream_state(request))
-    assert stream_state(again) == stream_state(request)
+    again = request_of(export_of(request))
+    assert export_of(again) == export_of(request)
     assert again.dry_s == request.dry_s and again.num_tokens == request.num_tokens
 
 
 def test_the_session_hint_moves_with_the_stream():
     request = make_request("s", num_prompt=10, max_tokens=4)
     request.session_key = "conversation-7"
-    assert request_of(stream_state(request)).session_key == "conversation-7"
+    assert request_of(export_of(request)).session_key == "conversation-7"

@@ -5,14 +5,15 @@ import math
 
 import pytest
 
+from tokenflow.cli.engine_options import add_engine_options, engine_args_from
 from tokenflow.core.config import TokenFlowConfig, tokenflow_defaults
 from tokenflow.engine.engine_args import EngineArgs
 
 
 def parse(*argv: str) -> EngineArgs:
     parser = argparse.ArgumentParser()
-    EngineArgs.add_arguments(parser)
-    return EngineArgs.from_namespace(parser.parse_args(list(argv)))
+    add_engine_options(parser)
+    return engine_args_from(parser.parse_args(list(argv)))
 
 
 def test_overload_options_reach_the_tokenflow_policy():

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from tests.engine.helpers import GREEDY_NO_EOS, chunk, greedy_generate, plan
+from tests.model.helpers import GREEDY_NO_EOS, chunk, greedy_generate, plan
 from tokenflow.core.plan import BlockCopy, CopyKind
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine import ModelExecutor

@@ -7,8 +7,8 @@ import pytest
 
 from tokenflow.core.request import Request, SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
-from tokenflow.engine.llm import LLM
 from tokenflow.engine.llm_engine import LLMEngine
+from tokenflow.llm import LLM
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 PROMPT = list(range(100, 148))  # three full blocks of 16

@@ -8,8 +8,8 @@ import re
 import tomllib
 from pathlib import Path
 
-from tokenflow.eval.vllm_setup import VLLM_PACKAGE
 from tokenflow.integrations.vllm import VLLM_VERSION
+from tokenflow.integrations.vllm.peer_setup import VLLM_PACKAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 

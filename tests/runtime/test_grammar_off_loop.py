@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from tests.engine.test_grammar_compile import BlockingWorker
+from tests.model.test_grammar_compile import BlockingWorker
 from tests.serving.live_server import serve_in_thread
 from tokenflow.engine.async_engine import AsyncEngine
 from tokenflow.engine.engine_args import EngineArgs

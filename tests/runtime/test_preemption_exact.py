@@ -4,7 +4,7 @@ and (a `gpu` test) on CUDA, with real copies to the pinned host tier, in float32
 
 import pytest
 
-from tests.engine.helpers import DEVICES
+from tests.model.helpers import DEVICES
 from tokenflow.core.request import SamplingParams
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine

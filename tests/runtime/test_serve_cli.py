@@ -5,10 +5,12 @@ its timeout: test_serve_drain.py)."""
 from __future__ import annotations
 
 import json
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -91,3 +93,61 @@ def test_sigint_lets_a_live_stream_finish(tiny_model_dir):
     chunks = [json.loads(frame) for frame in frames[:-1]]
     assert not any("error" in chunk for chunk in chunks)
     assert chunks[-1]["usage"]["completion_tokens"] == 400
+
+
+# What a start says, in this order (the tiny float32 checkpoint has one kernel plan: no probe).
+START_PHASES = (
+    "auth off:",
+    "starting the engine: torch executor, policy tokenflow",
+    "loading the model ",
+    "kernels (checkpoint): float32",
+    "loaded the model in ",
+    "building the KV tiers: device 8192 tokens (512 blocks of 16, ",
+    "built the KV tiers in ",
+    "preparing the executor",
+    "prepared the executor in ",
+    "started the engine in ",
+    "KV tiers: device 8192 tokens (512 blocks of 16), host 32768 tokens (2048 blocks)",
+    "Application startup complete.",
+)
+
+
+def stderr_until(process: subprocess.Popen, marker: str, timeout_s: float) -> list[str]:
+    """The process's stderr lines up to the first that holds `marker` (all of them if it exits
+    or `timeout_s` passes first)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in process.stderr], daemon=True
+    ).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            seen.append(lines.get(timeout=0.5).rstrip("\n"))
+        except queue.Empty:
+            continue
+        if marker in seen[-1]:
+            break
+    return seen
+
+
+def test_the_start_says_each_phase_and_ends_with_where_it_listens(tiny_model_dir):
+    port = free_port()
+    process = serve("--model", tiny_model_dir, "--port", str(port), "--log-level", "info")
+    try:
+        lines = stderr_until(process, "listening on", timeout_s=300)  # (a hang guard)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        finally:
+            process.kill()
+            process.wait()
+    messages = [line.split(": ", 2)[-1].strip() for line in lines]  # ("INFO: logger: message")
+    url = f"http://127.0.0.1:{port}"
+    assert messages[-1] == f"listening on {url}, dashboard {url}/dashboard"
+    assert [p for p in START_PHASES if not any(p in m for m in messages)] == []
+    found = [min(i for i, m in enumerate(messages) if phase in m) for phase in START_PHASES]
+    assert found == sorted(found)
+    assert sum("auth off:" in m for m in messages) == 1
+    assert f"loading the model {tiny_model_dir} (" in "\n".join(messages)

@@ -21,7 +21,7 @@ from tokenflow.engine.client import (
     EngineStats,
     GenerationDelta,
 )
-from tokenflow.engine.streams import StreamsSnapshot, StreamState
+from tokenflow.engine.snapshot import StreamRow, StreamsSnapshot
 
 EOS = "<eos>"
 
@@ -270,8 +270,8 @@ class FakeEngine:
         )
 
 
-def _fake_stream(request_id: str) -> StreamState:
-    return StreamState(
+def _fake_stream(request_id: str) -> StreamRow:
+    return StreamRow(
         request_id=request_id,
         consumption=Consumption.READER,
         rate_tps=20.0,

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
+from tokenflow.cli.server_options import server_config_from
 from tokenflow.serving.app import build_app
 from tokenflow.serving.auth import ApiKeys, bearer_token, read_key_file
 from tokenflow.serving.config import ServerConfig
@@ -95,18 +96,18 @@ def test_repeated_api_key_flags_and_a_config_file_string_both_work(tmp_path):
     import argparse
 
     from tokenflow.cli.config_file import add_config_argument, apply_config_file
-    from tokenflow.serving.server import add_serve_arguments
+    from tokenflow.cli.serve_options import add_serve_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_serve_arguments(parser)
     args = parser.parse_args(["--api-key", "a", "--api-key", "b"])
-    assert ServerConfig.from_namespace(args).allowed_keys == ("a", "b")
+    assert server_config_from(args).allowed_keys == ("a", "b")
     config = tmp_path / "serve.toml"
     config.write_text('api-key = "from-file"\n')
     add_config_argument(parser)
     argv = ["--config", str(config)]
     apply_config_file(parser, argv)
-    assert ServerConfig.from_namespace(parser.parse_args(argv)).allowed_keys == ("from-file",)
+    assert server_config_from(parser.parse_args(argv)).allowed_keys == ("from-file",)
 
 
 async def test_the_docs_pages_that_load_a_cdn_are_off():

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
+from tokenflow.cli.server_options import server_config_from
 from tokenflow.core.request import Consumption
 from tokenflow.serving.app import build_app
 from tokenflow.serving.classes import ClassRules
@@ -133,7 +134,7 @@ def test_the_class_rules_come_from_a_config_file_too(tmp_path):
     import argparse
 
     from tokenflow.cli.config_file import ConfigFileError, add_config_argument, apply_config_file
-    from tokenflow.serving.server import add_serve_arguments
+    from tokenflow.cli.serve_options import add_serve_arguments
 
     path = tmp_path / "serve.toml"
     path.write_text('default_class = "eager"\napi_key_class = ["chat-key=reader:6"]\n')
@@ -142,7 +143,7 @@ def test_the_class_rules_come_from_a_config_file_too(tmp_path):
     add_config_argument(parser)
     argv = ["--config", str(path)]
     apply_config_file(parser, argv)
-    config = ServerConfig.from_namespace(parser.parse_args(argv))
+    config = server_config_from(parser.parse_args(argv))
     assert config.class_rules.default.consumption.value == "eager"
     assert config.class_rules.by_api_key["chat-key"].rate_tps == 6.0
     path.write_text("api_key_class = 6\n")

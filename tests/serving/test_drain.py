@@ -12,6 +12,7 @@ import pytest
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
+from tokenflow.cli.server_options import add_server_options, server_config_from
 from tokenflow.serving.app import build_app
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.drain import Drain
@@ -93,11 +94,11 @@ def test_the_wait_times_out_with_answers_in_flight() -> None:
 
 def test_the_drain_timeout_flag() -> None:
     parser = argparse.ArgumentParser()
-    ServerConfig.add_arguments(parser)
+    add_server_options(parser)
     # under Kubernetes' 30 s grace period, so the error frames are sent before the kill
-    assert ServerConfig.from_namespace(parser.parse_args([])).drain_timeout_s == 25.0
+    assert server_config_from(parser.parse_args([])).drain_timeout_s == 25.0
     args = parser.parse_args(["--drain-timeout-s", "2.5"])
-    assert ServerConfig.from_namespace(args).drain_timeout_s == 2.5
+    assert server_config_from(args).drain_timeout_s == 2.5
     assert ServerConfig(drain_timeout_s=0).drain_timeout_s == 0  # end the streams at once
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="drain_timeout_s"):

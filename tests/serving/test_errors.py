@@ -77,7 +77,7 @@ async def test_unknown_field_served_and_logged(
     """As vLLM: a field neither API defines is ignored, and the log names it."""
     body = {"prompt": "x", "messages": MESSAGES, "frobnicate": 1, "max_tokens": 2}
     body.pop("messages" if path == COMPLETIONS else "prompt")
-    with caplog.at_level("WARNING", logger="tokenflow.serving.serving"):
+    with caplog.at_level("WARNING", logger="tokenflow.serving.openai_serving"):
         response = await client.post(path, json=body)
     assert response.status_code == 200, response.text
     ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]

@@ -14,7 +14,7 @@ import pytest
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread
 from tests.serving.test_tool_choice import ASK, AUTO, WEATHER, WORDS, ToolsTokenizer
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
 from tokenflow.core.request import Consumption, SamplingParams, StructuredOutput
 from tokenflow.serving.app import build_app
 from tokenflow.serving.moves import (
@@ -50,8 +50,8 @@ def _request(num_choices: int = 1, stream: bool = True, **choice) -> PreparedReq
     )
 
 
-def _state(request_id: str, num_tokens: int) -> StreamState:
-    return StreamState(
+def _state(request_id: str, num_tokens: int) -> StreamExport:
+    return StreamExport(
         request_id=request_id,
         prompt_token_ids=(1, 2, 3),
         output_token_ids=tuple(range(num_tokens)),

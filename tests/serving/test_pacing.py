@@ -25,6 +25,7 @@ import pytest
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.virtual_time import run_in_virtual_time
 from tokenflow.cli.config_file import apply_config_file, write_config
+from tokenflow.cli.server_options import add_server_options, server_config_from
 from tokenflow.core.request import Consumption
 from tokenflow.eval.metrics import TIME_TOLERANCE_S, consumption_times_s
 from tokenflow.serving.app import build_app
@@ -33,8 +34,8 @@ from tokenflow.serving.classes import ClassRules, Stated
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.drain import Drain
 from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.openai_serving import OpenAIServing
 from tokenflow.serving.protocol import CompletionRequest
-from tokenflow.serving.serving import OpenAIServing
 
 RATE_TPS = 4.0  # the reader takes a token every 0.25 s
 TOKEN_DELAY_S = 0.05  # the fake engine makes one every 0.05 s: five times the reader's rate
@@ -310,14 +311,14 @@ def test_only_readers_are_paced_and_the_request_decides_first() -> None:
 
 def test_the_stream_pacing_flag_and_config_key(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    ServerConfig.add_arguments(parser)
-    assert ServerConfig.from_namespace(parser.parse_args([])).class_rules.paces_readers is False
-    on = ServerConfig.from_namespace(parser.parse_args(["--stream-pacing"]))
+    add_server_options(parser)
+    assert server_config_from(parser.parse_args([])).class_rules.paces_readers is False
+    on = server_config_from(parser.parse_args(["--stream-pacing"]))
     assert on.stream_pacing and on.class_rules.paces_readers
     path = tmp_path / "serve.toml"
     write_config(path, {"stream-pacing": True})
     apply_config_file(parser, ["--config", str(path)])
-    assert ServerConfig.from_namespace(parser.parse_args([])).class_rules.paces_readers
+    assert server_config_from(parser.parse_args([])).class_rules.paces_readers
 
 
 def test_begun_returns_once_another_thread_begins_the_drain() -> None:

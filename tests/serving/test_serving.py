@@ -11,9 +11,9 @@ from tests.serving.fake_engine import FakeEngine
 from tokenflow.serving.choices import EventStream
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.openai_serving import OpenAIServing
 from tokenflow.serving.protocol import CompletionRequest
 from tokenflow.serving.responder import ClientDisconnected
-from tokenflow.serving.serving import OpenAIServing
 
 pytestmark = pytest.mark.anyio
 

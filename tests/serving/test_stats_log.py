@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from tests.serving.fake_engine import FakeEngine
+from tokenflow.cli.server_options import add_server_options, server_config_from
 from tokenflow.engine.client import EngineStats
 from tokenflow.serving.app import build_app
 from tokenflow.serving.config import ServerConfig
@@ -169,10 +170,10 @@ async def test_logging_stats_cancels_its_task_on_exit() -> None:
 
 def test_disable_log_stats_flag() -> None:
     parser = argparse.ArgumentParser()
-    ServerConfig.add_arguments(parser)
-    assert not ServerConfig.from_namespace(parser.parse_args([])).disable_log_stats
+    add_server_options(parser)
+    assert not server_config_from(parser.parse_args([])).disable_log_stats
     args = parser.parse_args(["--disable-log-stats"])
-    assert ServerConfig.from_namespace(args).disable_log_stats
+    assert server_config_from(args).disable_log_stats
     assert isinstance(build_app(FakeEngine()).state.stats_log, StatsLog)
     off = build_app(FakeEngine(), ServerConfig(disable_log_stats=True))
     assert off.state.stats_log is None

@@ -120,7 +120,7 @@ async def test_a_constraint_with_a_forced_tool_call_is_refused(client, engine) -
 
 
 async def test_priority_is_accepted_and_does_not_change_the_request(client, engine, caplog) -> None:
-    with caplog.at_level(logging.DEBUG, logger="tokenflow.serving.serving"):
+    with caplog.at_level(logging.DEBUG, logger="tokenflow.serving.openai_serving"):
         assert (await _chat(client, priority=-5)).status_code == 200
     assert (await _chat(client)).status_code == 200
     (_, first, first_rate), (_, second, second_rate) = engine.submitted
@@ -138,7 +138,7 @@ async def test_no_op_extras_are_accepted_without_a_log(client, engine, caplog) -
         "min_p": 0.1,
         "repetition_penalty": 1.1,
     }
-    with caplog.at_level(logging.WARNING, logger="tokenflow.serving.serving"):
+    with caplog.at_level(logging.WARNING, logger="tokenflow.serving.openai_serving"):
         assert (await _chat(client, **extra)).status_code == 200
     assert not [r for r in caplog.records if "ignored" in r.getMessage()]
     params = engine.submitted[-1][1]

@@ -15,8 +15,8 @@ from tokenflow.engine.client import EngineStats
 from tokenflow.serving.app import build_app
 from tokenflow.serving.classes import Stated
 from tokenflow.serving.metrics import ServingMetrics
+from tokenflow.serving.openai_serving import OpenAIServing
 from tokenflow.serving.protocol import CompletionRequest
-from tokenflow.serving.serving import OpenAIServing
 from tokenflow.serving.vllm_metrics import (
     INTER_TOKEN_LATENCY_BUCKETS_S,
     REQUEST_LATENCY_BUCKETS_S,

@@ -74,7 +74,7 @@ class StepCosts:
     server_per_chunk_s: float = 0.0
     # The forward pass and copies as fitted, times this: the machine's speed when the profile
     # ended against during its sweep (the serving probe's in-process steps against the fit's
-    # prediction of them, tokenflow/cli/profile_probe.py); a shared CPU's speed drifts by minutes.
+    # prediction of them, tokenflow/calibrate/probe.py); a shared CPU's speed drifts by minutes.
     # A step's prefill terms (p0, p1, p2) take their own factor, from a lone request's prefill.
     speed_factor: float = 1.0
     prefill_speed_factor: float = 1.0

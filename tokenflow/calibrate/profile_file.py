@@ -66,7 +66,7 @@ class EngineFacts:
 @dataclass(frozen=True)
 class ProbePoint:
     """A burst of `batch` unread streams through a real server and through the profiled engine
-    in-process (tokenflow/cli/profile_probe.py): the median gap between a stream's tokens there,
+    in-process (tokenflow/calibrate/probe.py): the median gap between a stream's tokens there,
     the median decode step here (the difference is the serving path's cost at that batch),
     and the median time to first token in each (0: not measured)."""
 

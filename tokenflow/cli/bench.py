@@ -200,7 +200,7 @@ def run_bench(args: argparse.Namespace) -> int:
         config = client_config_from_args(argparse.Namespace(**{**vars(args), "url": url}))
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
-    from tokenflow.eval.compare import ServerStartError
+    from tokenflow.eval.local_server import ServerStartError
 
     try:
         runs = _run(args, requests, config)
@@ -225,7 +225,7 @@ def _run(
     if args.compare is None:
         return asyncio.run(benchmark([BenchTarget(args.name, args.url)], requests, config))
     from tokenflow.core.policies import parse_policy_names
-    from tokenflow.eval.compare import compare_policies
+    from tokenflow.eval.local_server import compare_policies
 
     policies = parse_policy_names(args.compare)
     return compare_policies(policies, shlex.split(args.serve_args), requests, config)

@@ -125,8 +125,8 @@ def _checked(action: argparse.Action, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where}: expected true or false, got {value!r}")
         return value if action.const is True else not value
-    if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - a repeatable option
-        if isinstance(value, str):
+    if isinstance(action, argparse._AppendAction) or action.nargs == "+":  # noqa: SLF001
+        if isinstance(value, str):  # (a repeatable option, or one taking several values)
             return [value]  # one value of a repeatable option, e.g. api-key = "k"
         if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise ConfigFileError(f"{where}: expected a list of strings, got {value!r}")

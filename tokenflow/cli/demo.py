@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from tokenflow.cli.bench import report_runs
 from tokenflow.eval.client import ClientConfig, run_workload
-from tokenflow.eval.compare import ServerStartError, free_port, running_server, serve_command
+from tokenflow.eval.local_server import ServerStartError, free_port, running_server, serve_command
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 
 # A KV tier of 1,664 tokens holds about 5 of the burst's 16 streams at full length (128 + 192

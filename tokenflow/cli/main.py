@@ -48,7 +48,7 @@ def _build_parsers(
 def _add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
     """Declare `command`'s options on its parser, importing only that command's module."""
     if command == "serve":
-        from tokenflow.serving.server import add_serve_arguments
+        from tokenflow.cli.serve_options import add_serve_arguments
 
         add_engine_arguments(parser)
         add_serve_arguments(parser)

@@ -13,7 +13,7 @@ at
 3. counts the tokens the server makes of the bench client's prompts (the chat template's own);
 4. fits `StepCosts` (tokenflow/calibrate/costs.py);
 5. starts `tokenflow serve` and streams two bursts through it with the bench client, which
-   prices the serving path per step (tokenflow/cli/profile_probe.py; `--no-serve-probe` skips it);
+   prices the serving path per step (tokenflow/calibrate/probe.py; `--no-serve-probe` skips it);
 6. writes everything, residuals and raw samples included (tokenflow/calibrate/profile_file.py).
 
 About two minutes for the embedded model on a 2-core CPU.  A busy machine makes slow steps:
@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from tokenflow.calibrate.machine import cpu_facts, cpu_use, read_cpu_times
-from tokenflow.calibrate.sweep import StepSample, SweepSpec, run_sweep, sweep_device_blocks
-from tokenflow.cli.profile_probe import (
+from tokenflow.calibrate.probe import (
+    PROBE_POLICY,
     prefill_speed_factor,
     request_path_s,
     serving_costs,
     speed_factor,
 )
+from tokenflow.calibrate.sweep import StepSample, SweepSpec, run_sweep, sweep_device_blocks
 
 if TYPE_CHECKING:  # torch-side types, imported when a profile is taken, not at start-up
     from tokenflow.calibrate.costs import Residuals, StepCosts
@@ -56,9 +57,9 @@ _PROMPT_WORDS = (16, 64, 128, 256)
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     """`serve`'s engine options, plus where to write and how long to sweep."""
-    from tokenflow.engine.engine_args import EngineArgs
+    from tokenflow.cli.engine_options import add_engine_options
 
-    EngineArgs.add_arguments(parser)
+    add_engine_options(parser)
     out = parser.add_argument_group("profile")
     out.add_argument("--out", required=True, help="write the profile (JSON) to this file")
     out.add_argument("--rounds", type=int, default=2, help="passes over the sweep, alternated")
@@ -75,11 +76,11 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     """`tokenflow profile` with parsed arguments; returns the exit code."""
     from tokenflow.calibrate.profile_file import ProfileError
-    from tokenflow.engine.engine_args import EngineArgs
+    from tokenflow.cli.engine_options import engine_args_from
     from tokenflow.model.config import ModelLoadError
 
     try:
-        served = EngineArgs.from_namespace(args)
+        served = engine_args_from(args)
         spec = SweepSpec(rounds=args.rounds, repeats=args.repeats)
         profile = take_profile(
             served, spec, progress=not args.no_progress, probe=not args.no_serve_probe
@@ -100,6 +101,7 @@ def take_profile(
     from tokenflow.calibrate.costs import fit_step_costs, residuals
     from tokenflow.engine.llm_engine import LLMEngine
     from tokenflow.integrations.executors import executor_factory
+    from tokenflow.sim.overhead import default_overhead
 
     started = read_cpu_times()
     begin_s = time.perf_counter()
@@ -123,13 +125,14 @@ def take_profile(
         fit_step_costs(samples, threshold), server_step_s=server_s, server_per_chunk_s=per_chunk_s
     )
     extra_s, extra_per_stream_s = serving_costs(points) if points else (0.0, 0.0)
-    factor = speed_factor(fitted, points)
+    probe_step_s = default_overhead(PROBE_POLICY).step_s
+    factor = speed_factor(fitted, points, probe_step_s)
     costs = replace(
         fitted,
         server_step_s=server_s + extra_s,
         server_per_chunk_s=per_chunk_s + extra_per_stream_s,
         speed_factor=factor,
-        prefill_speed_factor=prefill_speed_factor(fitted, points, factor),
+        prefill_speed_factor=prefill_speed_factor(fitted, points, factor, probe_step_s),
         request_path_s=request_path_s(points),
     )
     use = cpu_use(started, read_cpu_times())
@@ -143,8 +146,8 @@ def take_profile(
 
 
 def serving_probe(engine: LLMEngine, served: EngineArgs) -> list[ProbePoint]:
-    """Bursts through a real server and through `engine`, alternated (profile_probe.py)."""
-    from tokenflow.cli.profile_probe import probe_serving_path
+    """Bursts through a real server and through `engine`, alternated (calibrate/probe.py)."""
+    from tokenflow.calibrate.probe import probe_serving_path
 
     print("probing the serving path through tokenflow serve ...", file=sys.stderr)
     chat = prompt_tokens(engine.tokenizer)["chat"]

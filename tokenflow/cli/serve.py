@@ -60,8 +60,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, start the HTTP thread, step the engine here until a signal."""
-    from tokenflow.engine.engine_args import EngineArgs
-    from tokenflow.serving.config import ServerConfig
+    from tokenflow.cli.serve_options import serve_options_from
 
     # args.num_threads None: torch's default, every core.  With OpenMP's workers waiting
     # passively (tokenflow.cli.main sets OMP_WAIT_POLICY) the HTTP thread gets the CPU it needs: on
@@ -71,10 +70,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # on 1.  With another process busy on a core it was the other way round (1 thread 81-84
     # tok/s, 2 threads 58-66): pass --num-threads 1 on a machine shared with other work.
     try:
-        config = ServerConfig.from_namespace(args)
-        engine_args = EngineArgs.from_namespace(args)
+        options = serve_options_from(args)
     except ValueError as err:
         return _fail(str(err), 2)
+    config, engine_args = options.config, options.engine_args
     configure_logging(config.log_level)
     logger.info("%s", config.auth_summary())
     try:
@@ -101,7 +100,7 @@ def _serve(sock: socket.socket, config: object, engine_args: object) -> int:
     except (ModelLoadError, ValueError, OSError) as err:
         return _fail(str(err), 2)
     engine, drain = served.engine, served.drain
-    _log_start(engine, config)
+    _log_start(engine)
     server = uvicorn.Server(
         uvicorn.Config(
             served.app,
@@ -112,6 +111,9 @@ def _serve(sock: socket.socket, config: object, engine_args: object) -> int:
     )
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
     http.start()
+    threading.Thread(
+        target=_announce_when_listening, args=(server, http, config), name="announce", daemon=True
+    ).start()
     _drain_on_signals(drain, engine, config.drain_timeout_s)
     threading.Thread(target=_stop_when_done, args=(http, engine), daemon=True).start()
     try:
@@ -130,20 +132,26 @@ def _shutdown(server: object, http: threading.Thread, engine: object, code: int)
     return code
 
 
-def _log_start(engine: AsyncEngine, config: ServerConfig) -> None:
-    kv = engine.engine.scheduler.kv.config
-    logger.info(
-        "%s on %s, policy %s, context %d tokens, device KV %d tokens, host KV %d tokens, "
-        "http://%s:%d",
-        engine.model_name,
-        engine.engine.device,
-        engine.engine.args.policy,
-        engine.max_model_len,
-        kv.num_device_blocks * kv.block_size,
-        kv.num_host_blocks * kv.block_size,
-        config.host,
-        config.port,
-    )
+def _log_start(engine: AsyncEngine) -> None:
+    """What the engine serves with, once it is built (where it listens comes last)."""
+    for line in engine.description.lines():
+        logger.info("%s", line)
+
+
+def _announce_when_listening(server: object, http: threading.Thread, config: ServerConfig) -> None:
+    """Once uvicorn listens (it says so itself first), end the start-up log with the address
+    and the dashboard's; nothing if the HTTP server exits before it listens."""
+    while not server.started:  # type: ignore[attr-defined]
+        if not http.is_alive():
+            return
+        threading.Event().wait(0.05)
+    base = _base_url(config.host, config.port)
+    logger.info("listening on %s, dashboard %s/dashboard", base, base)
+
+
+def _base_url(host: str, port: int) -> str:
+    """'http://HOST:PORT' (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _drain_on_signals(drain: Drain, engine: AsyncEngine, timeout_s: float) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.cli.config_file import write_config
-from tokenflow.cli.simulate_profile import DEPLOYMENT_OPTIONS
+from tokenflow.cli.simulate.profile import DEPLOYMENT_OPTIONS
 from tokenflow.cli.workload import add_workload_arguments, workload_spec_from_args
 from tokenflow.core.config import POLICY_KNOBS, with_knobs
 from tokenflow.eval.workload import WorkloadRequest, generate

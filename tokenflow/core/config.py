@@ -5,9 +5,8 @@ Field comments double as CLI help; defaults are documented with their reason.
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
@@ -132,7 +131,8 @@ class PolicyKnob:
     help: str
 
 
-# `--<name>` in serve, simulate and profile, and the keys of `tokenflow tune`'s config files.
+# `--<name>` in serve, simulate and profile (tokenflow/cli/policy_options.py), and the keys of
+# `tokenflow tune`'s config files.
 POLICY_KNOBS: Mapping[str, PolicyKnob] = MappingProxyType(
     {
         "schedule_interval": PolicyKnob(
@@ -192,36 +192,3 @@ class AndesConfig:
             raise ValueError("kv_usage_threshold must be in (0, 1]")
         if self.max_preemptions_per_request < 0:
             raise ValueError("max_preemptions_per_request must be >= 0")
-
-
-# -- the policy's options on a command line: one table (POLICY_KNOBS) for every command -------
-def add_policy_arguments(
-    group: argparse._ArgumentGroup, default_text: Callable[[str], str]
-) -> None:
-    """The TokenFlow policy's knobs and `--no-write-through`, for every command that runs the
-    policy (`serve`, `simulate`, `profile`...); `default_text(field)` says a knob's default in
-    its help."""
-    for name, knob in POLICY_KNOBS.items():
-        group.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=float,
-            default=None,
-            help=f"{knob.help} (default {default_text(knob.field)})",
-        )
-    group.add_argument(
-        "--no-write-through",
-        action="store_true",
-        help="write-back (an ablation): nothing is copied to the host ahead, so a preemption "
-        "waits for its eviction",
-    )
-
-
-def has_policy_options(args: argparse.Namespace) -> bool:
-    """Whether the command line gave any of the policy's options."""
-    return args.no_write_through or any(getattr(args, n) is not None for n in POLICY_KNOBS)
-
-
-def policy_config(args: argparse.Namespace, base: TokenFlowConfig) -> TokenFlowConfig:
-    """`base` with the policy options of the command line over it."""
-    config = with_knobs(base, {name: getattr(args, name) for name in POLICY_KNOBS})
-    return replace(config, write_through=False) if args.no_write_through else config

@@ -21,7 +21,6 @@ is `core/request.py`'s `is_reader_rate`, the one bound every source checks.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
@@ -136,19 +135,6 @@ def reader_rate_of(value: object) -> float | None:
     except (TypeError, ValueError, OverflowError):  # (OverflowError: an int past 1e308)
         return None
     return rate if is_reader_rate(rate) else None
-
-
-def add_default_rate_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """`--default-rate` (into `default_rate_tps`): the one flag that sets a server's rate of
-    readers that state none, for the engine's options and for whatever reads them (the fleet's
-    router)."""
-    parser.add_argument(
-        "--default-rate",
-        type=float,
-        default=DEFAULT_READER_RATE_TPS,
-        dest="default_rate_tps",
-        help="tokens/s of a reader that states no rate (see --default-class)",
-    )
 
 
 def _class_of(stated: StatedClass, stated_rate_tps: float | None, rule: ClassRule) -> Consumption:

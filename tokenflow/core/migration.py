@@ -1,7 +1,7 @@
 """A stream's portable state: what moves when a request leaves one engine for another.
 
 A request is exported between steps (`Scheduler.export_stream`): the engine forgets it and
-frees its KV in both tiers.  Its `StreamState` holds everything another engine needs to go on
+frees its KV in both tiers.  Its `StreamExport` holds everything another engine needs to go on
 as if nothing happened: the prompt and the tokens generated so far (so the target recomputes
 the context and samples the next token where the source would have), the sampling parameters
 with the per-request seed, and the reader's clock (when each token was delivered, the rate, the
@@ -40,7 +40,7 @@ MOVE_LATENCY_S = 0.018
 
 
 @dataclass(frozen=True)
-class StreamState:
+class StreamExport:
     """One stream, as it leaves an engine (times on the fleet's common clock, seconds)."""
 
     request_id: str
@@ -75,7 +75,7 @@ class StreamState:
         """When the reader started reading (its first token); None before it."""
         return self.token_times_s[0] if self.token_times_s else None
 
-    def shifted(self, by_s: float) -> StreamState:
+    def shifted(self, by_s: float) -> StreamExport:
         """The same stream with every time moved by `by_s` seconds: engines on clocks of their
         own exchange states with times relative to the export (`by_s` = -now there, + now on
         import), so the reader's slack carries over whatever each clock's origin."""
@@ -92,9 +92,9 @@ class StreamState:
         return reader_slack_s(self.is_started, dry_s, now_s)
 
 
-def stream_state(request: Request) -> StreamState:
+def export_of(request: Request) -> StreamExport:
     """The portable state of `request` (nothing about where its KV is: it does not move)."""
-    return StreamState(
+    return StreamExport(
         request_id=request.request_id,
         prompt_token_ids=tuple(request.prompt_token_ids),
         output_token_ids=tuple(request.output_token_ids),
@@ -110,7 +110,7 @@ def stream_state(request: Request) -> StreamState:
     )
 
 
-def request_of(state: StreamState) -> Request:
+def request_of(state: StreamExport) -> Request:
     """A new core request that goes on from `state`: no KV yet (num_computed_tokens 0)."""
     return Request(
         request_id=state.request_id,

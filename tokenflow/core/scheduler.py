@@ -22,7 +22,7 @@ from tokenflow.core.chunker import ChunkBuilder
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager, PrefixHit
-from tokenflow.core.migration import StreamState, request_of, stream_state
+from tokenflow.core.migration import StreamExport, export_of, request_of
 from tokenflow.core.plan import (
     BlockCopy,
     RequestOutput,
@@ -40,14 +40,9 @@ from tokenflow.core.request import (
 )
 from tokenflow.core.retention import NOT_EXPECTED, expected_return_s
 from tokenflow.core.step_budget import StepBudget
+from tokenflow.core.view import ReserveRatio, build_view
 
 _COPY_SHARE_OF_STEP = 0.8  # of a step's predicted time that its overlapped copies may take
-
-
-def reserved_blocks(kv: KVTierManager, remaining_output_tokens: int, ratio: float) -> int:
-    """Device blocks admission keeps free for the residents' growth: `ratio` of the output
-    they may still generate (the new-token ratio, `SchedulerConfig.decayed_new_token_ratio`)."""
-    return kv.blocks_for(int(remaining_output_tokens * ratio))
 
 
 class Scheduler:
@@ -68,7 +63,7 @@ class Scheduler:
         self.waiting = self.queues.waiting  # (the same lists, for readers of the scheduler)
         self.running = self.queues.running
         self.preempted = self.queues.preempted
-        self.new_token_ratio = self._init_ratio = policy.init_new_token_ratio(config)
+        self.reserve = ReserveRatio(config, policy.init_new_token_ratio(config))
         self.num_preemptions_total = 0
         self.num_loads_total = 0
         self.num_recomputes_total = 0
@@ -143,7 +138,7 @@ class Scheduler:
         return expected_return_s(read_done_s, expects_next_turn, self.kv.config.expected_think_s)
 
     # -- streams moving between engines (tokenflow/core/migration.py) -------------------------
-    def export_stream(self, request_id: str) -> StreamState:
+    def export_stream(self, request_id: str) -> StreamExport:
         """Take an unfinished request out between steps, freeing its KV in both tiers, and
         return its portable state.  A resident's KV is dropped: it resumes by recompute
         wherever it is imported (a grammar's state too: the target advances a fresh matcher by
@@ -153,7 +148,7 @@ class Scheduler:
             raise ValueError(f"cannot export {request_id!r}: no such unfinished request")
         if self._planned is not None:
             raise ValueError(f"cannot export {request_id!r} while a step is in flight")
-        state = stream_state(request)
+        state = export_of(request)
         self.queues.remove(request)
         self._chunks.forget(request_id)
         self.kv.drop(request_id)
@@ -161,7 +156,7 @@ class Scheduler:
         self._released.append(request_id)  # (the executor forgets its per-request state)
         return state
 
-    def import_stream(self, state: StreamState) -> Request:
+    def import_stream(self, state: StreamExport) -> Request:
         """Take in a stream exported by another engine: a started one as a paused stream that
         resumes by recompute, one that never started as a waiting request (its arrival time
         kept).  ValueError as `add_request`."""
@@ -179,22 +174,30 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_requests_seen(self) -> int:
+        return self._num_seen
+
+    @property
+    def new_token_ratio(self) -> float:
+        """The admission reserve's ratio now (`ReserveRatio`); settable, as tests do to
+        admit without a reserve."""
+        return self.reserve.value
+
+    @new_token_ratio.setter
+    def new_token_ratio(self, ratio: float) -> None:
+        self.reserve.value = ratio
+
     def view(self, now_s: float) -> SchedulingView:
         """The state a policy decides on, as it is now (the queues copied: a snapshot)."""
-        return SchedulingView(
-            now_s=now_s,
-            running=tuple(self.running),
-            preempted=tuple(self.preempted),
-            waiting=tuple(self.waiting),
-            kv=self.kv,
-            estimator=self.estimator,
-            config=self.config,
-            new_token_ratio=self.new_token_ratio,
-            num_reserved_blocks=reserved_blocks(
-                self.kv, self.queues.remaining_output_tokens, self.new_token_ratio
-            ),
-            num_preemptions_total=self.num_preemptions_total,
-            num_requests_seen=self._num_seen,
+        queues = self.queues
+        return build_view(
+            self,
+            now_s,
+            tuple(queues.running),
+            tuple(queues.preempted),
+            tuple(queues.waiting),
+            queues.remaining_output_tokens,
         )
 
     # -- schedule -------------------------------------------------------------------------------
@@ -375,7 +378,7 @@ class Scheduler:
             else Preemption(request.request_id, PreemptMode.RECOMPUTE)
         )
         self._preempt(self.requests[preemption.request_id], preemption.mode)
-        self.new_token_ratio = self._init_ratio
+        self.reserve.reset()
 
     # -- copies ---------------------------------------------------------------------------------
     def _copy_budget_blocks(self, num_chunks: int) -> int:
@@ -462,7 +465,7 @@ class Scheduler:
                 self._finish(self.requests[output.request_id], output.finish_reason)
         # (a finished request left with its own remaining count: subtracting after is exact)
         self.queues.remaining_output_tokens -= len(outputs)  # (one output per token sampled)
-        self._decay_new_token_ratio()
+        self.reserve.decay()
         return outputs + failed
 
     def _fail_rows(self, result: StepResult) -> list[RequestOutput]:
@@ -491,8 +494,3 @@ class Scheduler:
                 kv.cache_full_blocks(
                     request.request_id, request.num_computed_tokens, request.token_ids_from
                 )
-
-    def _decay_new_token_ratio(self) -> None:
-        self.new_token_ratio = self.config.decayed_new_token_ratio(
-            self.new_token_ratio, self._init_ratio
-        )

@@ -1,5 +1,5 @@
 """The real engine: the step loop over the model (`LLMEngine`), its executor, the async engine
-and its client, the offline `LLM`, and the engine's arguments.
+and its client, and the engine's arguments (the offline `LLM` above it is `tokenflow/llm.py`).
 
 `ModelExecutor` is imported on first use, not with the package: it loads torch, and the
 command line imports `engine_args` from here to build its parser (`tokenflow --help` answers

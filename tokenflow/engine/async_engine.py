@@ -1,11 +1,12 @@
 """The serving engine: an `LLMEngine` stepped by one thread, behind `EngineClient`.
 
 Requests, aborts, snapshot requests (`streams()`), streams moving in and out (`resume()`,
-`export_streams()`) and readings of engine state (`between_steps()`) go to the thread through a
-command queue (the commands and their answer channels are commands.py), applied between two
-steps; deltas, snapshots, exported states and readings come back to each asker via
-`loop.call_soon_threadsafe` (deltas through the request's `DeltaSink`) or a thread-safe future.
-What can go wrong, and who hears of it:
+`export_streams()`) and readings of engine state (`replica_load()`, `between_steps()`) go to the
+thread through a command queue (the commands and their answer channels are commands.py),
+applied between two steps; deltas, snapshots, exported states and readings come back to each
+asker via `loop.call_soon_threadsafe` (deltas through the request's `DeltaSink`) or a
+thread-safe future.  What it serves with (`description`) is fixed once built: any thread reads
+it.  What can go wrong, and who hears of it:
 
 - one request fails (its sampling row, its text, its add): only that request gets an error;
 - a step's plan fails: only the plan's requests get an error (see `LLMEngine.step`);
@@ -22,15 +23,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
 import anyio
 
 from tokenflow.core.engine_core import NOTHING_RAN_WAIT_S
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
+from tokenflow.core.rebalance import ReplicaLoad
 from tokenflow.core.request import Consumption, Request, SamplingParams
+from tokenflow.core.routing import LoadReport
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import (
     EngineDead,
@@ -56,7 +59,8 @@ from tokenflow.engine.commands import (
 )
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.llm_engine import LLMEngine
-from tokenflow.engine.streams import StreamsSnapshot
+from tokenflow.engine.readings import Landings, describe, measure_load, measure_replica_load
+from tokenflow.engine.snapshot import StreamsSnapshot
 from tokenflow.model.grammar import CompiledGrammar
 from tokenflow.model.grammar_compile import CompilerBusy
 
@@ -90,6 +94,7 @@ class AsyncEngine:
         self.default_rate_tps = args.default_rate_tps
         self.tokenizer = self.engine.tokenizer
         self.max_num_requests = args.max_num_requests
+        self.description = describe(self.engine)  # (frozen: any thread may read it)
         # SimpleQueue: its put() is reentrant, so stop() is safe from a signal handler that
         # interrupts this thread inside get() (a Queue's lock would deadlock there).
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
@@ -143,7 +148,7 @@ class AsyncEngine:
         async for delta in self._deltas(request_id, sink):
             yield delta
 
-    async def resume(self, state: StreamState) -> AsyncIterator[GenerationDelta]:
+    async def resume(self, state: StreamExport) -> AsyncIterator[GenerationDelta]:
         """Go on with a stream another engine exported (`StreamMoved.state`): it resumes by
         recompute when the policy starts it, and its deltas hold only the tokens and text after
         those produced there (`LLMEngine.import_stream`).  Refused as `generate()`."""
@@ -177,7 +182,7 @@ class AsyncEngine:
 
     def export_streams(
         self, request_ids: Sequence[str], only_if: Callable[[Request], bool] | None = None
-    ) -> Future[list[StreamState]]:
+    ) -> Future[list[StreamExport]]:
         """Take the unfinished requests among `request_ids` (`only_if`: those for which it
         holds then, e.g. still not started, or still paused) out of this engine before its next
         step (queued by the time this returns); the future holds their states (times relative
@@ -198,6 +203,25 @@ class AsyncEngine:
                 raise EngineDead(self._death)
             self._commands.put(CallEngine(fn, future))
         return future
+
+    def load_report(self) -> LoadReport:
+        """This engine's load as the fleet's router reads it (core/routing.py), now.  It reads
+        engine state: call it on the engine thread (in `after_step`), or before any request
+        reached the engine."""
+        return measure_load(self.engine.scheduler, self.engine.core.clock.now())
+
+    def replica_load(
+        self, replica_id: str, movable_ids: Collection[str], reached_s: Landings
+    ) -> Future[ReplicaLoad]:
+        """This replica's load and its queued requests and paused streams among `movable_ids`
+        (core/rebalance.py), taken between two steps as `between_steps` takes it; `reached_s`
+        (called there) gives when each request that moved here reached this engine."""
+        ids = frozenset(movable_ids)
+        return self.between_steps(
+            lambda llm: measure_replica_load(
+                llm.scheduler, llm.core.clock.now(), replica_id, ids, reached_s
+            )
+        )
 
     def _submit(self, command: Submission) -> None:
         """Queue a request for the engine thread, unless the engine is dead or full."""
@@ -399,7 +423,7 @@ class AsyncEngine:
 
     def _export(
         self, request_ids: Sequence[str], only_if: Callable[[Request], bool] | None
-    ) -> list[StreamState]:
+    ) -> list[StreamExport]:
         """Export each live request of `request_ids` (`only_if`: each for which it holds); its
         sink hears `StreamMoved` after the deltas already sent to it (the same thread sent
         them, in order)."""

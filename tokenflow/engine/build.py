@@ -11,7 +11,12 @@ engine
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -23,8 +28,11 @@ from tokenflow.model.config import ModelConfig, ModelLoadError
 from tokenflow.model.grammar import Grammars
 from tokenflow.model.kernels import ProbeSettings
 from tokenflow.model.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
-from tokenflow.model.loader import load_model
+from tokenflow.model.loader import default_model_path, load_model
 from tokenflow.model.tokenizer import Tokenizer
+from tokenflow.model.transformer import LlamaModel
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,23 +63,49 @@ class ExecutorFactory(Protocol):
 
 
 def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecutor:
-    """Our PyTorch model and its tiered KV cache."""
+    """Our PyTorch model and its tiered KV cache.  Each phase of the start says at INFO what it
+    does and how long it took: on a first start they take a minute or more."""
     dtype = _DTYPES[args.dtype] if args.dtype else None
     probe = ProbeSettings(args.serial_below_tokens, use_cache=args.kernel_cache)
-    model, config, tokenizer = load_model(args.model, device, dtype, args.weights, probe)
+    path = Path(args.model) if args.model is not None else Path(default_model_path())
+    loading = f"loading the model {path} ({_size_text(_size_bytes(path))})"
+    with timed_phase(loading, "loaded the model"):
+        model, config, tokenizer = load_model(str(path), device, dtype, args.weights, probe)
     if tokenizer is None:
         raise ModelLoadError(f"model {args.model} has no tokenizer (tokenizer.json) beside it")
     dtype = next(model.parameters()).dtype
     block_bytes = bytes_per_block(config, args.block_size, dtype)
     num_device_blocks, max_model_len = size_device_tier(args, device, block_bytes, config)
-    kv_cache = TieredKVCache(
+    num_host_blocks = args.host_kv_tokens // args.block_size
+    tiers = _tiers_text(args.block_size, block_bytes, num_device_blocks, num_host_blocks)
+    with timed_phase(tiers, "built the KV tiers"):
+        kv_cache = TieredKVCache(
+            config, num_device_blocks, num_host_blocks, args.block_size, device, dtype
+        )
+    preparing = "preparing the executor (on CPU a first start compiles its attention kernel)"
+    with timed_phase(preparing, "prepared the executor"):
+        executor, grammars = _executor(args, device, model, config, tokenizer, kv_cache)
+    return BuiltExecutor(
+        executor,
         config,
+        tokenizer,
+        block_bytes,
         num_device_blocks,
-        args.host_kv_tokens // args.block_size,
-        args.block_size,
-        device,
-        dtype,
+        max_model_len,
+        model.kernel_choice.describe(),
+        grammars,
     )
+
+
+def _executor(
+    args: EngineArgs,
+    device: torch.device,
+    model: LlamaModel,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    kv_cache: TieredKVCache,
+) -> tuple[ModelExecutor, Grammars]:
+    """The executor over the loaded model and its KV tiers, and its structured outputs."""
     grammars = Grammars(
         tokenizer,
         config.vocab_size,
@@ -89,15 +123,42 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
         args.serial_below_tokens,
         grammars,
     )
-    return BuiltExecutor(
-        executor,
-        config,
-        tokenizer,
-        block_bytes,
-        num_device_blocks,
-        max_model_len,
-        model.kernel_choice.describe(),
-        grammars,
+    return executor, grammars
+
+
+@contextmanager
+def timed_phase(doing: str, done: str) -> Iterator[None]:
+    """Log `doing` at INFO, then `done` and the seconds it took once the block ends (nothing
+    when it raises: the error says what went wrong)."""
+    logger.info("%s", doing)
+    started = time.perf_counter()
+    yield
+    logger.info("%s in %.1f s", done, time.perf_counter() - started)
+
+
+def _tiers_text(block_size: int, block_bytes: int, num_device: int, num_host: int) -> str:
+    """'building the KV tiers: device 8192 tokens (512 blocks of 16, 96.0 MiB), host ...'."""
+    tiers = [
+        f"{name} {n * block_size} tokens ({n} blocks of {block_size}, "
+        f"{_size_text(n * block_bytes)})"
+        for name, n in (("device", num_device), ("host", num_host))
+    ]
+    return f"building the KV tiers: {', '.join(tiers)}"
+
+
+def _size_bytes(path: Path) -> int:
+    """A model file's bytes, or a checkpoint directory's files' (0 where it does not exist:
+    the loader says why)."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+def _size_text(num_bytes: int) -> str:
+    return (
+        f"{num_bytes / (1 << 30):.1f} GiB"
+        if num_bytes >= 1 << 30
+        else f"{num_bytes / (1 << 20):.1f} MiB"
     )
 
 

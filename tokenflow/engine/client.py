@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
 from tokenflow.core.plan import TokenLogprobs
 from tokenflow.core.request import Consumption, SamplingParams
-from tokenflow.engine.streams import StreamsSnapshot
+from tokenflow.engine.snapshot import StreamsSnapshot
 
 
 class EngineOverloaded(Exception):
@@ -45,7 +45,7 @@ class StreamMoved(Exception):
     here, without a finish reason, after every delta produced before the export; `state` is
     where another engine goes on from (`resume()`)."""
 
-    def __init__(self, state: StreamState) -> None:
+    def __init__(self, state: StreamExport) -> None:
         super().__init__(f"{state.request_id} moved to another engine")
         self.state = state
 
@@ -167,7 +167,7 @@ class EngineClient(Protocol):
         """
         ...
 
-    def resume(self, state: StreamState) -> AsyncIterator[GenerationDelta]:
+    def resume(self, state: StreamExport) -> AsyncIterator[GenerationDelta]:
         """Go on with a stream another engine exported (`StreamMoved.state`, times relative to
         its export) and stream its deltas: only the tokens and text after those produced there.
         Raises as `generate()`."""

@@ -16,11 +16,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
 from tokenflow.core.request import Consumption, SamplingParams
 from tokenflow.engine.client import GenerationDelta
 from tokenflow.engine.llm_engine import LLMEngine
-from tokenflow.engine.streams import StreamsSnapshot
+from tokenflow.engine.snapshot import StreamsSnapshot
 from tokenflow.model.grammar import CompiledGrammar
 
 
@@ -75,7 +75,7 @@ class AddRequest:
 class ImportStream:
     """A stream another engine exported, to go on here (`AsyncEngine.resume()`)."""
 
-    state: StreamState
+    state: StreamExport
     sink: DeltaSink
     loop: asyncio.AbstractEventLoop
     grammar: CompiledGrammar | None

@@ -18,13 +18,13 @@ import time
 
 import torch
 
+from tokenflow.core.build import build_core
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.consumption import resolve_given
-from tokenflow.core.engine_core import EngineCore, StepFailed
+from tokenflow.core.engine_core import StepFailed
 from tokenflow.core.kv_manager import KVConfig
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
 from tokenflow.core.plan import StepPlan
-from tokenflow.core.policies import make_policy
 from tokenflow.core.request import (
     Consumption,
     FinishReason,
@@ -32,14 +32,13 @@ from tokenflow.core.request import (
     RequestState,
     SamplingParams,
 )
-from tokenflow.core.scheduler import Scheduler
 from tokenflow.core.step_budget import StepBudget
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import EngineStats, GenerationDelta
 from tokenflow.engine.clock import WallClock
 from tokenflow.engine.engine_args import EngineArgs, resolve_device
 from tokenflow.engine.output_processor import OutputProcessor
-from tokenflow.engine.streams import MoveWatch, StreamsSnapshot, take_snapshot
+from tokenflow.engine.snapshot import MoveWatch, StreamsSnapshot, take_snapshot
 from tokenflow.model.grammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
@@ -83,7 +82,8 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         built = build_executor(args, self.device)
         self.executor = built.executor
-        self.model_config, self.tokenizer = built.model_config, built.tokenizer
+        self.model_config = built.model_config
+        self.tokenizer = built.tokenizer.with_chat_template(args.chat_template)
         self.max_model_len = built.max_model_len
         self.kernels = built.kernels
         self.grammars = built.grammars
@@ -106,11 +106,16 @@ class LLMEngine:
             prefix_caching=args.uses_prefix_cache,
             prefix_retention=args.prefix_retention,
         )
-        tokenflow = args.tokenflow_for(self.device.type)
-        policy = make_policy(args.policy, scheduler_config, tokenflow)
-        self.scheduler = Scheduler(scheduler_config, kv_config, policy)
-        budget = StepBudget(args.step_target_ms / 1000, args.max_prefill_tokens)
-        self.core = EngineCore(self.scheduler, self.executor, WallClock(), step_budget=budget)
+        self.core = build_core(
+            scheduler_config,
+            kv_config,
+            args.policy,
+            self.executor,
+            WallClock(),
+            tokenflow=args.tokenflow_for(self.device.type),
+            step_budget=StepBudget(args.step_target_ms / 1000, args.max_prefill_tokens),
+        )
+        self.scheduler = self.core.scheduler
         self.outputs = OutputProcessor(self.tokenizer)
         self._moves = MoveWatch()
 
@@ -191,7 +196,7 @@ class LLMEngine:
             self.grammars.bind(request_id, grammar)
 
     # -- streams moving between engines (tokenflow/core/migration.py) ---------------------------
-    def export_stream(self, request_id: str) -> StreamState:
+    def export_stream(self, request_id: str) -> StreamExport:
         """Take an unfinished request out between steps and return its portable state (times
         relative to now); this engine forgets it (its KV in both tiers and its text state now,
         its executor state on the next step).  ValueError if it is unknown."""
@@ -199,7 +204,7 @@ class LLMEngine:
         self.outputs.drop(request_id)
         return state.shifted(-self.core.clock.now())
 
-    def import_stream(self, exported: StreamState, grammar: CompiledGrammar | None = None) -> None:
+    def import_stream(self, exported: StreamExport, grammar: CompiledGrammar | None = None) -> None:
         """Go on with a stream another engine exported: a started one resumes by recompute, and
         its deltas carry only the tokens and text after those it produced there (a seeded
         stream draws what it would have: tokenflow/model/sampler.py; one held to a grammar has

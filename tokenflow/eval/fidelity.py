@@ -1,7 +1,7 @@
 """How well the profiled simulator predicts the real server: the fidelity workloads, and the
 analysis of real runs against predictions (errors against the real runs' medians, the policy
 order, the predicted-vs-measured plot). `benchmarks/fidelity.py` runs them; the page it writes
-is `fidelity_doc.py`'s."""
+is `benchmarks/lib/fidelity_doc.py`'s."""
 
 from __future__ import annotations
 

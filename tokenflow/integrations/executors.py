@@ -1,14 +1,12 @@
 """Executors by name, above the engine: `EngineArgs.executor` -> the factory `LLMEngine` takes.
 
-The engine imports no integration; this module (used by the CLI and the offline `LLM`) is
-where "llama-cpp" meets `tokenflow.integrations.llamacpp`, imported only when asked for.
+The engine imports no integration; this module (used by the CLI, the server and the offline
+`tokenflow.LLM`) is where "llama-cpp" meets `tokenflow.integrations.llamacpp`, imported only
+when asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from tokenflow.engine import llm
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.engine_args import EXECUTORS
 
@@ -22,12 +20,3 @@ def executor_factory(name: str) -> ExecutorFactory:
 
         return build_llamacpp_executor
     raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
-
-
-class LLM(llm.LLM):
-    """The offline API (`tokenflow.LLM`) with its executor chosen by name:
-    `LLM(executor="llama-cpp")` runs llama.cpp."""
-
-    def __init__(self, model: str | None = None, policy: str = "tokenflow", **kwargs: Any) -> None:
-        factory = executor_factory(kwargs.get("executor", "torch"))
-        super().__init__(model, policy, build_executor=factory, **kwargs)

@@ -62,6 +62,18 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
 
+    def with_chat_template(self, chat_template: str | None) -> Tokenizer:
+        """This tokenizer rendering chats with `chat_template` (Jinja text) instead of its own
+        (None: itself); ModelLoadError when the template does not compile."""
+        if chat_template is None:
+            return self
+        try:
+            return Tokenizer(
+                self.backend, self.eos_token_id, chat_template, self.bos_token, self.eos_token
+            )
+        except jinja2.TemplateSyntaxError as err:
+            raise ModelLoadError(f"the chat template does not compile: {err}") from None
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

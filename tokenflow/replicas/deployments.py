@@ -30,13 +30,14 @@ import ray
 from ray import serve
 from ray.actor import ActorHandle
 
-from tokenflow.core.consumption import add_default_rate_argument
+from tokenflow.cli.engine_options import add_default_rate_argument
+from tokenflow.cli.server_options import add_server_options, server_config_from
 from tokenflow.core.request import is_reader_rate, reader_rate_error
-from tokenflow.core.routing import LoadReport, load_report
+from tokenflow.core.routing import LoadReport
 from tokenflow.replicas.asgi import ResponseStart, stream_asgi
 from tokenflow.replicas.guards import health_problem
 from tokenflow.replicas.keys import replica_config
-from tokenflow.replicas.rebalancing import Rebalancer, RemoteBoard
+from tokenflow.replicas.rebalancer import Rebalancer, RemoteBoard
 from tokenflow.replicas.reports import report_to_stats
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.moves import MOVE_HEADER, MoveBook, StreamHandoff
@@ -49,9 +50,9 @@ def server_config(serve_argv: list[str]) -> ServerConfig:
     as `tokenflow serve` parses them, without the engine's options (whose module loads torch,
     which the ingress and the launcher never need).  ValueError on a bad value."""
     parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
-    ServerConfig.add_arguments(parser)
+    add_server_options(parser)
     args, _ = parser.parse_known_args(serve_argv)
-    return ServerConfig.from_namespace(args)
+    return server_config_from(args)
 
 
 def served_default_rate(serve_argv: list[str]) -> float:
@@ -142,16 +143,16 @@ class EngineReplica:
         drain_signal: ActorHandle | None = None,
         board: ActorHandle | None = None,
     ) -> None:
-        from tokenflow.engine.engine_args import EngineArgs
-        from tokenflow.serving.server import add_serve_arguments, build_server
+        from tokenflow.cli.serve_options import add_serve_arguments, serve_options_from
+        from tokenflow.serving.server import build_server
 
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_serve_arguments(parser)
         args = parser.parse_args(serve_argv)
-        engine_args = EngineArgs.from_namespace(args)
-        self.config = replica_config(ServerConfig.from_namespace(args))  # (no per-key limit)
+        options = serve_options_from(args)
+        self.config = replica_config(options.config)  # (no per-key limit)
         self.moves = MoveBook()
-        served = build_server(engine_args, self.config, start_thread=True, moves=self.moves)
+        served = build_server(options.engine_args, self.config, start_thread=True, moves=self.moves)
         self.engine, self.drain_state, self.app = served.engine, served.drain, served.app
         self.name = ray.get_runtime_context().get_actor_name() or f"pid-{os.getpid()}"
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -176,9 +177,8 @@ class EngineReplica:
             ).start()
 
     def _measure(self) -> LoadReport:
-        """This replica's report (on the engine thread, or before it starts stepping)."""
-        llm = self.engine.engine
-        return load_report(llm.scheduler.view(llm.core.clock.now()))
+        """This replica's report (on the engine thread, or before any request reached it)."""
+        return self.engine.load_report()
 
     def _after_step(self) -> None:
         if time.monotonic() - self._reported_s >= self._period_s / 2:

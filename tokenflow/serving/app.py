@@ -49,6 +49,12 @@ from tokenflow.serving.dashboard import dashboard_router
 from tokenflow.serving.drain import DRAIN_RETRY_AFTER_S, CountInFlight, Drain
 from tokenflow.serving.metrics import ServingMetrics
 from tokenflow.serving.moves import MOVE_HEADER, MoveBook, MoveTicket
+from tokenflow.serving.openai_serving import (
+    STREAM_CLASS_HEADER,
+    STREAM_PACING_HEADER,
+    STREAM_RATE_HEADER,
+    OpenAIServing,
+)
 from tokenflow.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,12 +71,6 @@ from tokenflow.serving.protocol import (
     TokenizerInfo,
 )
 from tokenflow.serving.responder import ClientDisconnected, ServeResult, WaitForDisconnect
-from tokenflow.serving.serving import (
-    STREAM_CLASS_HEADER,
-    STREAM_PACING_HEADER,
-    STREAM_RATE_HEADER,
-    OpenAIServing,
-)
 from tokenflow.serving.stats_log import StatsLog, logging_stats
 from tokenflow.serving.streams import StreamsWatch, streams_router
 from tokenflow.serving.tenants import KeyGate
@@ -130,6 +130,7 @@ def build_app(
         # Each key's work in flight bounded, and the engine's slots shared between keys.
         key_gate=KeyGate(config.key_limits(engine.max_num_requests or 0)),
         drain=drain,  # a paced stream sends what it holds once the drain begins
+        model_names=config.served_model_names,
     )
     app.state.streams_watch = StreamsWatch(engine, metrics)
     app.state.stats_log = None if config.disable_log_stats else StatsLog(engine, metrics.vllm)
@@ -226,23 +227,25 @@ def _openai_router() -> APIRouter:
 
     @router.get("/models")
     async def list_models(request: Request) -> Response:
-        """The one model this server runs."""
-        return _json(ModelList(data=[_model_card(request)]).model_dump_json())
+        """The one model this server runs, a card for each name it is served under."""
+        serving: OpenAIServing = request.app.state.serving
+        cards = [_model_card(request, name) for name in serving.model_names]
+        return _json(ModelList(data=cards).model_dump_json())
 
     @router.get("/models/{model_id:path}")
     async def retrieve_model(model_id: str, request: Request) -> Response:
         """The model card of `model_id`; 404 (OpenAI's shape) for any other id."""
         serving: OpenAIServing = request.app.state.serving
         serving.check_model(model_id)
-        return _json(_model_card(request).model_dump_json())
+        return _json(_model_card(request, model_id).model_dump_json())
 
     return router
 
 
-def _model_card(request: Request) -> ModelCard:
+def _model_card(request: Request, name: str) -> ModelCard:
     engine: EngineClient = request.app.state.engine
     return ModelCard(
-        id=engine.model_name,
+        id=name,
         created=request.app.state.started_s,
         max_model_len=engine.max_model_len,
         kernels=engine.kernels,

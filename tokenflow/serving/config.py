@@ -1,13 +1,13 @@
-"""The HTTP server's own settings (the engine's are `EngineArgs`): one validated dataclass."""
+"""The HTTP server's own settings (the engine's are `EngineArgs`): one validated dataclass
+(tokenflow/cli/server_options.py declares its flags)."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, field
 
 from tokenflow.serving.auth import read_key_file
-from tokenflow.serving.classes import CLASS_NAMES, ClassRules
+from tokenflow.serving.classes import ClassRules
 from tokenflow.serving.tenants import KeyLimits
 from tokenflow.serving.tool_calls import TOOL_CALL_PARSERS
 
@@ -20,6 +20,9 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # The names /v1/models lists and a request's `model` may give; responses report the first
+    # (vLLM's --served-model-name).  (): the engine's model name alone.
+    served_model_names: tuple[str, ...] = ()
     # Bearer tokens the server accepts (with the key file's, the admin keys and the class rules'
     # keys); with none at all the server is open.  Every route but /health and /dashboard needs
     # one (`auth.unguarded_paths`).
@@ -88,6 +91,8 @@ class ServerConfig:
             )
         rules = ClassRules.parse(self.default_class, self.api_key_classes, self.stream_pacing)
         object.__setattr__(self, "class_rules", rules)
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError("a served model name must not be empty")
         if any(not key.strip() for key in (*self.api_keys, *self.admin_api_keys)):
             raise ValueError("an API key must not be empty")
         from_file = read_key_file(self.api_key_file) if self.api_key_file else ()
@@ -137,166 +142,3 @@ class ServerConfig:
         num_keys = len(self.allowed_keys)
         keys = f"{num_keys} API key{'s' if num_keys > 1 else ''}{admins}"
         return f"auth on: {keys}, {metrics}, {default}"
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """CLI options for every field."""
-        defaults = ServerConfig()
-        server = parser.add_argument_group("server")
-        server.add_argument("--host", default=defaults.host)
-        server.add_argument("--port", type=int, default=defaults.port)
-        server.add_argument(
-            "--api-key",
-            action="append",
-            default=[],
-            dest="api_keys",
-            help="accept this bearer token (repeatable); with keys every route but /health "
-            "and /dashboard needs one, with none (nor a key file, admin or class key) the "
-            "server is open",
-        )
-        server.add_argument(
-            "--api-key-file",
-            default=None,
-            metavar="FILE",
-            help="accept the bearer tokens in FILE too, one a line (# comments)",
-        )
-        server.add_argument(
-            "--admin-api-key",
-            action="append",
-            default=[],
-            dest="admin_api_keys",
-            metavar="KEY",
-            help="accept this bearer token, and show it every tenant's streams on "
-            "/v1/tokenflow/streams (other keys see their own); repeatable",
-        )
-        server.add_argument(
-            "--public-metrics",
-            action="store_true",
-            help="serve /metrics without a key where the server has keys",
-        )
-        server.add_argument(
-            "--max-requests-per-key",
-            type=int,
-            default=defaults.max_requests_per_key,
-            help="completions in flight one API key may have (each choice of each prompt "
-            "counts: n=4 is 4); more get 429 naming the limit (0: no bound)",
-        )
-        server.add_argument(
-            "--max-tokens-per-key",
-            type=int,
-            default=defaults.max_tokens_per_key,
-            help="tokens in flight one API key may have (each completion's prompt + "
-            "max_tokens); more get 429 naming the limit (0: no bound)",
-        )
-        server.add_argument(
-            "--max-queue-wait-s",
-            type=float,
-            default=defaults.max_queue_wait_s,
-            help="when the engine is full, a request waits this long for a slot (freed slots "
-            "go to the API key served least), then gets 429 (0: 429 at once)",
-        )
-        server.add_argument("--log-level", default=defaults.log_level, choices=LOG_LEVELS)
-        server.add_argument(
-            "--disable-log-stats",
-            action="store_true",
-            help="no periodic stats line (vLLM's: throughput, running, waiting and paused "
-            "requests, KV cache usage every 10 s while there is traffic)",
-        )
-        server.add_argument(
-            "--keepalive-s",
-            type=float,
-            default=defaults.keepalive_s,
-            help="a keep-alive (a blank line, which every SSE client skips) after this many "
-            "seconds of silence on a stream, for proxies' idle timeouts (0: none)",
-        )
-        server.add_argument(
-            "--send-timeout-s",
-            type=float,
-            default=defaults.send_timeout_s,
-            help="end a stream (and abort its request) whose client reads nothing for this "
-            "long (0: never)",
-        )
-        server.add_argument(
-            "--max-body-bytes",
-            type=int,
-            default=defaults.max_body_bytes,
-            help="refuse larger request bodies (413)",
-        )
-        server.add_argument(
-            "--health-stall-s",
-            type=float,
-            default=defaults.health_stall_s,
-            help="/health answers 503 when the engine loop has not ticked for this long",
-        )
-        server.add_argument(
-            "--drain-timeout-s",
-            type=float,
-            default=defaults.drain_timeout_s,
-            help="on SIGTERM/SIGINT, let streams in flight finish for this long, then end them "
-            "with an error frame (0: at once)",
-        )
-        server.add_argument(
-            "--default-class",
-            default=defaults.default_class,
-            choices=CLASS_NAMES,
-            help="class of a streamed request that states none: eager (reads each token at "
-            "once: agents, benchmark clients, the default), reader (at --default-rate)",
-        )
-        server.add_argument(
-            "--api-key-class",
-            action="append",
-            default=[],
-            dest="api_key_classes",
-            metavar="KEY=CLASS[:RATE]",
-            help="class (and a reader's rate) of requests with this bearer token, e.g. "
-            "chat-key=reader:6 or agents-key=eager; binding (a request's stream_class and "
-            "stream_rate cannot change it) unless written KEY=~CLASS[:RATE]; the key is "
-            "accepted (and turns auth on); repeatable",
-        )
-        server.add_argument(
-            "--stream-pacing",
-            action="store_true",
-            help="send a reader's tokens at its reading rate from its first token, not as the "
-            "engine makes them (smooth text in a UI that shows it as it comes; not for clients "
-            "that pace themselves); a request's stream_pacing or X-Stream-Pacing decides first",
-        )
-        server.add_argument(
-            "--enable-auto-tool-choice",
-            action="store_true",
-            help='answer tool_choice "auto" with tools (the default when tools are given): the '
-            "model writes its calls in its own format, --tool-call-parser reads them",
-        )
-        server.add_argument(
-            "--tool-call-parser",
-            default=None,
-            choices=TOOL_CALL_PARSERS,
-            help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, as "
-            "Hermes and Qwen2.5 write them)",
-        )
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> ServerConfig:
-        """Build from parsed CLI options (ValueError on bad values)."""
-        return cls(
-            host=args.host,
-            port=args.port,
-            api_keys=tuple(args.api_keys),
-            api_key_file=args.api_key_file,
-            admin_api_keys=tuple(args.admin_api_keys),
-            public_metrics=args.public_metrics,
-            max_requests_per_key=args.max_requests_per_key,
-            max_tokens_per_key=args.max_tokens_per_key,
-            max_queue_wait_s=args.max_queue_wait_s,
-            log_level=args.log_level,
-            disable_log_stats=args.disable_log_stats,
-            keepalive_s=args.keepalive_s,
-            send_timeout_s=args.send_timeout_s,
-            max_body_bytes=args.max_body_bytes,
-            health_stall_s=args.health_stall_s,
-            drain_timeout_s=args.drain_timeout_s,
-            default_class=args.default_class,
-            api_key_classes=tuple(args.api_key_classes),
-            stream_pacing=args.stream_pacing,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
-            tool_call_parser=args.tool_call_parser,
-        )

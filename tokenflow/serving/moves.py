@@ -12,7 +12,7 @@ answer whichever replica serves it.
 - When the replica leaves, it exports those requests from its engine (`StreamMoved`); so it
   does with a queued one the fleet moves to a replica with room.  Each answer's body then ends
   without `[DONE]`, and the book keeps a `StreamHandoff` under its ticket: the engine's
-  `StreamState` and what the client has been sent so far (nothing, for a queued one).
+  `StreamExport` and what the client has been sent so far (nothing, for a queued one).
 - The ingress opens the continuation on another replica, whose book is told to expect that
   ticket (`expect_resume`); the request, its body unchanged, is then served from the handoff:
   same `id` and `created`, no opening chunks again, and the usage counts every token.
@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from tokenflow.core.migration import StreamState
+from tokenflow.core.migration import StreamExport
 from tokenflow.serving.prepared import PreparedRequest, Progress
 
 MOVE_HEADER = "X-TokenFlow-Move"  # the ingress's ticket for one answer
@@ -35,7 +35,7 @@ class StreamHandoff:
     """One answer, as it leaves a replica mid-stream: where the engine goes on from, and what
     the client holds already (the continuation sends only what follows)."""
 
-    state: StreamState  # times relative to the export
+    state: StreamExport  # times relative to the export
     response_id: str  # the answer's `id`
     created_s: int  # its `created` (wall-clock seconds)
     num_sent_tokens: int  # output tokens the client has been sent
@@ -55,7 +55,7 @@ def is_movable(prepared: PreparedRequest) -> bool:
     return prepared.stream and len(prepared.choices) == 1
 
 
-def handoff_of(prepared: PreparedRequest, progress: Progress, state: StreamState) -> StreamHandoff:
+def handoff_of(prepared: PreparedRequest, progress: Progress, state: StreamExport) -> StreamHandoff:
     """The handoff of the answer's one choice, exported as `state` after `progress`."""
     return StreamHandoff(
         state=state,

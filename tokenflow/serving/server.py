@@ -1,13 +1,11 @@
-"""The server `tokenflow serve` runs, and every engine replica of a fleet runs too: its options,
-and the engine and OpenAI app built from them.
+"""The server `tokenflow serve` runs, and every engine replica of a fleet runs too: the engine
+and OpenAI app built from its options (tokenflow/cli/serve_options.py declares them).
 
-The options' module loads no torch (the command line builds its parser from it, and
-`tokenflow --help` answers without torch); `build_server` imports the engine when it is called.
+This module loads no torch; `build_server` imports the engine when it is called.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,12 +18,6 @@ if TYPE_CHECKING:
     from tokenflow.engine.async_engine import AsyncEngine
     from tokenflow.serving.drain import Drain
     from tokenflow.serving.moves import MoveBook
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Server options plus every engine option."""
-    ServerConfig.add_arguments(parser)
-    EngineArgs.add_arguments(parser)
 
 
 @dataclass(frozen=True)
@@ -47,13 +39,16 @@ def build_server(
     """Load the model into an engine on the executor `engine_args.executor` names, and build
     the app over it; `start_thread` as `AsyncEngine` takes it (False: the caller runs the
     engine loop), `moves` as `build_app` takes it.  ModelLoadError, ValueError or OSError when
-    the engine cannot start."""
+    the engine cannot start.  Logs each phase of the start (a minute or more on a first one)."""
     from tokenflow.engine.async_engine import AsyncEngine
+    from tokenflow.engine.build import timed_phase
     from tokenflow.integrations.executors import executor_factory
     from tokenflow.serving.app import build_app
     from tokenflow.serving.drain import Drain
 
     build_executor = executor_factory(engine_args.executor)
-    engine = AsyncEngine(engine_args, start_thread, build_executor)
+    starting = f"starting the engine: {engine_args.executor} executor, policy {engine_args.policy}"
+    with timed_phase(starting, "started the engine"):
+        engine = AsyncEngine(engine_args, start_thread, build_executor)
     drain = Drain()
     return Server(engine=engine, drain=drain, app=build_app(engine, config, drain, moves))

@@ -1,6 +1,6 @@
 """`GET /v1/tokenflow/streams`: what the scheduler does, stream by stream.
 
-The answer is the engine's `StreamsSnapshot` (tokenflow/engine/streams.py) as JSON: the most
+The answer is the engine's `StreamsSnapshot` (tokenflow/engine/snapshot.py) as JSON: the most
 urgent `limit` streams (smallest slack first), totals over all of them, the engine's capacity
 Gamma against the started streams' reading demand, KV blocks per tier (used, and keyed by the
 prefix cache), the prefix cache's lookups and hits, and the latest moves.
@@ -32,7 +32,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenflow.engine.client import EngineClient, EngineDead
-from tokenflow.engine.streams import StreamsSnapshot, StreamState
+from tokenflow.engine.snapshot import StreamRow, StreamsSnapshot
 from tokenflow.serving.auth import ApiKeys, bearer_token
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.metrics import ServingMetrics
@@ -147,7 +147,7 @@ def prefix_cache_totals(snapshot: StreamsSnapshot) -> PrefixCacheTotals:
     )
 
 
-def stream_info(stream: StreamState) -> StreamInfo:
+def stream_info(stream: StreamRow) -> StreamInfo:
     """One stream for the wire."""
     return StreamInfo(
         id=stream.request_id,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenflow.core.clock import SimClock
 from tokenflow.core.engine_core import EngineCore
-from tokenflow.core.migration import MOVE_LATENCY_S, StreamState
+from tokenflow.core.migration import MOVE_LATENCY_S, StreamExport
 from tokenflow.core.rebalance import (
     MigrateMode,
     ReplicaLoad,
@@ -142,7 +142,7 @@ class _Landing:
     at_s: float
     order: int  # (the order of the moves: ties by it, never by the state)
     target_id: str = field(compare=False)
-    state: StreamState = field(compare=False)
+    state: StreamExport = field(compare=False)
 
 
 def run_fleet(

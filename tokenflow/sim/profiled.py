@@ -1,9 +1,9 @@
 """A simulated deployment of the real engine from its profile: `tokenflow simulate --profile`.
 
-The core is built exactly as `LLMEngine` builds it (the profile holds the `SchedulerConfig` the
-engine made, its measured link rate and step-time priors included, and `serve`'s
-`TokenFlowConfig`), on the deployment `serve`'s flags describe (tiers, limits, knobs).  What the
-real engine does around the core is charged too:
+The core is built as `LLMEngine` builds it, by `tokenflow.core.build` (the profile holds the
+`SchedulerConfig` the engine made, its measured link rate and step-time priors included, and
+`serve`'s `TokenFlowConfig`), on the deployment `serve`'s flags describe (tiers, limits, knobs).
+What the real engine does around the core is charged too:
 
 - the forward pass and the tier copies: the profile's fitted `StepCosts`
   (tokenflow/calibrate/costs.py);
@@ -29,13 +29,12 @@ from dataclasses import dataclass, replace
 
 from tokenflow.calibrate.costs import ProfiledCostModel
 from tokenflow.calibrate.profile_file import Profile
+from tokenflow.core.build import build_core
 from tokenflow.core.clock import SimClock
 from tokenflow.core.config import TokenFlowConfig
-from tokenflow.core.engine_core import NOTHING_RAN_WAIT_S, EngineCore
+from tokenflow.core.engine_core import NOTHING_RAN_WAIT_S
 from tokenflow.core.kv_manager import KVConfig
 from tokenflow.core.plan import StepPlan
-from tokenflow.core.policies import make_policy
-from tokenflow.core.scheduler import Scheduler
 from tokenflow.core.step_budget import StepBudget
 from tokenflow.sim.executor import SimExecutor
 from tokenflow.sim.overhead import OverheadCharge, default_overhead
@@ -89,16 +88,13 @@ def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEng
         prefix_caching=deployment.prefix_caching,
         prefix_retention=deployment.prefix_retention,
     )
-    tokenflow = deployment.tokenflow or profile.tokenflow
-    policy_obj = make_policy(policy, scheduler_config, tokenflow)
-    scheduler = Scheduler(scheduler_config, kv_config, policy_obj)
     clock = SimClock()
     cost_model = ProfiledCostModel(profile.costs, facts.block_bytes // facts.block_size)
     executor = SimExecutor(cost_model, clock, facts.block_size)
     charge = OverheadCharge(
         default_overhead(policy),
         clock,
-        lambda: scheduler.num_unfinished,
+        lambda: core.scheduler.num_unfinished,  # (counted at each step, once `core` is built)
         engine_s=lambda plan: _server_step_s(profile, plan),
     )
     budget = StepBudget(
@@ -106,7 +102,16 @@ def build_profiled_engine(deployment: ProfiledDeployment, policy: str) -> SimEng
         scheduler_config.max_prefill_tokens,
         facts.min_prefill_chunk_tokens,
     )
-    core = EngineCore(scheduler, executor, clock, step_budget=budget, before_execute=charge)
+    core = build_core(
+        scheduler_config,
+        kv_config,
+        policy,
+        executor,
+        clock,
+        tokenflow=deployment.tokenflow or profile.tokenflow,
+        step_budget=budget,
+        before_execute=charge,
+    )
     prompt = profile.prompt[deployment.endpoint]
     return SimEngine(
         core=core,

@@ -15,13 +15,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tqdm import tqdm
 
+from tokenflow.core.build import build_core
 from tokenflow.core.clock import SimClock
 from tokenflow.core.config import AndesConfig, SchedulerConfig, TokenFlowConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
-from tokenflow.core.policies import make_policy
 from tokenflow.core.request import Consumption, Request, SamplingParams
-from tokenflow.core.scheduler import Scheduler
 from tokenflow.eval.conversation import Segment, prompt_token_ids, segment_token_ids
 from tokenflow.eval.metrics import MetricsConfig, RequestTrace, Summary, summarize
 from tokenflow.eval.workload import WorkloadRequest
@@ -180,16 +179,23 @@ def build_engine(config: SimConfig, policy: str) -> tuple[EngineCore, SimExecuto
     )
     write_through = config.write_through and config.tokenflow.write_through
     tokenflow = replace(config.tokenflow, write_through=write_through)
-    policy_obj = make_policy(policy, scheduler_config, tokenflow, config.andes)
-    scheduler = Scheduler(scheduler_config, kv_config, policy_obj)
     clock = SimClock()
     executor = SimExecutor(
         cost_model, clock, config.block_size, blocking_evictions=not write_through
     )
     overhead = config.scheduler_overhead or default_overhead(policy)
-    charge = OverheadCharge(overhead, clock, lambda: scheduler.num_unfinished)
-    core = EngineCore(
-        scheduler, executor, clock, before_execute=charge, check_integrity=config.check_integrity
+    # (counted at each step, once `core` is built)
+    charge = OverheadCharge(overhead, clock, lambda: core.scheduler.num_unfinished)
+    core = build_core(
+        scheduler_config,
+        kv_config,
+        policy,
+        executor,
+        clock,
+        tokenflow=tokenflow,
+        andes=config.andes,
+        before_execute=charge,
+        check_integrity=config.check_integrity,
     )
     return core, executor
 

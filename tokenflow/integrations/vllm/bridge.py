@@ -31,6 +31,10 @@ threshold and its reload-vs-recompute choice see what a pause and a resume reall
   measured recompute (prefill) time of a block, so the pause threshold charges a recompute.
 
 Requests are read through the small `VllmRequestLike` protocol, so tests can use fakes.
+
+The plugin cannot drive the core's `Scheduler`: that owns its requests' lifecycle and its KV
+blocks, which vLLM owns here.  So it shares the scheduler's parts instead: the policy, the
+admission reserve's cycle (`ReserveRatio`) and the view builder (`tokenflow.core.view`).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, KVTierManager
 from tokenflow.core.policies import Moves, Policy, SchedulingView
 from tokenflow.core.request import Request, RequestState, SamplingParams
-from tokenflow.core.scheduler import reserved_blocks
+from tokenflow.core.view import ReserveRatio, build_view
 
 _PREEMPTED = RequestState.PREEMPTED
 OTHER_OWNER = "__vllm_unmirrored__"  # mirror blocks standing for KV the policy does not manage
@@ -116,7 +120,7 @@ class PolicyBridge:
         )
         self.default_rate_tps = default_rate_tps
         self.requests: dict[str, Request] = {}
-        self.new_token_ratio = self._init_ratio = self.policy.init_new_token_ratio(config)
+        self.reserve = ReserveRatio(config, policy.init_new_token_ratio(config))
         self.num_preemptions_total = 0
         self.num_offloads_as_recompute = 0
         self.num_offloads = 0
@@ -152,6 +156,10 @@ class PolicyBridge:
     @property
     def has_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def num_requests_seen(self) -> int:
+        return self._num_seen
 
     @property
     def paused_copy_ids(self) -> list[str]:
@@ -196,27 +204,19 @@ class PolicyBridge:
             self._price_recompute()
         off_device = self._sync(waiting, now_s, is_running=False)
         preempted = sorted((r for r in off_device if r.state is _PREEMPTED), key=_fcfs)
-        remaining = sum(r.num_remaining_output_tokens for r in mirrored_running)
-        return SchedulingView(
-            now_s=now_s,
-            running=sorted(mirrored_running, key=_fcfs),
-            preempted=preempted,
-            waiting=sorted((r for r in off_device if r.state is not _PREEMPTED), key=_fcfs),
-            kv=self.kv,
-            estimator=self.estimator,
-            config=self.config,
-            new_token_ratio=self.new_token_ratio,
-            num_reserved_blocks=reserved_blocks(self.kv, remaining, self.new_token_ratio),
-            num_preemptions_total=self.num_preemptions_total,
-            num_requests_seen=self._num_seen,
+        return build_view(
+            self,
+            now_s,
+            sorted(mirrored_running, key=_fcfs),
+            preempted,
+            sorted((r for r in off_device if r.state is not _PREEMPTED), key=_fcfs),
+            sum(r.num_remaining_output_tokens for r in mirrored_running),
         )
 
     def plan(self, view: SchedulingView) -> Moves:
         """The core policy's moves for this step (and the new-token ratio's decay)."""
         moves = self.policy.plan_moves(view)
-        self.new_token_ratio = self.config.decayed_new_token_ratio(
-            self.new_token_ratio, self._init_ratio
-        )
+        self.reserve.decay()
         return moves
 
     def preempted(self, request_id: str, num_offloaded_tokens: int = 0) -> None:
@@ -268,7 +268,7 @@ class PolicyBridge:
 
     def out_of_memory(self) -> None:
         """vLLM retracted a request for lack of blocks: admit less eagerly again (as the core)."""
-        self.new_token_ratio = self._init_ratio
+        self.reserve.reset()
 
     def observe_step(
         self,

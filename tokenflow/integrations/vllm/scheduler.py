@@ -88,7 +88,8 @@ class TokenFlowScheduler(AsyncScheduler):
             **self._link_speed(settings),
         )
         shape = self._pool_shape(settings, core_config.initial_prefill_token_s)
-        policy = make_policy("tokenflow", core_config, settings.policy)
+        tokenflow = settings.policy_config(current_platform.device_type)
+        policy = make_policy("tokenflow", core_config, tokenflow)
         self.bridge = PolicyBridge(policy, core_config, shape, settings.default_rate_tps)
         self._scheduled_at: dict[int, StepStamp] = {}
         self._last_update_s = 0.0

@@ -6,20 +6,21 @@ Keys (all optional)::
                        absent: such requests are left to vLLM's own behaviour
     host_factor        host tier, in multiples of the device pool (default 3): the host KV
                        connector's buffer, or without it a virtual tier; bounds the working set
-    policy             overrides of `TokenFlowConfig` fields, e.g. {"critical_slack_s": 1.0}
+    policy             overrides of `TokenFlowConfig` fields, e.g. {"critical_slack_s": 1.0},
+                       over the defaults for the device vLLM runs on (`tokenflow_defaults`)
     scheduler          overrides of the core `SchedulerConfig` fields that vLLM does not set
                        (vLLM sets max_num_seqs, max_prefill_tokens and max_model_len), e.g.
                        {"init_new_token_ratio": 0.7}; by default the admission reserve is
                        small, like vLLM's own admission (which keeps none); the policy's
-                       `init_new_token_ratio` caps the scheduler's (0.3 for tokenflow)
+                       `init_new_token_ratio` caps the scheduler's (0.3 on a CPU)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
-from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
+from tokenflow.core.config import SchedulerConfig, TokenFlowConfig, tokenflow_defaults
 from tokenflow.core.request import is_reader_rate, reader_rate_error
 
 CONFIG_KEY = "tokenflow"
@@ -39,7 +40,7 @@ class IntegrationSettings:
 
     default_rate_tps: float | None = None
     host_factor: float = 3.0
-    policy: TokenFlowConfig = field(default_factory=TokenFlowConfig)
+    policy: dict[str, float | bool] = field(default_factory=dict)  # `TokenFlowConfig` overrides
     scheduler: dict[str, float] = field(default_factory=lambda: dict(VLLM_LIKE_RESERVE))
 
     def __post_init__(self) -> None:
@@ -52,10 +53,21 @@ class IntegrationSettings:
         if set(self.scheduler) - allowed:
             raise ValueError(f"tokenflow scheduler overrides must be among: {sorted(allowed)}")
         self.core_config(max_num_seqs=1, max_prefill_tokens=1, max_model_len=1)  # validates
+        names = {f.name for f in fields(TokenFlowConfig)}
+        if set(self.policy) - names:
+            known = ", ".join(sorted(names))
+            raise ValueError(f"tokenflow policy overrides must be among: {known}")
+        for device_type in ("cpu", "cuda"):  # validates on either device's defaults
+            self.policy_config(device_type)
 
     def core_config(self, **from_vllm: int) -> SchedulerConfig:
         """The core SchedulerConfig: the limits vLLM sets, plus these overrides."""
         return SchedulerConfig(**from_vllm, **self.scheduler)
+
+    def policy_config(self, device_type: str) -> TokenFlowConfig:
+        """The TokenFlow policy's config on `device_type` (vLLM's `current_platform`'s: "cpu",
+        "cuda", ...): the defaults every command uses there, plus these overrides."""
+        return replace(tokenflow_defaults(device_type), **self.policy)
 
     @classmethod
     def from_additional_config(cls, additional_config: object) -> IntegrationSettings:
@@ -67,14 +79,12 @@ class IntegrationSettings:
         if unknown:
             raise ValueError(f"unknown tokenflow settings: {', '.join(sorted(unknown))}")
         overrides = raw.get("policy", {})
-        names = {f.name for f in fields(TokenFlowConfig)}
-        if not isinstance(overrides, dict) or set(overrides) - names:
-            known = ", ".join(sorted(names))
-            raise ValueError(f"tokenflow policy overrides must be among: {known}")
+        if not isinstance(overrides, dict):
+            raise ValueError("tokenflow policy overrides must be an object")
         rate = raw.get("default_rate")
         return cls(
             default_rate_tps=None if rate is None else float(rate),
             host_factor=float(raw.get("host_factor", 3.0)),
-            policy=TokenFlowConfig(**overrides),
+            policy=dict(overrides),
             scheduler={**VLLM_LIKE_RESERVE, **raw.get("scheduler", {})},
         )

@@ -56,6 +56,7 @@ from tokenflow.model.kernels.plan import (
     head_rows,
     plan_costs,
     probe_kernels,
+    probe_sizes,
 )
 
 __all__ = [
@@ -64,5 +65,5 @@ __all__ = [
     "PRUNE_FACTOR", "KernelCache", "KernelChoice", "KernelPlan", "KernelTiming", "Measure",
     "ModelShapes", "ProbeSettings", "RegimeCost", "TorchMeasure", "candidate_plans",
     "choose_kernels", "choose_plan", "default_cache_dir", "explicit_plan", "footprint_bytes",
-    "head_rows", "machine_key", "model_key", "plan_costs", "probe_kernels",
+    "head_rows", "machine_key", "model_key", "plan_costs", "probe_kernels", "probe_sizes",
 ]  # fmt: skip

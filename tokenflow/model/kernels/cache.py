@@ -98,8 +98,9 @@ class KernelCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def store(self, key: dict[str, object], choice: KernelChoice) -> None:
-        """Write the choice (atomically); a cache that cannot be written is only logged."""
+    def store(self, key: dict[str, object], choice: KernelChoice) -> bool:
+        """Write the choice (atomically); whether it was written (a cache that cannot be
+        written is only logged)."""
         path = self.path_for(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,3 +110,5 @@ class KernelCache:
             partial.replace(path)
         except OSError as exc:
             logger.warning("cannot write the kernel cache %s: %s", path, exc)
+            return False
+        return True

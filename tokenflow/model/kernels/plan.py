@@ -249,20 +249,34 @@ def choose_plan(
 Measure = Callable[[str, str, int], float]  # (part, kernel, rows) -> seconds
 
 
+def probe_sizes(layer_kernels: Sequence[str], head_kernels: Sequence[str]) -> int:
+    """How many (part, rows) sizes `probe_kernels` times: every PROBE_ROWS size for the
+    layers, the decode sizes for the LM head (a part with no kernel is not timed)."""
+    return len(PROBE_ROWS) * bool(layer_kernels) + len(DECODE_ROWS) * bool(head_kernels)
+
+
 def probe_kernels(
-    measure: Measure, layer_kernels: Sequence[str], head_kernels: Sequence[str]
+    measure: Measure,
+    layer_kernels: Sequence[str],
+    head_kernels: Sequence[str],
+    on_size: Callable[[Sequence[KernelTiming]], None] | None = None,
 ) -> list[KernelTiming]:
     """Time every kernel at every PROBE_ROWS size, smallest first, pruning the hopeless
     (PRUNE_FACTOR, PRUNE_ABOVE_S) but never the fastest dense kernel, so some plan is timed at
-    every size; the LM head at decode sizes only."""
+    every size; the LM head at decode sizes only.  `on_size` hears each size's timings as
+    soon as they are taken (the probe's progress: `probe_sizes` of them in all)."""
     timings = []
     for part, kernels in (("layers", layer_kernels), ("head", head_kernels)):
         alive = list(kernels)
+        if not alive:
+            continue
         for rows in PROBE_ROWS:
             if part == "head" and rows not in DECODE_ROWS:
                 continue  # a prefill chunk's head sees one row: the 1-row figure stands
             at_size = [KernelTiming(part, k, rows, measure(part, k, rows)) for k in alive]
             timings += at_size
+            if on_size is not None:
+                on_size(at_size)
             fastest = min(t.seconds for t in at_size)
             limit = max(PRUNE_FACTOR * fastest, PRUNE_ABOVE_S)
             dense = [t for t in at_size if t.kernel not in _DENSE_OF]

@@ -1,0 +1,1 @@
+"""The benchmarks we maintain, each run from the repository root as `python -m benchmarks.NAME`."""
