@@ -1,7 +1,7 @@
 """`tokenflow tune`: the objectives' rules, the frontier, and a config file serve loads."""
 
-from tests.sim.synthetic import synthetic_profile
 from tests.cli.test_config_file import parse_serve
+from tests.sim.synthetic import synthetic_profile
 from tokenflow.cli.engine_options import engine_args_from
 from tokenflow.cli.main import main
 from tokenflow.cli.tune import Score, candidate_points, choose, frontier

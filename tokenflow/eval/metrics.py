@@ -37,8 +37,9 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from tokenflow.core.consumption import CLASS_NAMES
+
 FAILED_FINISH_REASONS = frozenset({"abort", "error"})
-CONSUMPTION_CLASSES = ("reader", "eager", "batch")  # as `tokenflow.core.request.Consumption`
 TIME_TOLERANCE_S = 1e-9
 
 
@@ -65,8 +66,8 @@ class RequestTrace:
         where = f"trace {self.request_id}"
         if not math.isfinite(self.arrival_s):
             raise ValueError(f"{where}: arrival_s must be finite, got {self.arrival_s!r}")
-        if self.consumption not in CONSUMPTION_CLASSES:
-            raise ValueError(f"{where}: consumption must be one of {CONSUMPTION_CLASSES}")
+        if self.consumption not in CLASS_NAMES:
+            raise ValueError(f"{where}: consumption must be one of {CLASS_NAMES}")
         if self.is_reader:
             _check_rate(self.rate_tps, where)
         else:
@@ -416,10 +417,10 @@ def summarize(traces: Sequence[RequestTrace], config: MetricsConfig = MetricsCon
 def summarize_by_class(
     traces: Sequence[RequestTrace], config: MetricsConfig = MetricsConfig()
 ) -> dict[str, Summary]:
-    """`summarize` of each consumption class present, in `CONSUMPTION_CLASSES` order."""
+    """`summarize` of each consumption class present, in `CLASS_NAMES` order."""
     present = {t.consumption for t in traces}
     return {
         name: summarize([t for t in traces if t.consumption == name], config)
-        for name in CONSUMPTION_CLASSES
+        for name in CLASS_NAMES
         if name in present
     }
