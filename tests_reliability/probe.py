@@ -181,7 +181,8 @@ def hostile_bodies(max_body_bytes: int) -> list[dict | bytes]:
         {"logit_bias": {"1": 100}}, {"presence_penalty": 3.0}, {"frequency_penalty": -2.5},
         {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2},
         {"messages": []}, {"messages": "hi"},
-        {"messages": [{"role": "robot", "content": "x"}]}, {"unknown_field": 1},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": [{"role": "user", "content": "x", "unknown_field": 1}]},
         {"stream_options": {"include_usage": True}}, {"model": "no-such-model"},
         {"max_tokens": "8"}, {"temperature": "hot"}, {"stream": "yes"},
     ]  # fmt: skip
