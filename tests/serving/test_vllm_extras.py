@@ -143,3 +143,22 @@ async def test_no_op_extras_are_accepted_without_a_log(client, engine, caplog) -
     assert not [r for r in caplog.records if "ignored" in r.getMessage()]
     params = engine.submitted[-1][1]
     assert (params.top_k, params.min_p, params.repetition_penalty) == (5, 0.1, 1.1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("allowed_token_ids", [1, 2]), ("bad_words", ["no"]), ("truncate_prompt_tokens", 8),
+     ("echo", True)],
+)  # fmt: skip
+async def test_a_vllm_field_that_would_change_the_answer_is_refused_by_name(
+    client, engine, field, value
+) -> None:
+    assert_error(await _chat(client, **{field: value}), 400, field)
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("allowed_token_ids", []), ("bad_words", None), ("echo", False)]
+)
+async def test_the_same_fields_at_their_neutral_value_are_served(client, field, value) -> None:
+    assert (await _chat(client, **{field: value})).status_code == 200

@@ -256,7 +256,22 @@ def _unsupported(param: str, value: object) -> ApiError:
     )
 
 
+# vLLM's fields that would change the answer and that this server does not implement, each
+# with the values that change nothing: any other value is refused by name, not served as if
+# absent (a field neither API defines is served and logged: `openai_serving._log_ignored`).
+_UNHONOURED_VLLM_FIELDS: dict[str, tuple[object, ...]] = {
+    "allowed_token_ids": (None, []),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "echo": (None, False),
+}
+
+
 def _check_common_support(body: CompletionRequest | ChatCompletionRequest) -> None:
+    extra = body.model_extra or {}
+    for name, neutral in _UNHONOURED_VLLM_FIELDS.items():
+        if name in extra and not any(extra[name] == value for value in neutral):
+            raise _unsupported(name, extra[name])
     if body.logit_bias:
         raise _unsupported("logit_bias", body.logit_bias)
     if body.use_beam_search:
