@@ -81,6 +81,21 @@ def test_a_machine_that_stays_slow_is_learnt():
     assert est.decode_time_s(8, 100) == pytest.approx(0.5, rel=0.05)
 
 
+def test_a_slower_machine_is_slower_per_stream_too_before_other_batch_sizes_are_timed():
+    # the prior: 0.027 s + 0.003 s a stream; the machine runs every part of a step 2x slower,
+    # and so far only steps of 2 streams were timed
+    est = StepTimeEstimator(0.03, 1e-3)
+
+    def true_s(batch: int) -> float:
+        return 2 * (0.027 + 0.003 * batch)
+
+    for _ in range(20):
+        est.observe(2, 0, true_s(2), 0)
+    assert est.decode_time_s(2, 0) == pytest.approx(true_s(2))
+    # the prior's per-stream cost kept as it was would say 0.06 + 0.003 x 12 = 0.096 s
+    assert est.decode_time_s(12, 0) == pytest.approx(true_s(12), rel=0.02)
+
+
 def test_early_steps_are_never_left_out():
     # with too few steps to predict from, the prior may be far off: every step counts
     est = fed(decode_steps=[(1, 100, 2.0)] * 3)

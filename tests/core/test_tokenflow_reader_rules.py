@@ -224,8 +224,22 @@ def test_the_paced_batch_keeps_up_with_the_fastest_started_reader_unless_short_o
     assert paced_batch(view, [slow, fast, unstarted, eager], 0.0) == 6  # 0.04 + 0.06 <= 1 / 10
     assert paced_batch(view, [slow], 0.0) == 46  # 0.04 + 0.46 <= 1 / 2
     assert paced_batch(view, [unstarted, eager], 0.0) == view.config.max_num_seqs
-    # readers asking 80 tok/s in all: 6 streams make 60; 16 make 16 / (0.04 + 0.16) = 80
-    assert paced_batch(view, [slow, fast], 80.0) == 16
+    # readers asking 40 tok/s in all: 3 streams make it, at 0.07 s a step `fast` still keeps up
+    assert paced_batch(view, [slow, fast], 40.0) == 6
+    # 80 tok/s: 16 streams make 16 / (0.04 + 0.16) = 80, at 0.2 s a step, which feeds `fast` 5
+    # tok/s of its 10 at best: the pace is `slow`'s
+    assert paced_batch(view, [slow, fast], 80.0) == 46
+
+
+def test_a_reader_no_pace_that_meets_the_demand_feeds_does_not_set_the_pace():
+    estimator = StepTimeEstimator(0.05, 1e-4, per_seq_s=0.01)  # a step: 0.04 + 0.01 x batch
+    view = replace(empty_view(400), estimator=estimator)
+    readers = [make_request(f"r{i}", rate=rate) for i, rate in enumerate((2.0, 2.0, 16.0))]
+    for request in readers:
+        request.append_token(7, 0.0)
+    # 40 tok/s: at the 3 streams that make it a step is 0.07 s, too slow for 16 tok/s
+    assert paced_batch(view, readers, 40.0) == 46
+    assert paced_batch(view, readers[2:], 0.0) == 2  # alone, it sets the pace: 0.06 <= 1 / 16
 
 
 def test_between_decisions_starts_stop_at_the_decided_batch():

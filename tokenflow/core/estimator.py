@@ -5,7 +5,11 @@ A decode step over B streams holding C context tokens in all is modelled as t = 
 sliding window of recent decode-only steps.  Separating c from b matters for capacity: early in
 a burst contexts are short, and Gamma must be judged at the contexts the streams will have over
 their lives, not at today's.  The ridge pulls toward the configured guesses, so a window without
-variety in B or C still gives sane values.
+variety in B or C still gives sane values; the slopes' guesses are scaled by how much slower or
+faster the window ran than the guesses predict at its shape.  A machine slower than its profile
+is slower per stream too: with the guesses' slopes kept as they were, a window of steps at one
+batch size put the whole slowdown in a, and Gamma at larger batches read up to 2x too high on a
+machine 2x slower than its profile, until steps of other sizes arrived.
 
 A prefill adds p0 + p1*T to the step that runs its T tokens (fitted the same way over recent
 steps with prefill, on what the decode model leaves unexplained).  p0 is a fixed cost per step
@@ -48,6 +52,7 @@ class StepTimeEstimator:
             per_seq_s = decode_step_s * 0.1
         self._prior_seq_s, self._prior_token_s = per_seq_s, per_context_token_s
         self._base_s = max(decode_step_s - per_seq_s, 0.0)
+        self._prior_base_s = self._base_s
         self._per_seq_s, self._per_token_s = per_seq_s, per_context_token_s
         self._prior_prefill_token_s = self._prefill_token_s = prefill_token_s
         self._prefill_step_s = 0.0  # p0: the fixed part of a step's prefill cost
@@ -151,16 +156,24 @@ class StepTimeEstimator:
         sct = sums.ct - n * mean_c * mean_t
         ridge_b = self._RIDGE * n * max(mean_b, 1.0)
         ridge_c = self._RIDGE * n * max(mean_c, 1.0)
-        prior_c = self._prior_token_s * 1000.0
+        speed = self._speed_against_prior(mean_b, mean_c, mean_t)
+        prior_b, prior_c = self._prior_seq_s * speed, self._prior_token_s * 1000.0 * speed
         # [sbb + rb, sbc; sbc, scc + rc] [b; c] = [sbt + rb*b0; sct + rc*c0]
         m11, m12, m22 = sbb + ridge_b, sbc, scc + ridge_c
-        v1, v2 = sbt + ridge_b * self._prior_seq_s, sct + ridge_c * prior_c
+        v1, v2 = sbt + ridge_b * prior_b, sct + ridge_c * prior_c
         det = m11 * m22 - m12 * m12
         slope_b = max((v1 * m22 - m12 * v2) / det, 0.0)
         slope_c = max((m11 * v2 - m12 * v1) / det, 0.0)
         self._per_seq_s, self._per_token_s = slope_b, slope_c / 1000.0
         self._base_s = max(mean_t - slope_b * mean_b - slope_c * mean_c, 0.0)
         self._mean_context = mean_c * 1000.0 / max(mean_b, 1.0)
+
+    def _speed_against_prior(self, mean_b: float, mean_c: float, mean_t: float) -> float:
+        """How much slower (> 1) the window's steps ran than the prior predicts at their mean
+        shape (`mean_c` in thousands of tokens): the factor the slopes' ridge targets take."""
+        prior_s = self._prior_base_s + self._prior_seq_s * mean_b
+        prior_s += self._prior_token_s * 1000.0 * mean_c
+        return mean_t / prior_s if prior_s > 0 else 1.0
 
     def decode_time_s(self, num_decode: int, context_tokens: float | None = None) -> float:
         """Predicted duration of a decode step over `num_decode` streams holding

@@ -118,20 +118,24 @@ def served_set(
 
 def paced_batch(view: SchedulingView, requests: Iterable[Request], demand_tps: float) -> int:
     """The most streams one decode step may hold: the largest batch whose predicted step keeps
-    one token per step within the fastest started reader among `requests` (a reader faster than
-    the engine's per-stream rate stalls however the device is shared, and each stream added
-    slows every step), or, if larger, the smallest batch that generates `demand_tps` (a pace
-    that leaves the readers' total rate unserved stalls them all).  At least 1; max_num_seqs
+    one token per step within the fastest started reader among `requests` that the batch
+    generating `demand_tps` still feeds (each stream added slows every step), and at least
+    that batch (a pace that leaves the readers' total rate unserved stalls them all).  A reader
+    faster than its slot at that batch stalls at any pace that serves the rest: it gets its
+    slot, and the pace is kept for the readers who can keep reading.  At least 1; max_num_seqs
     when no started reader has a finite rate."""
     limit = view.config.max_num_seqs
     rates = [r.rate_tps for r in requests if r.is_reader and r.output_token_ids]
     if not rates:
         return limit
-    step_s, estimator = 1.0 / max(rates), view.estimator
-    batch = 1
-    while batch < limit and (
-        estimator.decode_time_s(batch + 1) <= step_s or estimator.capacity_tps(batch) < demand_tps
-    ):
+    estimator = view.estimator
+    needed = 1  # the smallest batch that generates the demand
+    while needed < limit and estimator.capacity_tps(needed) < demand_tps:
+        needed += 1
+    needed_step_s = estimator.decode_time_s(needed)
+    step_s = 1.0 / max((r for r in rates if r * needed_step_s <= 1.0), default=min(rates))
+    batch = needed
+    while batch < limit and estimator.decode_time_s(batch + 1) <= step_s:
         batch += 1
     return batch
 
