@@ -29,7 +29,8 @@ from tokenflow.core.rebalance import MigrateMode
 from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import aggregate, format_spread_table, write_marked_block
 from tokenflow.eval.workload import generate
-from tokenflow.sim.fleet import FleetConfig, fleet_changes, fleet_replicas, fleet_setups, run_fleet
+from tokenflow.sim.fleet import FleetConfig, run_fleet
+from tokenflow.sim.fleet_setups import fleet_changes, fleet_replicas, fleet_setups
 from tokenflow.sim.runner import SimConfig
 
 ROOT = Path(__file__).resolve().parent.parent

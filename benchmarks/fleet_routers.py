@@ -13,7 +13,10 @@ or give --fresh, after a change to the code), so an interrupted run resumes.  Th
 the block between the markers of docs/replicas.md: per setup, each router's median [min-max]
 over the seeds, the requests per replica, and the TokenFlow rule against least-outstanding on
 the targets (P99 TTFT <= 0.7x, QoE >= 1.0x, mean stall <= max(1 s, its) for bursts; for
-Poisson no metric worse by more than 5%).
+Poisson no metric worse by more than 5%).  A preset with prefix caching (fleet-h200-chat) runs
+prefix-affinity too, gives each router's prefix hit rate, and is judged against the better of
+least-outstanding and prefix-affinity (by P99 TTFT): P99 TTFT <= 0.7x, mean stall <= its + 0.1
+s, QoE >= its.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import argparse
 import json
 import multiprocessing
 from pathlib import Path
+from statistics import median
 
 from tokenflow.core.routing import ROUTER_NAMES
 from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import aggregate, format_spread_table, write_marked_block
 from tokenflow.eval.workload import generate
-from tokenflow.sim.fleet import FleetConfig, fleet_changes, fleet_replicas, fleet_setups, run_fleet
+from tokenflow.sim.fleet import FleetConfig, run_fleet
+from tokenflow.sim.fleet_setups import fleet_changes, fleet_replicas, fleet_setups
 from tokenflow.sim.runner import SimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,14 +59,45 @@ def run_job(job: tuple[str, str, int, float, str]) -> dict:
         "seed": seed,
         "summary": result.summary.to_dict(),
         "requests_by_replica": list(result.num_requests_by_replica),
+        "prefix_hit_rate": result.prefix_cache.hit_rate if result.prefix_cache else None,
         "wall_s": result.wall_s,
     }
     path.write_text(json.dumps(record, indent=1))
     return record
 
 
+def routers_of(setup: str, routers: list[str]) -> list[str]:
+    """The routers a preset runs: prefix-affinity only where the replicas cache prefixes
+    (elsewhere it is least-outstanding)."""
+    cached = fleet_setups()[setup].prefix_caching
+    return [r for r in routers if cached or r != "prefix-affinity"]
+
+
+def chat_verdict(runs: dict[str, list[dict]]) -> str:
+    """The TokenFlow rule against the better of least-outstanding and prefix-affinity (by
+    median P99 TTFT), on medians over the seeds."""
+    peers = [r for r in ("least-outstanding", "prefix-affinity") if r in runs]
+    if "tokenflow" not in runs or not peers:
+        return ""
+    medians = {r: aggregate([x["summary"] for x in runs[r]], COMPARED) for r in runs}
+    best = min(peers, key=lambda r: medians[r]["ttft_p99_s"].median)
+    tf, base = medians["tokenflow"], medians[best]
+    p99 = tf["ttft_p99_s"].median / base["ttft_p99_s"].median
+    stall, stall_bound = tf["rebuffer_mean_s"].median, base["rebuffer_mean_s"].median + 0.1
+    qoe, qoe_bound = tf["qoe_mean"].median, base["qoe_mean"].median
+    passed = p99 <= 0.7 and stall <= stall_bound and qoe >= qoe_bound
+    hits = ", ".join(f"{r} {median([x['prefix_hit_rate'] for x in runs[r]]):.1%}" for r in runs)
+    return (
+        f"TokenFlow rule vs {best}: P99 TTFT {p99:.2f}x (<= 0.7x), mean stall {stall:.2f} s "
+        f"(<= {stall_bound:.2f} s), QoE {qoe:.3f} (>= {qoe_bound:.3f}): "
+        f"{'pass' if passed else 'FAIL'}.  Prefix hit rate (median): {hits}"
+    )
+
+
 def verdict(setup: str, runs: dict[str, list[dict]]) -> str:
     """The TokenFlow rule against least-outstanding, on medians over the seeds."""
+    if fleet_setups()[setup].prefix_caching:
+        return chat_verdict(runs)
     if "tokenflow" not in runs or "least-outstanding" not in runs:
         return ""
     tf = aggregate([r["summary"] for r in runs["tokenflow"]], COMPARED)
@@ -147,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         (s, r, seed, args.report_period_s, args.cache_dir)
         for s in setups
         for seed in range(args.seeds)
-        for r in routers
+        for r in routers_of(s, routers)
     ]
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         records = pool.map(run_job, jobs, chunksize=1)
@@ -158,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 (x for x in records if x["setup"] == setup and x["router"] == r),
                 key=lambda x: x["seed"],
             )
-            for r in routers
+            for r in routers_of(setup, routers)
         }
         sections += setup_section(setup, runs, args.report_period_s)
         print("\n".join(setup_section(setup, runs, args.report_period_s)), flush=True)

@@ -8,11 +8,13 @@ from dataclasses import dataclass, replace
 import pytest
 
 from tokenflow.core.consumption import DEFAULT_READER_RATE_TPS
+from tokenflow.core.prefix_summary import PrefixSummary
 from tokenflow.core.request import Consumption
 from tokenflow.core.routing import CapacityPoint, LoadReport
 from tokenflow.replicas.deployments import served_default_rate
 from tokenflow.replicas.guards import parse_body
 from tokenflow.replicas.reports import (
+    report_from_stats,
     report_to_stats,
     route_facts,
     with_avoided,
@@ -241,3 +243,34 @@ def test_the_router_counts_every_choice_a_request_starts():
     assert _choose(router, [a, b], json.dumps({**body, "n": 4}).encode())[0] == "a"
     # "a" holds 56% once its 4 choices start, "b" 50%: the next request goes to "b"
     assert _choose(router, [a, b], json.dumps(body).encode())[0] == "b"
+
+
+def test_a_report_s_prefix_summary_survives_the_routing_stats():
+    summary = PrefixSummary(device_block_hashes=(8, 16), host_block_hashes=(24,))
+    report = replace(_report(10.0), cached_prefixes=summary)
+    assert report_from_stats(report_to_stats(report)) == report
+
+
+def test_route_facts_carry_the_session_a_body_names():
+    assert _facts({"prompt": "hi", "prompt_cache_key": "chat-7"})["session_key"] == "chat-7"
+    for value in (None, 7, "", "x" * 5000):
+        assert _facts({"prompt": "hi", "prompt_cache_key": value})["session_key"] is None
+
+
+@pytest.mark.parametrize("rule", ["prefix-affinity", "tokenflow"])
+def test_a_session_s_next_turn_goes_where_its_last_turn_went(rule):
+    router = TokenFlowRequestRouter.__new__(TokenFlowRequestRouter)
+    router.initialize_state(rule=rule)
+    report = replace(_report(10.0), prefill_token_s=1e-3)
+    a = _Replica(_Id("a"), report_to_stats(report))
+    b = _Replica(_Id("b"), report_to_stats(report))
+    turn = {"prompt": "x" * 400, "max_tokens": 16, "stream": True, "stream_rate": 4}
+    first = _choose(router, [a, b], json.dumps({**turn, "prompt_cache_key": "s"}).encode())[0]
+    other = "b" if first == "a" else "a"
+    # the replica that took the first turn is now the busier one
+    busier = report_to_stats(replace(report, working_demand_tps=40.0, num_running=9, now_s=2.0))
+    (a if first == "a" else b).routing_stats = busier
+    (b if first == "a" else a).routing_stats = report_to_stats(replace(report, now_s=2.0))
+    second = json.dumps({**turn, "prompt": "x" * 800, "prompt_cache_key": "s"}).encode()
+    assert _choose(router, [a, b], second)[0] == first
+    assert _choose(router, [a, b], json.dumps(turn).encode())[0] == other

@@ -7,7 +7,8 @@ import pytest
 
 from tokenflow.cli.main import main
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
-from tokenflow.sim.fleet import FleetConfig, fleet_setups, get_fleet_setup, run_fleet
+from tokenflow.sim.fleet import FleetConfig, run_fleet
+from tokenflow.sim.fleet_setups import fleet_replicas, fleet_setups, get_fleet_setup
 from tokenflow.sim.runner import SimConfig
 
 
@@ -54,7 +55,15 @@ def test_presets():
         "fleet-mixed-burst",
         "fleet-h200-scaleout",
         "fleet-h200-rolling",
+        "fleet-h200-chat",
     }
+    chat = get_fleet_setup("fleet-h200-chat")
+    assert chat.prefix_caching and chat.workload.kind == "conversation"
+    replicas = fleet_replicas(chat, SimConfig())
+    assert len(replicas) == 8 and all(r.prefix_caching for r in replicas)
+    assert not any(
+        r.prefix_caching for r in fleet_replicas(get_fleet_setup("fleet-h200-burst"), SimConfig())
+    )
     scaleout = get_fleet_setup("fleet-h200-scaleout")
     assert scaleout.gpus == ("h200",) * 4 and scaleout.joins_at_s == (60.0,) * 4
     assert len(get_fleet_setup("fleet-h200-rolling").restarts_at_s) == 8

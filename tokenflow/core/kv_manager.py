@@ -26,6 +26,7 @@ from itertools import repeat
 from tokenflow.core.block_pool import BlockPool
 from tokenflow.core.plan import BlockCopy, CopyKind
 from tokenflow.core.prefix_cache import RETENTIONS, PrefixCache
+from tokenflow.core.prefix_summary import PrefixSummary
 from tokenflow.core.prefix_tiers import PrefixHit, PrefixTiers
 from tokenflow.core.retention import NOT_EXPECTED, make_retention
 
@@ -131,6 +132,16 @@ class KVTierManager:
     def num_cached_host_blocks(self) -> int:
         """Host blocks the prefix cache keys (held or cached-free); 0 without caching."""
         return 0 if self._host_prefix is None else self._host_prefix.num_cached
+
+    def prefix_summary(self, max_keys_per_tier: int) -> PrefixSummary:
+        """The sampled keys each tier caches, for the router (prefix_summary.py); empty
+        without prefix caching."""
+        if self._prefix is None or self._host_prefix is None:
+            return PrefixSummary()
+        return PrefixSummary(
+            device_block_hashes=self._prefix.recent_keys(max_keys_per_tier),
+            host_block_hashes=self._host_prefix.recent_keys(max_keys_per_tier),
+        )
 
     @property
     def device_usage(self) -> float:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from tokenflow.core.prefix_summary import RecentKeys
 from tokenflow.core.retention import Retention
 
 RETENTIONS = ("reading", "lru")  # orders of reuse of cached-free blocks (KVConfig.prefix_retention)
@@ -59,6 +60,7 @@ class PrefixCache:
         self._hash_of: list[int | None] = [None] * num_blocks  # block -> its key, if cached
         self._block_of: dict[int, int] = {}  # key -> the one block cached under it
         self._retention = retention  # the cached-free blocks, in their order of reuse
+        self._recent = RecentKeys()  # sampled keys by last use (what the replica reports)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -81,6 +83,10 @@ class PrefixCache:
 
     def is_cached_free(self, block_id: int) -> bool:
         return block_id in self._retention
+
+    def recent_keys(self, max_keys: int) -> tuple[int, ...]:
+        """The most recently used sampled keys (prefix_summary.py), the most recent first."""
+        return self._recent.latest(max_keys)
 
     def block_of(self, key: int) -> int | None:
         """The block cached under `key`, if any."""
@@ -114,7 +120,10 @@ class PrefixCache:
         """Take the cached-free block the retention gives up first for a new owner, forgetting
         its key (allocation calls this only when the plain free list is empty)."""
         block = self._retention.pick(now_s)
-        del self._block_of[self._hash_of[block]]  # type: ignore[index]
+        key = self._hash_of[block]
+        assert key is not None  # (a cached-free block has a key)
+        del self._block_of[key]
+        self._recent.forget(key)
         self._hash_of[block] = None
         self._retention.forget(block)
         self._refcounts[block] = 1
@@ -122,11 +131,14 @@ class PrefixCache:
 
     def share(self, block_ids: Iterable[int]) -> None:
         """One more owner for each block (a cached-free one is taken out of the free set)."""
-        refcounts, retention = self._refcounts, self._retention
+        refcounts, retention, hash_of = self._refcounts, self._retention, self._hash_of
         for block in block_ids:
             if not refcounts[block]:
                 retention.take(block)
             refcounts[block] += 1
+            key = hash_of[block]
+            if key is not None:
+                self._recent.touch(key)
 
     def release(self, block_id: int, return_s: float, now_s: float) -> bool:
         """One owner fewer, which expects the block back at `return_s` (retention.py); True
@@ -148,6 +160,7 @@ class PrefixCache:
         if key not in self._block_of and self._hash_of[block_id] is None:
             self._block_of[key] = block_id
             self._hash_of[block_id] = key
+            self._recent.touch(key)
 
     # -- invariants --------------------------------------------------------------------------
     def check(
@@ -179,3 +192,5 @@ class PrefixCache:
             assert not self._refcounts[block], f"{name}: cached-free {block} has owners"
         for block in plain_free:
             assert self._hash_of[block] is None, f"{name}: plain free block {block} has a key"
+        recent = self._recent.latest(len(self._recent))
+        assert all(key in self._block_of for key in recent), f"{name}: a reported key is gone"

@@ -10,10 +10,21 @@ Rules, by name (`make_router`):
 - `round-robin`: replicas in turn;
 - `least-outstanding`: fewest unfinished requests (Ray Serve's default router, power of two
   choices over probed queue lengths, approximates it);
-- `tokenflow`: the replica whose readers would ask the smallest share of its capacity Gamma
-  once the request joins, among those whose KV tiers still hold it (paper section 4.3's
-  schedulability, across replicas).  Gamma is read at the footprint the replica would hold, so
-  a cold replica is not credited with the capacity of tiny requests.
+- `prefix-affinity`: the longest cached prefix of the prompt, ties and misses to
+  least-outstanding (Ray Serve's PrefixCacheAffinityRouter and llm-d's prefix scorer, without
+  their load guards);
+- `tokenflow`: among the replicas whose KV tiers still hold the request and whose readers
+  would ask at most their capacity Gamma once it joins (paper section 4.3's schedulability,
+  across replicas), the one where its reader loses least (`reader_loss_s`: the prefill a
+  cached prefix saves against the stall of a replica past Gamma); then the smallest share of
+  Gamma asked.  Gamma is read at the footprint the replica would hold, so a cold replica is
+  not credited with the capacity of tiny requests.
+
+What a replica caches.  A report carries a bounded sample of the block keys its tiers cache
+(prefix_summary.py); a request carries its prompt's block keys when the caller has its tokens
+(the simulator, a token-id prompt), else the session its client named (`prompt_cache_key`).
+A replica holds a request's prefix as far as its report's sample, or a prompt routed to it since,
+shares it; a session is held where the router sent the session's last turn.
 
 Ties go to the replica listed first (`Router.replica_ids` order), never to dict order.
 """
@@ -23,10 +34,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol, runtime_checkable
 
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.capacity import measure_capacity, request_demand_tps
 from tokenflow.core.policies.pricing import lifetime_blocks
+from tokenflow.core.prefix_summary import MAX_KEYS_PER_TIER, PrefixSummary, num_common_blocks
 from tokenflow.core.request import (
     Consumption,
     Request,
@@ -37,6 +50,7 @@ from tokenflow.core.request import (
 )
 
 _LADDER_STEP = 2**0.25  # footprints at which a report samples Gamma, ~19% apart
+MAX_SESSIONS = 1 << 16  # sessions whose last replica a router remembers (the latest ones)
 
 
 @dataclass(frozen=True)
@@ -49,13 +63,36 @@ class RouteRequest:
     end_tokens: int  # prompt + max_tokens: the most it can hold
     # Engine requests it starts (prompts x n), each of the sizes above: it counts this many times.
     num_choices: int = 1
+    # The chain keys of the prompt's full blocks of `prefix_block_size` tokens (prefix_cache.py),
+    # when the caller has its tokens; () when it has not.
+    prefix_block_hashes: tuple[int, ...] = ()
+    prefix_block_size: int = 0
+    session_key: str | None = None  # the client's session (`prompt_cache_key`), if named
 
     @classmethod
-    def of(cls, request: Request) -> RouteRequest:
-        """The routing facts of a core request."""
+    def of(cls, request: Request, block_size: int | None = None) -> RouteRequest:
+        """The routing facts of a core request; with `block_size` (the replicas' prefix
+        caches' block), its prompt's block keys too."""
+        hashes = () if block_size is None else tuple(request.prompt_block_hashes(block_size))
         return cls(
-            request.request_id, request.rate_tps, request.lifetime_tokens, request.end_tokens
+            request.request_id,
+            request.rate_tps,
+            request.lifetime_tokens,
+            request.end_tokens,
+            prefix_block_hashes=hashes,
+            prefix_block_size=block_size or 0,
+            session_key=request.session_key,
         )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Its prompt's tokens (to a token: the sizes halve max_tokens)."""
+        return max(2 * self.lifetime_tokens - self.end_tokens, 1)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Its output budget (max_tokens)."""
+        return self.end_tokens - self.num_prompt_tokens
 
 
 def route_request(
@@ -65,12 +102,14 @@ def route_request(
     max_tokens: int,
     consumption: Consumption = Consumption.READER,
     num_choices: int = 1,
+    session_key: str | None = None,
 ) -> RouteRequest:
     """The routing facts of a request known only by its sizes (a router in front of the
     replicas sees the body, not the tokens): what `RouteRequest.of` reads of a core `Request`
     of these sizes, computed from the sizes alone, so a long prompt costs the router nothing
     in proportion to its length; `num_choices` such requests (prompts x n) when it starts
-    several.  ValueError for a reader's rate `Request` would refuse."""
+    several; `session_key`, the session its client named.  ValueError for a reader's rate
+    `Request` would refuse."""
     num_prompt = max(num_prompt_tokens, 1)
     max_tokens = max(max_tokens, 1)
     if consumption is not Consumption.READER:
@@ -83,6 +122,7 @@ def route_request(
         lifetime_tokens=lifetime_footprint_tokens(num_prompt, max_tokens),
         end_tokens=end_footprint_tokens(num_prompt, max_tokens),
         num_choices=max(num_choices, 1),
+        session_key=session_key,
     )
 
 
@@ -124,6 +164,8 @@ class LoadReport:
     num_device_blocks: int  # the tiers' sizes, free or not
     num_host_blocks: int
     prefill_token_s: float = 0.0  # what one more prefill token costs it (a move's recompute)
+    waiting_prompt_tokens: int = 0  # prompt tokens its waiting requests have yet to compute
+    cached_prefixes: PrefixSummary = PrefixSummary()  # a sample of its tiers' block keys
 
     @property
     def num_unfinished(self) -> int:
@@ -142,6 +184,8 @@ class LoadReport:
             num_free_device_blocks=self.num_device_blocks,
             num_free_host_blocks=self.num_host_blocks,
             num_lifetime_blocks=0,
+            cached_prefixes=PrefixSummary(),
+            waiting_prompt_tokens=0,
         )
 
     def capacity_at(self, beta_blocks: float) -> CapacityPoint:
@@ -185,7 +229,23 @@ def load_report(view: SchedulingView) -> LoadReport:
         num_device_blocks=view.kv.config.num_device_blocks,
         num_host_blocks=view.kv.config.num_host_blocks,
         prefill_token_s=view.estimator.prefill_token_s,
+        waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in view.waiting),
+        cached_prefixes=_cached_prefixes(view.kv),
     )
+
+
+@runtime_checkable
+class _SummarizesPrefixes(Protocol):
+    """KV tiers that can tell what they cache (`KVTierManager` can)."""
+
+    def prefix_summary(self, max_keys_per_tier: int) -> PrefixSummary: ...
+
+
+def _cached_prefixes(kv: object) -> PrefixSummary:
+    """The sample of `kv`'s cached keys; empty for tiers that keep no prefix cache."""
+    if isinstance(kv, _SummarizesPrefixes):
+        return kv.prefix_summary(MAX_KEYS_PER_TIER)
+    return PrefixSummary()
 
 
 def _capacity_points(view: SchedulingView) -> tuple[CapacityPoint, ...]:
@@ -210,6 +270,8 @@ class Router:
     name: str = "base"
     reports: dict[str, LoadReport] = field(default_factory=dict)
     routed_since: dict[str, list[RouteRequest]] = field(default_factory=dict)
+    # Where each named session's last turn went (the latest MAX_SESSIONS, oldest first).
+    session_replicas: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.replica_ids:
@@ -233,11 +295,20 @@ class Router:
         self.replica_ids = [r for r in self.replica_ids if r != replica_id]
         self.reports.pop(replica_id, None)
         self.routed_since.pop(replica_id, None)
+        sessions = self.session_replicas
+        for session in [s for s, r in sessions.items() if r == replica_id]:
+            del sessions[session]
 
     def record(self, replica_id: str, request: RouteRequest) -> None:
         """`request` reached `replica_id` other than by `choose` (moved there): counted as
-        routed to it until its next report."""
+        routed to it until its next report, and its session as held there."""
         self.routed_since[replica_id].append(request)
+        session = request.session_key
+        if session is not None:
+            self.session_replicas.pop(session, None)
+            self.session_replicas[session] = replica_id
+            if len(self.session_replicas) > MAX_SESSIONS:
+                del self.session_replicas[next(iter(self.session_replicas))]
 
     def choose(self, request: RouteRequest, candidates: Sequence[str] | None = None) -> str:
         """The replica for `request` (among `candidates`, default all), recorded as routed."""
@@ -246,8 +317,29 @@ class Router:
             raise ValueError("no replica to route to")
         keys = [(self._key(replica_id, request), index) for index, replica_id in enumerate(ids)]
         chosen = ids[min(keys)[1]]
-        self.routed_since[chosen].append(request)
+        self.record(chosen, request)
         return chosen
+
+    def num_outstanding(self, replica_id: str) -> int:
+        """Unfinished requests on the replica: its last report's plus those routed since."""
+        report = self.reports.get(replica_id)
+        reported = report.num_unfinished if report else 0
+        return reported + sum(r.num_choices for r in self.routed_since[replica_id])
+
+    def num_cached_tokens(self, replica_id: str, request: RouteRequest) -> int:
+        """Leading prompt tokens of `request` the replica holds, as far as the router can
+        tell (the module docstring): a named session without block keys counts its whole
+        prompt where its last turn went."""
+        hashes = request.prefix_block_hashes
+        if not hashes:
+            held = self.session_replicas.get(request.session_key or "") == replica_id
+            return request.num_prompt_tokens if held and request.session_key else 0
+        report = self.reports.get(replica_id)
+        num_blocks = report.cached_prefixes.num_cached_blocks(hashes) if report else 0
+        for routed in self.routed_since[replica_id]:
+            if routed.prefix_block_size == request.prefix_block_size:
+                num_blocks = max(num_blocks, num_common_blocks(hashes, routed.prefix_block_hashes))
+        return num_blocks * request.prefix_block_size
 
     def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
         raise NotImplementedError
@@ -267,7 +359,7 @@ class RoundRobinRouter(Router):
             raise ValueError("no replica to route to")
         chosen = ids[self.num_routed % len(ids)]
         self.num_routed += 1
-        self.routed_since[chosen].append(request)
+        self.record(chosen, request)
         return chosen
 
 
@@ -278,9 +370,18 @@ class LeastOutstandingRouter(Router):
     name: str = "least-outstanding"
 
     def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
-        report = self.reports.get(replica_id)
-        reported = report.num_unfinished if report else 0
-        return (reported + sum(r.num_choices for r in self.routed_since[replica_id]),)
+        return (self.num_outstanding(replica_id),)
+
+
+@dataclass
+class PrefixAffinityRouter(Router):
+    """The longest cached prefix of the prompt (`num_cached_tokens`); ties, misses included,
+    to the fewest unfinished requests."""
+
+    name: str = "prefix-affinity"
+
+    def _key(self, replica_id: str, request: RouteRequest) -> tuple[float, ...]:
+        return (-self.num_cached_tokens(replica_id, request), self.num_outstanding(replica_id))
 
 
 @dataclass
@@ -301,7 +402,40 @@ class TokenFlowRouter(Router):
             report = peer.idle()
         projection = project(report, [*self.routed_since[replica_id], request])
         fits = projection.load <= 1.0 and projection.num_spare_blocks >= 0
-        return (0.0 if fits else 1.0, projection.load, 0.0)
+        num_cached = self.num_cached_tokens(replica_id, request)
+        queued_tokens = report.waiting_prompt_tokens
+        queued_tokens += sum(
+            r.num_prompt_tokens * r.num_choices for r in self.routed_since[replica_id]
+        )
+        loss_s = reader_loss_s(report, projection, request, num_cached, queued_tokens)
+        return (0.0 if fits else 1.0, loss_s, projection.load)
+
+
+def reader_loss_s(
+    report: LoadReport,
+    projection: Projection,
+    request: RouteRequest,
+    num_cached_tokens: int,
+    queued_prompt_tokens: int = 0,
+) -> float:
+    """What the request's reader loses on `report`'s replica once it joins (`projection`), in
+    seconds: the wait for its first token plus its stalls.
+
+    - its first token waits for the prompt tokens queued ahead of it there
+      (`queued_prompt_tokens`: its waiting requests' and those routed since its report) and for
+      its own prompt less the prefix the replica caches (`num_cached_tokens`), each at the
+      replica's `prefill_token_s`;
+    - past Gamma (load L > 1) the replica's readers are served 1/L of their rates, so over the
+      request's reading time (its output at its reader's rate) its reader stalls 1 - 1/L of
+      it; within Gamma the buffers' slack absorbs the new work and no reader stalls.
+
+    So a cached prefix draws a turn to its replica as far as the prefill it saves outweighs the
+    queue it joins there."""
+    read_s = request.num_output_tokens / request.rate_tps  # (0 for an eager request)
+    load = projection.load
+    stall_s = read_s * (1.0 - 1.0 / load) if load > 1.0 else 0.0
+    own_tokens = max(request.num_prompt_tokens - num_cached_tokens, 1)
+    return stall_s + (queued_prompt_tokens + own_tokens) * report.prefill_token_s
 
 
 @dataclass(frozen=True)
@@ -331,7 +465,7 @@ def _blocks(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-ROUTER_NAMES = ("round-robin", "least-outstanding", "tokenflow")
+ROUTER_NAMES = ("round-robin", "least-outstanding", "prefix-affinity", "tokenflow")
 
 
 def make_router(name: str, replica_ids: Sequence[str]) -> Router:
@@ -339,6 +473,7 @@ def make_router(name: str, replica_ids: Sequence[str]) -> Router:
     routers: dict[str, type[Router]] = {
         "round-robin": RoundRobinRouter,
         "least-outstanding": LeastOutstandingRouter,
+        "prefix-affinity": PrefixAffinityRouter,
         "tokenflow": TokenFlowRouter,
     }
     if name not in routers:

@@ -9,10 +9,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields, replace
 
 from tokenflow.core.consumption import Resolved, reader_rate_of
+from tokenflow.core.prefix_summary import PrefixSummary
 from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest, route_request
 from tokenflow.serving.auth import bearer_token
 from tokenflow.serving.classes import ClassRules, Stated
-from tokenflow.serving.protocol import MAX_CHOICES
+from tokenflow.serving.protocol import MAX_CHOICES, MAX_PROMPT_CACHE_KEY_CHARS
 from tokenflow.serving.validation import ApiError
 
 REPORT_KEY = "tokenflow_load_report"
@@ -36,7 +37,8 @@ def report_from_stats(stats: dict[str, object] | None) -> LoadReport | None:
     if not isinstance(fields, dict):
         return None
     points = tuple(CapacityPoint(**p) for p in fields["capacity_points"])
-    return LoadReport(**{**fields, "capacity_points": points})
+    prefixes = PrefixSummary(**fields.get("cached_prefixes", {}))
+    return LoadReport(**{**fields, "capacity_points": points, "cached_prefixes": prefixes})
 
 
 def route_facts(
@@ -50,7 +52,9 @@ def route_facts(
     and `default_rate_tps`: their --default-class, --api-key-class and --default-rate), its
     choices (prompts x `n`, at most the server's MAX_CHOICES), each choice's prompt size in
     tokens (a token-id list its length, text estimated from characters; several prompts their
-    mean) and max_tokens.  Only those few fields are read, each to a bounded depth, and nothing
+    mean), max_tokens and the session it names (`prompt_cache_key`: the router sends a
+    session's turns where its last one went, which holds its prefix).  Only those few fields
+    are read, each to a bounded depth, and nothing
     is built in proportion to the prompt: the work is bounded by the body's size
     (--max-body-bytes), the facts are a few numbers whatever the body holds.  (The ingress
     counts a key's work by the same facts: `keys.work_of`.)"""
@@ -65,8 +69,17 @@ def route_facts(
         int(min(max_tokens or DEFAULT_MAX_TOKENS, MAX_ROUTED_TOKENS)),
         consumption,
         num_choices,
+        _session(parsed.get("prompt_cache_key")),
     )
     return asdict(facts)
+
+
+def _session(value: object) -> str | None:
+    """The session a body names, as the server reads `prompt_cache_key` (a string up to its
+    length limit; anything else, refused there, is routed as no session)."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_PROMPT_CACHE_KEY_CHARS:
+        return value
+    return None
 
 
 def _reading(

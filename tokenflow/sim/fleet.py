@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tokenflow.core.clock import SimClock
 from tokenflow.core.engine_core import EngineCore
@@ -40,7 +40,7 @@ from tokenflow.core.rebalance import (
 from tokenflow.core.request import Request
 from tokenflow.core.routing import LoadReport, Router, RouteRequest, load_report, make_router
 from tokenflow.eval.metrics import MetricsConfig, summarize
-from tokenflow.eval.workload import LengthDist, RateMix, WorkloadRequest, WorkloadSpec
+from tokenflow.eval.workload import WorkloadRequest
 from tokenflow.sim.arrivals import Arrivals
 from tokenflow.sim.fleet_result import FleetResult, MoveRecord
 from tokenflow.sim.profiled import ProfiledDeployment, build_profiled_engine
@@ -55,7 +55,6 @@ from tokenflow.sim.runner import (
     prefix_cache_stats,
     trace_of,
 )
-from tokenflow.sim.setups import PAPER_RATES
 
 DRAIN_TIMEOUT_S = 30.0  # as `serve --drain-timeout-s`: a leaving replica's streams are then cut
 _STALL_LIMIT_STEPS = SimConfig().stall_limit_steps  # a replica's steps without a token
@@ -189,6 +188,8 @@ class _Fleet:
         self.prompt_tokens, self.arrival_delay_s = first.prompt_tokens, first.arrival_delay_s
         self.arrivals = Arrivals(workload, order_key=lambda w: (w.arrival_s, w.request_id))
         self.caches = caches_prefixes(first.core)  # (prompt ids: runner.py)
+        # Requests are routed with their prompts' block keys where the replicas cache prefixes.
+        self.block_size = first.core.scheduler.kv.block_size if self.caches else None
         changes = sorted(
             enumerate(config.changes),
             key=lambda c: (c[1].at_s, isinstance(c[1], ReplicaLeft), c[0]),
@@ -280,7 +281,7 @@ class _Fleet:
         return make_request(item, self.prompt_tokens, answers, has_prefix_cache=self.caches)
 
     def _arrive(self, request: Request) -> None:
-        replica = self._by_id(self.router.choose(RouteRequest.of(request)))
+        replica = self._by_id(self.router.choose(self._route(request)))
         self._join(replica, request.arrival_s + self.arrival_delay_s)
         replica.core.add_request(request)
         replica.num_routed += 1
@@ -290,7 +291,7 @@ class _Fleet:
     def _land(self, landing: _Landing) -> None:
         replica = self._by_id(landing.target_id)
         if replica.drain_deadline_s is not None:  # (the target left meanwhile: route again)
-            route = RouteRequest.of(self.records[landing.state.request_id])
+            route = self._route(self.records[landing.state.request_id])
             replica = self._by_id(self.router.choose(route))
         self._join(replica, landing.at_s)
         self.landed_s[landing.state.request_id] = landing.at_s
@@ -323,7 +324,7 @@ class _Fleet:
             source = self._by_id(move.source_id)
             exported_s = max(source.clock.now(), now_s)
             state = source.core.scheduler.export_stream(move.request_id)
-            self.router.record(move.target_id, RouteRequest.of(self.records[move.request_id]))
+            self.router.record(move.target_id, self._route(self.records[move.request_id]))
             landed_s = exported_s + latency_s
             landing = _Landing(landed_s, len(self.moves), move.target_id, state)
             heapq.heappush(self.landings, landing)
@@ -363,6 +364,10 @@ class _Fleet:
         self.replicas.append(replica)
         return replica
 
+    def _route(self, request: Request) -> RouteRequest:
+        """What the router knows of `request`."""
+        return RouteRequest.of(request, self.block_size)
+
     def _report(self, replica: _Replica, now_s: float) -> LoadReport:
         return load_report(replica.core.scheduler.view(now_s))
 
@@ -377,97 +382,3 @@ class _Fleet:
 
 
 # -- presets ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FleetSetup:
-    """A fleet preset: the GPUs of its replicas, the workload, and the replicas that join
-    (copies of the first GPU) or are restarted (replica I leaves at `restarts_at_s[I]`, and a
-    fresh replica of its GPU joins at that moment) during the run."""
-
-    name: str
-    gpus: tuple[str, ...]
-    workload: WorkloadSpec
-    description: str
-    joins_at_s: tuple[float, ...] = ()
-    restarts_at_s: tuple[float, ...] = ()
-
-
-_MEMORY = {"h200": (0.3, 512.0), "rtx4090": (0.9, 64.0)}  # as the paper setups (setups.py)
-
-
-def fleet_setups(seed: int = 0) -> dict[str, FleetSetup]:
-    """fleet-h200-burst, fleet-h200-poisson-40, fleet-h200-poisson-80, fleet-mixed-burst: the
-    H200 workload of the paper (inputs 512, outputs 2048, readers at 15/20 tok/s) at 8x;
-    fleet-h200-scaleout (a burst onto 4 H200s, 4 more joining at 60 s) and fleet-h200-rolling
-    (8 H200s under Poisson load, restarted one at a time): replicas joining and leaving."""
-
-    def spec(kind: str, n: int, rate: float) -> WorkloadSpec:
-        lengths = {m: LengthDist(mean=m, std=m / 4, minimum=16, maximum=2 * m) for m in (512, 2048)}
-        rates = RateMix.parse(PAPER_RATES)
-        return WorkloadSpec(
-            kind, n, rate, prompt=lengths[512], output=lengths[2048], rates=rates, seed=seed
-        )
-
-    h200s = ("h200",) * 8
-    mixed = ("h200",) * 4 + ("rtx4090",) * 4
-    presets = (
-        FleetSetup("fleet-h200-burst", h200s, spec("burst", 3200, 1.0), "8 x H200, burst of 3,200"),
-        FleetSetup(
-            "fleet-h200-poisson-40", h200s, spec("poisson", 2400, 40.0), "8 x H200, 40 req/s"
-        ),
-        FleetSetup(
-            "fleet-h200-poisson-80", h200s, spec("poisson", 4800, 80.0), "8 x H200, 80 req/s"
-        ),
-        FleetSetup(
-            "fleet-mixed-burst", mixed, spec("burst", 1840, 1.0), "4 x H200 + 4 x RTX 4090, 1,840"
-        ),
-        FleetSetup(
-            "fleet-h200-scaleout",
-            ("h200",) * 4,
-            spec("burst", _SCALEOUT_BURST, 1.0),
-            f"4 x H200, burst of {_SCALEOUT_BURST:,}, 4 more H200 joining at 60 s",
-            joins_at_s=(60.0,) * 4,
-        ),
-        FleetSetup(
-            "fleet-h200-rolling",
-            h200s,
-            spec("poisson", _ROLLING_REQUESTS, _ROLLING_RATE),
-            f"8 x H200, {_ROLLING_RATE:g} req/s, restarted one at a time from 10 s, "
-            f"{_ROLLING_GAP_S:g} s apart",
-            restarts_at_s=tuple(10.0 + _ROLLING_GAP_S * i for i in range(8)),
-        ),
-    )
-    return {p.name: p for p in presets}
-
-
-_SCALEOUT_BURST = 2400  # 600 per first replica: twice what one holds at once
-_ROLLING_RATE = 40.0  # as fleet-h200-poisson-40: the fleet has room, a restart tests moving
-_ROLLING_REQUESTS = 2400
-_ROLLING_GAP_S = 6.0
-
-
-def fleet_replicas(setup: FleetSetup, base: SimConfig) -> tuple[SimConfig, ...]:
-    """One deployment per GPU of the preset: `base` with that GPU's memory split."""
-    return tuple(_on_gpu(base, gpu) for gpu in setup.gpus)
-
-
-def fleet_changes(setup: FleetSetup, base: SimConfig) -> tuple[ReplicaJoined | ReplicaLeft, ...]:
-    """The preset's replicas joining and leaving, each new one `base` on its GPU."""
-    joins = [ReplicaJoined(at_s, _on_gpu(base, setup.gpus[0])) for at_s in setup.joins_at_s]
-    restarts: list[ReplicaJoined | ReplicaLeft] = []
-    for index, at_s in enumerate(setup.restarts_at_s):
-        restarts.append(ReplicaLeft(at_s, f"replica-{index}"))
-        restarts.append(ReplicaJoined(at_s, _on_gpu(base, setup.gpus[index])))
-    return (*joins, *restarts)
-
-
-def _on_gpu(base: SimConfig, gpu: str) -> SimConfig:
-    fraction, host_gib = _MEMORY[gpu]
-    return replace(base, gpu=gpu, memory_fraction=fraction, host_memory_gib=host_gib)
-
-
-def get_fleet_setup(name: str, seed: int = 0) -> FleetSetup:
-    """A fleet preset by name; ValueError lists the valid names."""
-    setups = fleet_setups(seed)
-    if name not in setups:
-        raise ValueError(f"unknown fleet setup {name!r}; choose one of {', '.join(setups)}")
-    return setups[name]

@@ -26,12 +26,9 @@ from tokenflow.sim.fleet import (
     ReplicaJoined,
     ReplicaLeft,
     ReplicaSpec,
-    fleet_changes,
-    fleet_replicas,
-    fleet_setups,
-    get_fleet_setup,
     run_fleet,
 )
+from tokenflow.sim.fleet_setups import fleet_changes, fleet_replicas, fleet_setups, get_fleet_setup
 from tokenflow.sim.runner import extra_record
 
 
