@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-serve serve demo simulate test lint test-dashboard test-reliability test-clients test-vllm install-llamacpp test-llamacpp test-ray
+.PHONY: install install-serve serve demo simulate test lint test-dashboard test-reliability test-clients test-vllm install-llamacpp test-llamacpp bench-llamacpp test-ray
 
 # What serving needs (torch, the embedded model, the package); the test and benchmark tools
 # come with `install`, which every test and benchmark target uses.
@@ -95,6 +95,13 @@ install-llamacpp: install
 test-llamacpp: install-llamacpp
 	$(BIN)/ruff check tests_llamacpp tokenflow/integrations/llamacpp
 	$(BIN)/python -m pytest tests_llamacpp -p no:cacheprovider $(ARGS)
+
+# `tokenflow serve` against llama.cpp's llama-server on the same GGUF and threads, 1/8/32 streams,
+# rounds A B B A (benchmarks/vs_llamacpp.py); the first run builds llama-server from source
+# (minutes), cached under ~/.cache/tokenflow-bench. ARGS="--rounds 4", or prefix
+# ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 dispatch.
+bench-llamacpp: install
+	$(BIN)/python -m benchmarks.vs_llamacpp $(ARGS)
 
 # Engine replicas on Ray Serve (tokenflow.replicas, tests_ray/), in its own cached venv that
 # holds only Ray Serve's packages and sees this venv's (torch, tokenflow) behind them: the first

@@ -120,3 +120,49 @@ def test_cuda_matches_cpu_with_copies_on_the_copy_stream(tiny_checkpoints):
     torch.testing.assert_close(host, gpu.kv_cache.device_kv[:, :, 0:2])
     gpu.execute(plan([], host_to_device=[BlockCopy("a", CopyKind.LOAD, 1, 12)]))
     torch.testing.assert_close(gpu.kv_cache.device_kv[:, :, 12], gpu.kv_cache.device_kv[:, :, 0])
+
+
+def test_decode_path_is_measured_once_then_cached_and_keeps_the_tokens(tiny_checkpoints, tmp_path):
+    """Without a flag the executor times eager against compiled decode steps, stores the
+    choice, and a later executor takes it from the cache; either way the tokens are eager's."""
+    from tokenflow.model.decode_path import (
+        DecodePathCache,
+        DecodePathChoice,
+        DecodePathSettings,
+        DecodePathTiming,
+    )
+
+    _, directory = tiny_checkpoints["llama"]
+    settings = DecodePathSettings({"test": str(directory)}, cache=DecodePathCache(tmp_path))
+
+    def build(compile_decode: bool | None) -> ModelExecutor:
+        model, config, _ = load_model(str(directory), "cpu", torch.float32)
+        cache = TieredKVCache(config, 16, 8, 4, "cpu", torch.float32)
+        return ModelExecutor(
+            model, config, cache, "cpu", compile_decode=compile_decode, decode_settings=settings
+        )
+
+    probed = build(None)
+    assert probed.decode_path.source == "probe"
+    assert [t.rows for t in probed.decode_path.timings] == [1, 8, 32]
+    cached = build(None)
+    assert cached.decode_path.source == "cache"
+    assert cached.decode_path.compiled_max_rows == probed.decode_path.compiled_max_rows
+    assert (cached.decoder is not None) == (cached.decode_path.compiled_max_rows > 0)
+    eager = build(False)
+    assert eager.decoder is None and eager.decode_path.source == "flags"
+    prompts, tables = [PROMPT_A, PROMPT_B], [[0, 1, 2, 3], [4, 5, 6, 7]]
+    expected = greedy_generate(eager, prompts, tables, num_new=6)
+    assert greedy_generate(cached, prompts, tables, num_new=6) == expected
+    # A stored choice of compiled steps for one stream only: two streams decode eagerly.
+    timings = (DecodePathTiming(1, 2.0, 1.0), DecodePathTiming(8, 1.0, 2.0))
+    settings = DecodePathSettings({"test": "one"}, cache=settings.cache)
+    settings.cache.store(settings.key, DecodePathChoice(1, "probe", timings))
+    one = build(None)
+    assert one.decode_path.compiled_max_rows == 1 and one.decoder is not None
+    compiled_rows = []
+    forward = one.decoder.forward
+    one.decoder.forward = lambda ids, *rest: compiled_rows.append(len(ids)) or forward(ids, *rest)
+    assert greedy_generate(one, prompts, tables, num_new=6) == expected
+    assert greedy_generate(one, prompts[:1], tables[:1], num_new=6) == expected[:1]
+    assert compiled_rows == [1] * 5  # the lone stream's decode steps, and only those

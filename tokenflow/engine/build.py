@@ -25,6 +25,7 @@ from tokenflow.core.plan import StepPlan, StepResult
 from tokenflow.engine.engine_args import EngineArgs
 from tokenflow.engine.executor import ModelExecutor
 from tokenflow.model.config import ModelConfig, ModelLoadError
+from tokenflow.model.decode_path import DecodePathSettings, decode_path_key
 from tokenflow.model.grammar import Grammars
 from tokenflow.model.kernels import ProbeSettings
 from tokenflow.model.kv_cache import TieredKVCache, available_memory_bytes, bytes_per_block
@@ -82,9 +83,15 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
         kv_cache = TieredKVCache(
             config, num_device_blocks, num_host_blocks, args.block_size, device, dtype
         )
-    preparing = "preparing the executor (on CPU a first start compiles its attention kernel)"
+    preparing = (
+        "preparing the executor (on CPU a first start compiles its attention kernel and times "
+        "compiled decode steps)"
+    )
+    decode_settings = _decode_settings(args, path, model)
     with timed_phase(preparing, "prepared the executor"):
-        executor, grammars = _executor(args, device, model, config, tokenizer, kv_cache)
+        executor, grammars = _executor(
+            args, device, model, config, tokenizer, kv_cache, decode_settings
+        )
     return BuiltExecutor(
         executor,
         config,
@@ -104,6 +111,7 @@ def _executor(
     config: ModelConfig,
     tokenizer: Tokenizer,
     kv_cache: TieredKVCache,
+    decode_settings: DecodePathSettings | None,
 ) -> tuple[ModelExecutor, Grammars]:
     """The executor over the loaded model and its KV tiers, and its structured outputs."""
     grammars = Grammars(
@@ -122,8 +130,20 @@ def _executor(
         args.compile_decode,
         args.serial_below_tokens,
         grammars,
+        decode_settings,
     )
     return executor, grammars
+
+
+def _decode_settings(args: EngineArgs, path: Path, model: LlamaModel) -> DecodePathSettings | None:
+    """How to choose the decode path when no flag does: with the kernels, by measurement (None
+    where the kernels were given by flags or fixed by the checkpoint: eager)."""
+    if model.kernel_choice.source not in ("probe", "cache") or not path.is_file():
+        return None
+    key = decode_path_key(
+        path, model.kernel_plan, torch.get_num_threads(), args.serial_below_tokens
+    )
+    return DecodePathSettings(key, use_cache=args.kernel_cache)
 
 
 @contextmanager

@@ -52,7 +52,10 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     serial_below_tokens: int = SERIAL_BELOW_TOKENS  # smaller CPU steps run on one thread
-    compile_decode: bool = False  # decode-only steps through compiled graphs (slower start)
+    # Decode-only steps through compiled graphs: True always, False never, None where they
+    # measured faster on this machine (with the automatic kernel choice; tokenflow/model/
+    # decode_path.py).
+    compile_decode: bool | None = None
     executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
     llama_cpp_repack: bool = False  # llama-cpp: let ggml repack weights for AMX/AVX kernels
     # Requests whose prompts begin alike share the KV of their common full blocks (vLLM's

@@ -22,9 +22,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from tokenflow.core.plan import BlockTables, SampledToken, ScheduledChunk, StepPlan, StepResult
+from tokenflow.core.request import SamplingParams
 from tokenflow.model.attention import ModelInputs, build_model_inputs
 from tokenflow.model.compiled_decode import CompiledDecoder
 from tokenflow.model.config import ModelConfig
+from tokenflow.model.decode_path import (
+    ALL_ROWS,
+    DecodePathChoice,
+    DecodePathSettings,
+    StepRunner,
+    choose_decode_path,
+)
 from tokenflow.model.grammar import Grammars
 from tokenflow.model.kv_cache import TieredKVCache
 from tokenflow.model.logprobs import PromptLogprobs, sampled_logprobs, wants_prompt_logprobs
@@ -35,6 +43,9 @@ from tokenflow.model.threads import StepThreads
 from tokenflow.model.transformer import LlamaModel
 
 logger = logging.getLogger(__name__)
+# The start-up timing of decode paths runs steps of this many context tokens per stream.
+PROBE_CONTEXT_TOKENS = 64
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 class ModelExecutor:
@@ -47,9 +58,10 @@ class ModelExecutor:
         kv_cache: TieredKVCache,
         device: torch.device | str,
         seed: int = 0,
-        compile_decode: bool = False,
+        compile_decode: bool | None = False,
         serial_below_tokens: int = 0,
         grammars: Grammars | None = None,
+        decode_settings: DecodePathSettings | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -68,12 +80,64 @@ class ModelExecutor:
         layer = kv_cache.device_layers[0]
         reads_in_place = not is_cuda and can_read_in_place(layer.key, layer.value, config.num_heads)
         self.in_place_min_keys = MIN_KEYS if reads_in_place else None
-        # Optionally, decode-only steps run through compiled graphs (compiled_decode.py).
-        self.decoder = (
-            _compiled_decoder(model, kv_cache, reads_in_place) if compile_decode else None
-        )
         # On CPU, tiny steps compute on one thread (threads.py); CUDA steps are not affected.
         self.threads = None if is_cuda else StepThreads(serial_below_tokens)
+        # Decode-only steps may run through compiled graphs (compiled_decode.py): always or
+        # never as `compile_decode` says, or (None) up to the batch where they measured faster
+        # on this machine (decode_path.py; eager on CUDA and without `decode_settings`).
+        self.decoder: CompiledDecoder | None = None
+        self.decode_path = DecodePathChoice(0, "flags")
+        if compile_decode:
+            self.decoder = _compiled_decoder(model, kv_cache, reads_in_place)
+            self.decode_path = DecodePathChoice(ALL_ROWS, "flags")
+        elif compile_decode is None and decode_settings is not None and not is_cuda:
+            self._choose_decode_path(decode_settings, reads_in_place)
+
+    def _choose_decode_path(self, settings: DecodePathSettings, reads_in_place: bool) -> None:
+        """Set `decoder` and `decode_path` from the cached choice, else by timing both paths
+        (compiling first); eager wherever compiling fails."""
+
+        def compile_and_time() -> StepRunner | None:
+            self.decoder = _compiled_decoder(self.model, self.kv_cache, reads_in_place)
+            return None if self.decoder is None else self._time_decode_step
+
+        choice = choose_decode_path(settings, compile_and_time)
+        if choice.compiled_max_rows and self.decoder is None:  # cached: warm the compiler up
+            self.decoder = _compiled_decoder(self.model, self.kv_cache, reads_in_place)
+        if self.decoder is None:
+            choice = dataclasses.replace(choice, compiled_max_rows=0)
+        elif not choice.compiled_max_rows:
+            self.decoder = None
+        self.decode_path = choice
+        logger.info("%s", choice.describe())
+
+    def _time_decode_step(self, rows: int, compiled: bool) -> None:
+        """One decode step of `rows` streams of PROBE_CONTEXT_TOKENS (start-up timing only:
+        nothing is allocated, the K/V written lands in blocks no request holds yet)."""
+        block_size = self.kv_cache.block_size
+        blocks_per_seq = -(-PROBE_CONTEXT_TOKENS // block_size)
+        num_blocks = self.kv_cache.num_device_blocks
+        tables = {
+            f"probe-{i}": [(i * blocks_per_seq + b) % num_blocks for b in range(blocks_per_seq)]
+            for i in range(rows)
+        }
+        chunks = [
+            ScheduledChunk(request_id, (0,), PROBE_CONTEXT_TOKENS - 1, (), 0, True, _GREEDY, 1)
+            for request_id in tables
+        ]
+        with torch.inference_mode():
+            inputs = build_model_inputs(
+                chunks, tables, block_size, self.device, self.in_place_min_keys
+            )
+            if self.threads is not None:
+                self.threads.for_step(rows)
+            attn, layers = inputs.attn, self.kv_cache.device_layers
+            if compiled and self.decoder is not None and attn.decode is not None:
+                self.decoder.forward(
+                    inputs.input_ids, inputs.positions, attn.slot_mapping, attn.decode, layers
+                )
+            else:
+                self.model(inputs.input_ids, inputs.positions, attn, layers)
 
     def close(self) -> None:
         """Stop the copy worker (the executor is unusable afterwards)."""
@@ -196,7 +260,12 @@ class ModelExecutor:
             return self.model(inputs.input_ids, inputs.positions, attn, layers)
         decode = attn.decode
         is_decode_only = decode is not None and not attn.prefills
-        if self.decoder is not None and is_decode_only and len(attn.sample_rows) == decode.num_seqs:
+        if (
+            self.decoder is not None
+            and is_decode_only
+            and len(attn.sample_rows) == decode.num_seqs
+            and self.decode_path.uses_compiled(decode.num_seqs)
+        ):
             return self.decoder.forward(
                 inputs.input_ids, inputs.positions, attn.slot_mapping, decode, layers
             )

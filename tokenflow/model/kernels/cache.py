@@ -101,14 +101,19 @@ class KernelCache:
     def store(self, key: dict[str, object], choice: KernelChoice) -> bool:
         """Write the choice (atomically); whether it was written (a cache that cannot be
         written is only logged)."""
-        path = self.path_for(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(".tmp")
-            record = {"version": CACHE_VERSION, "key": key, "choice": choice.to_json()}
-            partial.write_text(json.dumps(record, indent=1), encoding="utf-8")
-            partial.replace(path)
-        except OSError as exc:
-            logger.warning("cannot write the kernel cache %s: %s", path, exc)
-            return False
-        return True
+        record = {"version": CACHE_VERSION, "key": key, "choice": choice.to_json()}
+        return write_record(self.path_for(key), record)
+
+
+def write_record(path: Path, record: dict[str, object]) -> bool:
+    """Write a cache record as JSON, atomically; whether it was written (a cache that cannot
+    be written is only logged)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        partial.replace(path)
+    except OSError as exc:
+        logger.warning("cannot write the cache %s: %s", path, exc)
+        return False
+    return True
