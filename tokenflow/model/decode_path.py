@@ -31,7 +31,7 @@ from tokenflow.model.kernels import (
     default_cache_dir,
     machine_key,
 )
-from tokenflow.model.kernels.cache import write_record
+from tokenflow.model.kernels.cache import model_file_key, write_record
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +153,9 @@ def decode_path_key(
 ) -> dict[str, object]:
     """What the measurement depends on: the machine (as for the kernel plan), the model file
     and the kernel plan it runs."""
-    resolved = model_path.resolve()
-    stat = resolved.stat()
     return {
         **machine_key(threads, serial_below_tokens),
-        "model": str(resolved),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
+        **model_file_key(model_path),
         "plan": asdict(plan),
     }
 

@@ -38,17 +38,17 @@ def machine_key(threads: int, serial_below_tokens: int) -> dict[str, object]:
     }
 
 
-def model_key(path: Path, dtypes: Sequence[str], has_int4: bool) -> dict[str, object]:
-    """The model file (resolved path, size, modification time) and the paths it allows."""
+def model_file_key(path: Path) -> dict[str, object]:
+    """The model file as a cached measurement depends on it: resolved path, size and
+    modification time (a changed file is measured again)."""
     resolved = path.resolve()
     stat = resolved.stat()
-    return {
-        "model": str(resolved),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "dtypes": list(dtypes),
-        "int4": has_int4,
-    }
+    return {"model": str(resolved), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def model_key(path: Path, dtypes: Sequence[str], has_int4: bool) -> dict[str, object]:
+    """The model file (`model_file_key`) and the paths it allows."""
+    return {**model_file_key(path), "dtypes": list(dtypes), "int4": has_int4}
 
 
 def _cpuinfo() -> tuple[str, str]:
