@@ -28,8 +28,9 @@ class DecodeError(RuntimeError):
 @dataclass(frozen=True)
 class StreamResult:
     num_tokens: int  # completion_tokens from the final usage chunk
-    first_token_s: float  # perf_counter() at the first chunk with text
-    last_token_s: float  # perf_counter() at the last chunk with text
+    first_token_s: float  # perf_counter() at the first chunk with text (else the last chunk)
+    last_token_s: float  # perf_counter() at the last chunk: a token whose text is empty may
+    # send none, so its time is the next chunk's (the usage chunk for the last ones)
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,14 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, object]) -> Stre
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
+            last_s = time.perf_counter()  # (tokens whose text is empty may send no chunk)
             if any(choice.get("text") for choice in chunk.get("choices") or []):
-                last_s = time.perf_counter()
                 first_s = first_s or last_s
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
     if num_tokens is None:
         raise DecodeError("a stream ended without a usage chunk")
-    return StreamResult(num_tokens, first_s, last_s)
+    return StreamResult(num_tokens, first_s or last_s, last_s)
 
 
 async def run_round(url: str, model_id: str, concurrency: int, max_tokens: int) -> RoundResult:
