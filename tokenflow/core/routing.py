@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
 
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.policies.capacity import measure_capacity, request_demand_tps
@@ -230,22 +229,8 @@ def load_report(view: SchedulingView) -> LoadReport:
         num_host_blocks=view.kv.config.num_host_blocks,
         prefill_token_s=view.estimator.prefill_token_s,
         waiting_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in view.waiting),
-        cached_prefixes=_cached_prefixes(view.kv),
+        cached_prefixes=view.kv.prefix_summary(MAX_KEYS_PER_TIER),
     )
-
-
-@runtime_checkable
-class _SummarizesPrefixes(Protocol):
-    """KV tiers that can tell what they cache (`KVTierManager` can)."""
-
-    def prefix_summary(self, max_keys_per_tier: int) -> PrefixSummary: ...
-
-
-def _cached_prefixes(kv: object) -> PrefixSummary:
-    """The sample of `kv`'s cached keys; empty for tiers that keep no prefix cache."""
-    if isinstance(kv, _SummarizesPrefixes):
-        return kv.prefix_summary(MAX_KEYS_PER_TIER)
-    return PrefixSummary()
 
 
 def _capacity_points(view: SchedulingView) -> tuple[CapacityPoint, ...]:

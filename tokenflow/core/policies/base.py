@@ -15,6 +15,7 @@ from typing import Protocol
 from tokenflow.core.config import SchedulerConfig
 from tokenflow.core.estimator import StepTimeEstimator
 from tokenflow.core.kv_manager import KVConfig, PrefixHit
+from tokenflow.core.prefix_summary import PrefixSummary
 from tokenflow.core.request import PreemptMode, Request, RequestState
 
 
@@ -66,6 +67,7 @@ class KVState(Protocol):
     def num_private_device_blocks(self, request_id: str) -> int: ...
     def num_charged_device_blocks(self, request_id: str) -> float: ...
     def cached_free_block_ids(self, hit: PrefixHit) -> tuple[int, ...]: ...
+    def prefix_summary(self, max_keys_per_tier: int) -> PrefixSummary: ...
 
 
 @dataclass(frozen=True)
