@@ -54,8 +54,9 @@ class EngineArgs:
     serial_below_tokens: int = SERIAL_BELOW_TOKENS  # smaller CPU steps run on one thread
     # Decode-only steps through compiled graphs: True always, False never, None where they
     # measured faster on this machine (with the automatic kernel choice; tokenflow/model/
-    # decode_path.py).
-    compile_decode: bool | None = None
+    # decode_path.py).  Off by default: compiled decode steps crashed replica processes on Ray
+    # Serve (an abort in the inductor-generated code) where the eager path never has.
+    compile_decode: bool | None = False
     executor: str = "torch"  # "torch" (our PyTorch model) or "llama-cpp" (GGUF through llama.cpp)
     llama_cpp_repack: bool = False  # llama-cpp: let ggml repack weights for AMX/AVX kernels
     # Requests whose prompts begin alike share the KV of their common full blocks (vLLM's
