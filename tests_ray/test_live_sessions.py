@@ -16,7 +16,7 @@ KEY = "live-sessions-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 SERVE_ARGV = ["--num-threads", "1", "--device-kv-tokens", "1024", "--host-kv-tokens", "4096"]
 SERVE_ARGV += ["--api-key", KEY]
-SYSTEM = "You are a patient librarian who answers in short sentences. " * 4
+SYSTEM = "You are a patient librarian who answers in short sentences. " * 40  # (~500 tokens)
 
 
 @pytest.fixture(scope="module")
