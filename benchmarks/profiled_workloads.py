@@ -7,7 +7,7 @@ the simulator on a profile of the real engine (`tokenflow simulate --profile`), 
         [--markdown docs/results.md]
     python -m benchmarks.profiled_workloads --real [--rounds 2]
         [--workloads long-prompts-20,class-mix-40,readme-burst] [--serve-args '--num-threads 1']
-        [--json out.json]
+        [--busy-loops 2] [--json out.json]
 
 Prints per workload the readers' mean stall, P99 TTFT and QoE of both policies (medians over
 the seeds), then the targets (`tokenflow.eval.report.check_targets`, runs paired by seed):
@@ -21,8 +21,12 @@ docs/results.md reports is docs/results/cpu-profile.json (the 2-core development
 `--real` plays each workload's seed-0 requests on the embedded model, both policies per round
 in the order A B B A (`benchmarks.lib.rounds`), with the workload's device KV tier, and pairs
 the runs by round for the same targets.  Besides the suite it knows `readme-burst`, the
-README's overload burst.  `--serve-args` passes more options to both servers: '--num-threads 1'
-runs the engine on one core, a CPU about half as fast, where the slowed profile's cases show.
+README's overload burst, and `readme-readers`, the README's first burst (20 readers on the
+serve defaults).  `--serve-args` passes more options to both servers: '--num-threads 1' runs the
+engine on one core, a CPU about half as fast, where the slowed profile's cases show.
+`--busy-loops N` starts N spinning processes before the first server and stops them after the
+last: a machine that is slower than the engine's profile says, because others take its cores.
+Then the overload targets are printed too (stall <= 0.5x FCFS's, QoE >= FCFS's + 0.05).
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import shlex
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,7 +51,7 @@ from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.fidelity import Workload
 from tokenflow.eval.local_server import local_server
-from tokenflow.eval.report import aggregate, check_targets, format_targets_table
+from tokenflow.eval.report import aggregate, check_targets, format_targets_table, spread
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.suite import SUITE, run_suite_workload, suite_score, suite_workload
 
@@ -101,8 +108,36 @@ README_BURST = Workload(
 )
 
 
+# The README's first burst: 20 readers on `make serve`'s defaults (its 8192-token device tier).
+README_READERS = Workload(
+    "readme-readers",
+    "burst of 20, prompt 64:16 / output 200:40, readers 2-4 tok/s, serve defaults",
+    WorkloadSpec(
+        kind="burst",
+        num_requests=20,
+        prompt=LengthDist.parse("64:16", minimum=8),
+        output=LengthDist.parse("200:40", minimum=8),
+        rates=RateMix.parse("2:0.5,4:0.5"),
+    ),
+    8192,
+)
+REAL_ONLY = {w.name: w for w in (README_BURST, README_READERS)}
+
+
 def real_workload(name: str) -> Workload:
-    return README_BURST if name == README_BURST.name else suite_workload(name)
+    return REAL_ONLY[name] if name in REAL_ONLY else suite_workload(name)
+
+
+@contextmanager
+def busy_loops(count: int) -> Iterator[list[subprocess.Popen]]:
+    """`count` processes that spin on a core each until the block ends."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield loops
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def run_real_once(workload: Workload, policy: str, extra_serve_args: Sequence[str] = ()) -> dict:
@@ -134,7 +169,8 @@ def run_real(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
                   file=sys.stderr, flush=True)  # fmt: skip
             return s
 
-        rounds = run_rounds(POLICIES, args.rounds, measure)
+        with busy_loops(args.busy_loops):
+            rounds = run_rounds(POLICIES, args.rounds, measure)
         results[name] = {p: [r[p] for r in rounds] for p in POLICIES}
     return results
 
@@ -156,6 +192,21 @@ def targets_table(results: dict[str, dict[str, list[dict]]]) -> str:
         for name, runs in results.items()
     }
     return format_targets_table(checks)
+
+
+def overload_table(results: dict[str, dict[str, list[dict]]]) -> str:
+    """The overload targets, runs paired by position: TokenFlow's mean stall over FCFS's (at most
+    0.5x) and its QoE minus FCFS's (at least +0.05), median [min, max] with the verdicts."""
+    lines = ["| workload | stall ratio (<= 0.5x) | QoE difference (>= +0.05) |", "|---|---|---|"]
+    for name, runs in results.items():
+        pairs = list(zip(runs["tokenflow"], runs["fcfs"], strict=True))
+        stall = spread([t["rebuffer_mean_s"] / f["rebuffer_mean_s"] if f["rebuffer_mean_s"]
+                        else math.inf for t, f in pairs])  # fmt: skip
+        qoe = spread([t["qoe_mean"] - f["qoe_mean"] for t, f in pairs])
+        stall_ok = "holds" if stall.median <= 0.5 else "fails"
+        qoe_ok = "holds" if qoe.median >= 0.05 else "fails"
+        lines.append(f"| {name} | {stall.text(2)}x {stall_ok} | {qoe.text(3)} {qoe_ok} |")
+    return "\n".join(lines)
 
 
 def write_markdown(path: Path, command: str, absolute: list[str], targets: str) -> None:
@@ -192,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --real: more `tokenflow serve` options for both servers (e.g. "
         "'--num-threads 1': a CPU about half as fast)",
     )
+    parser.add_argument(
+        "--busy-loops",
+        type=int,
+        default=0,
+        help="with --real: spinning processes started before the servers (a slower machine)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -206,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_real(args) if args.real else run(args)
     absolute, targets = absolute_table(results), targets_table(results)
     print("\n".join(absolute) + "\n\n" + targets)
+    if args.busy_loops:
+        print("\n" + overload_table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     if args.markdown and args.slowdown == 1.0 and not args.real:

@@ -1,0 +1,30 @@
+"""The profiled suite runner's overload verdicts and its spinning processes."""
+
+from __future__ import annotations
+
+from benchmarks.profiled_workloads import busy_loops, overload_table
+
+
+def _runs(stalls_s: list[float], qoes: list[float]) -> list[dict]:
+    return [{"rebuffer_mean_s": s, "qoe_mean": q} for s, q in zip(stalls_s, qoes, strict=True)]
+
+
+def test_overload_verdicts_pair_runs_by_round() -> None:
+    # stall ratios 0.4, 0.5, 0.6 (median 0.5: holds); QoE differences +0.04, +0.06, +0.02
+    # (median +0.04: fails)
+    results = {
+        "burst": {
+            "fcfs": _runs([1.0, 2.0, 1.0], [0.60, 0.50, 0.70]),
+            "tokenflow": _runs([0.4, 1.0, 0.6], [0.64, 0.56, 0.72]),
+        }
+    }
+    row = overload_table(results).splitlines()[-1]
+    assert "0.50 [0.40-0.60]x holds" in row
+    assert row.endswith("| 0.040 [0.020-0.060] fails |")
+
+
+def test_busy_loops_run_until_the_block_ends() -> None:
+    with busy_loops(2) as loops:
+        assert len(loops) == 2
+        assert all(loop.poll() is None for loop in loops)
+    assert all(loop.poll() is not None for loop in loops)
