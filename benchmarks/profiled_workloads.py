@@ -16,17 +16,18 @@ throughput over FCFS's, each median [min, max] over the seeds with its verdict. 
 `--markdown` both tables replace the block between this runner's markers in that file (not
 with `--slowdown`, which scales every step and copy of the profile: another machine's speed).
 A profile comes from `tokenflow profile --out PROFILE.json` (minutes; take it once); the one
-docs/results.md reports is docs/results/cpu-profile.json (the 2-core development VM).
+docs/results.md reports is docs/results/cpu-profile.json (the 2-core development VM).  Besides
+the suite's workloads both modes know `readme-burst`, the README's overload burst, and
+`readme-readers`, the README's first burst (20 readers on the serve defaults).
 
 `--real` plays each workload's seed-0 requests on the embedded model, both policies per round
 in the order A B B A (`benchmarks.lib.rounds`), with the workload's device KV tier, and pairs
-the runs by round for the same targets.  Besides the suite it knows `readme-burst`, the
-README's overload burst, and `readme-readers`, the README's first burst (20 readers on the
-serve defaults).  `--serve-args` passes more options to both servers: '--num-threads 1' runs the
-engine on one core, a CPU about half as fast, where the slowed profile's cases show.
-`--busy-loops N` starts N spinning processes before the first server and stops them after the
-last: a machine that is slower than the engine's profile says, because others take its cores.
-Then the overload targets are printed too (stall <= 0.5x FCFS's, QoE >= FCFS's + 0.05).
+the runs by round for the same targets.  `--serve-args` passes more options to both servers:
+'--num-threads 1' runs the engine on one core, a CPU about half as fast, where the slowed
+profile's cases show.  `--busy-loops N` starts N spinning processes before the first server
+and stops them after the last: a machine slower than the engine believes, because others take
+its cores.  With `--busy-loops` or `--slowdown` the overload targets are printed too (stall <=
+0.5x FCFS's, QoE >= FCFS's + 0.05).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
         ))  # fmt: skip
     results: dict[str, dict[str, list[dict]]] = {}
     for name in args.workloads:
-        workload = suite_workload(name)
+        workload = named_workload(name)
         results[name] = {p: [] for p in POLICIES}
         for seed in range(args.seeds):
             for policy in POLICIES:
@@ -121,11 +122,12 @@ README_READERS = Workload(
     ),
     8192,
 )
-REAL_ONLY = {w.name: w for w in (README_BURST, README_READERS)}
+README_WORKLOADS = {w.name: w for w in (README_BURST, README_READERS)}
 
 
-def real_workload(name: str) -> Workload:
-    return REAL_ONLY[name] if name in REAL_ONLY else suite_workload(name)
+def named_workload(name: str) -> Workload:
+    """A workload of the suite, or one of the README's bursts."""
+    return README_WORKLOADS[name] if name in README_WORKLOADS else suite_workload(name)
 
 
 @contextmanager
@@ -157,7 +159,7 @@ def run_real(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     """workload -> policy -> its runs by round (A B B A)."""
     results: dict[str, dict[str, list[dict]]] = {}
     for name in args.workloads:
-        workload = real_workload(name)
+        workload = named_workload(name)
 
         def measure(round_index: int, policy: str, workload: Workload = workload) -> dict:
             started = time.perf_counter()
@@ -257,13 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     default = "long-prompts-20,class-mix-40,readme-burst" if args.real else None
     names = args.workloads or default or ",".join(w.name for w in SUITE)
     args.workloads = [w for w in names.split(",") if w]
-    pick = real_workload if args.real else suite_workload
     for name in args.workloads:
-        pick(name)  # an unknown name fails here, before any run
+        named_workload(name)  # an unknown name fails here, before any run
     results = run_real(args) if args.real else run(args)
     absolute, targets = absolute_table(results), targets_table(results)
     print("\n".join(absolute) + "\n\n" + targets)
-    if args.busy_loops:
+    if args.busy_loops or args.slowdown != 1.0:
         print("\n" + overload_table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
