@@ -104,7 +104,7 @@ START_PHASES = (
     "loaded the model in ",
     "building the KV tiers: device 8192 tokens (512 blocks of 16, ",
     "built the KV tiers in ",
-    "preparing the executor",
+    "preparing the executor (on CPU a first start compiles its attention kernel)",
     "prepared the executor in ",
     "started the engine in ",
     "KV tiers: device 8192 tokens (512 blocks of 16), host 32768 tokens (2048 blocks)",

@@ -83,11 +83,10 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
         kv_cache = TieredKVCache(
             config, num_device_blocks, num_host_blocks, args.block_size, device, dtype
         )
-    preparing = (
-        "preparing the executor (on CPU a first start compiles its attention kernel and times "
-        "compiled decode steps)"
-    )
     decode_settings = _decode_settings(args, path, model)
+    measures = args.compile_decode is None and decode_settings is not None
+    preparing = "preparing the executor (on CPU a first start compiles its attention kernel"
+    preparing += " and times compiled decode steps)" if measures else ")"
     with timed_phase(preparing, "prepared the executor"):
         executor, grammars = _executor(
             args, device, model, config, tokenizer, kv_cache, decode_settings
