@@ -94,34 +94,27 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     return results
 
 
-# The README's overload burst (`tokenflow bench --compare fcfs,tokenflow ...` there).
-README_BURST = Workload(
-    "readme-burst",
-    "burst of 16, prompt 128 / output 192, readers 2-4 tok/s, device KV 1664 tokens",
-    WorkloadSpec(
+def _readme_burst(name: str, n: int, prompt: str, output: str, device_kv_tokens: int) -> Workload:
+    """A burst of `n` readers at 2 and 4 tok/s (half each), as the README's `tokenflow bench`
+    commands play them."""
+    description = (
+        f"burst of {n}, prompt {prompt} / output {output}, readers 2-4 tok/s, device KV "
+        f"{device_kv_tokens} tokens"
+    )
+    spec = WorkloadSpec(
         kind="burst",
-        num_requests=16,
-        prompt=LengthDist.parse("128:0", minimum=8),
-        output=LengthDist.parse("192:0", minimum=8),
+        num_requests=n,
+        prompt=LengthDist.parse(prompt, minimum=8),
+        output=LengthDist.parse(output, minimum=8),
         rates=RateMix.parse("2:0.5,4:0.5"),
-    ),
-    1664,
-)
+    )
+    return Workload(name, description, spec, device_kv_tokens)
 
 
-# The README's first burst: 20 readers on `make serve`'s defaults (its 8192-token device tier).
-README_READERS = Workload(
-    "readme-readers",
-    "burst of 20, prompt 64:16 / output 200:40, readers 2-4 tok/s, serve defaults",
-    WorkloadSpec(
-        kind="burst",
-        num_requests=20,
-        prompt=LengthDist.parse("64:16", minimum=8),
-        output=LengthDist.parse("200:40", minimum=8),
-        rates=RateMix.parse("2:0.5,4:0.5"),
-    ),
-    8192,
-)
+# The README's overload burst (`tokenflow bench --compare fcfs,tokenflow ...` there), and its
+# first burst: 20 readers on `make serve`'s defaults (an 8192-token device tier).
+README_BURST = _readme_burst("readme-burst", 16, "128:0", "192:0", 1664)
+README_READERS = _readme_burst("readme-readers", 20, "64:16", "200:40", 8192)
 README_WORKLOADS = {w.name: w for w in (README_BURST, README_READERS)}
 
 
