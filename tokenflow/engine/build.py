@@ -83,10 +83,9 @@ def build_torch_executor(args: EngineArgs, device: torch.device) -> BuiltExecuto
         kv_cache = TieredKVCache(
             config, num_device_blocks, num_host_blocks, args.block_size, device, dtype
         )
+    # (where the executor times compiled decode steps, decode_path.py says so as it starts)
+    preparing = "preparing the executor (on CPU a first start compiles its attention kernel)"
     decode_settings = _decode_settings(args, path, model)
-    measures = args.compile_decode is None and decode_settings is not None
-    preparing = "preparing the executor (on CPU a first start compiles its attention kernel"
-    preparing += " and times compiled decode steps)" if measures else ")"
     with timed_phase(preparing, "prepared the executor"):
         executor, grammars = _executor(
             args, device, model, config, tokenizer, kv_cache, decode_settings
