@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import shlex
 import subprocess
 import sys
@@ -52,7 +51,13 @@ from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.fidelity import Workload
 from tokenflow.eval.local_server import local_server
-from tokenflow.eval.report import aggregate, check_targets, format_targets_table, spread
+from tokenflow.eval.report import (
+    aggregate,
+    check_targets,
+    format_targets_table,
+    paired_differences,
+    paired_ratios,
+)
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
 from tokenflow.sim.suite import SUITE, run_suite_workload, suite_score, suite_workload
 
@@ -108,7 +113,9 @@ def _readme_burst(name: str, n: int, prompt: str, output: str, device_kv_tokens:
         output=LengthDist.parse(output, minimum=8),
         rates=RateMix.parse("2:0.5,4:0.5"),
     )
-    return Workload(name, description, spec, device_kv_tokens)
+    return Workload(
+        name=name, description=description, spec=spec, device_kv_tokens=device_kv_tokens
+    )
 
 
 # The README's overload burst (`tokenflow bench --compare fcfs,tokenflow ...` there), and its
@@ -194,10 +201,8 @@ def overload_table(results: dict[str, dict[str, list[dict]]]) -> str:
     0.5x) and its QoE minus FCFS's (at least +0.05), median [min, max] with the verdicts."""
     lines = ["| workload | stall ratio (<= 0.5x) | QoE difference (>= +0.05) |", "|---|---|---|"]
     for name, runs in results.items():
-        pairs = list(zip(runs["tokenflow"], runs["fcfs"], strict=True))
-        stall = spread([t["rebuffer_mean_s"] / f["rebuffer_mean_s"] if f["rebuffer_mean_s"]
-                        else math.inf for t, f in pairs])  # fmt: skip
-        qoe = spread([t["qoe_mean"] - f["qoe_mean"] for t, f in pairs])
+        stall = paired_ratios(runs["tokenflow"], runs["fcfs"], "rebuffer_mean_s")
+        qoe = paired_differences(runs["tokenflow"], runs["fcfs"], "qoe_mean")
         stall_ok = "holds" if stall.median <= 0.5 else "fails"
         qoe_ok = "holds" if qoe.median >= 0.05 else "fails"
         lines.append(f"| {name} | {stall.text(2)}x {stall_ok} | {qoe.text(3)} {qoe_ok} |")

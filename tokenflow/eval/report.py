@@ -182,6 +182,22 @@ def stall_allowance_s(baseline_stall_s: float) -> float:
     return max(0.1, 0.1 * baseline_stall_s)
 
 
+def paired_ratios(
+    candidate: Sequence[Mapping[str, float]], baseline: Sequence[Mapping[str, float]], key: str
+) -> Spread:
+    """`key`'s candidate-over-baseline ratio per pair of runs (paired by position; inf over a
+    zero), median [min-max]."""
+    pairs = zip(candidate, baseline, strict=True)
+    return spread([c[key] / b[key] if b[key] else math.inf for c, b in pairs])
+
+
+def paired_differences(
+    candidate: Sequence[Mapping[str, float]], baseline: Sequence[Mapping[str, float]], key: str
+) -> Spread:
+    """`key`'s candidate-minus-baseline difference per pair of runs, median [min-max]."""
+    return spread([c[key] - b[key] for c, b in zip(candidate, baseline, strict=True)])
+
+
 def check_targets(
     candidate: Sequence[Mapping[str, float]],
     baseline: Sequence[Mapping[str, float]],
@@ -194,16 +210,13 @@ def check_targets(
     throughput >= 0.97x; effective throughput >= `min_effective_ratio` x (None: not a target)."""
     if len(candidate) != len(baseline) or not candidate:
         raise ValueError("check_targets needs the same number (> 0) of runs on both sides")
-    pairs = list(zip(candidate, baseline, strict=True))
 
     def ratios(key: str) -> Spread:
-        return spread([c[key] / b[key] if b[key] else math.inf for c, b in pairs])
-
-    def differences(key: str) -> Spread:
-        return spread([c[key] - b[key] for c, b in pairs])
+        return paired_ratios(candidate, baseline, key)
 
     allow_s = stall_allowance_s(spread([b["rebuffer_mean_s"] for b in baseline]).median)
-    stall, qoe = differences("rebuffer_mean_s"), differences("qoe_mean")
+    stall = paired_differences(candidate, baseline, "rebuffer_mean_s")
+    qoe = paired_differences(candidate, baseline, "qoe_mean")
     p99, raw = ratios("ttft_p99_s"), ratios("throughput_tps")
     checks = {
         "mean_stall_s": TargetCheck(stall, stall.median <= allow_s, f"<= +{allow_s:.2f} s"),
