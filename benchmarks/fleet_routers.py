@@ -10,7 +10,7 @@ Each (setup, router, seed) run is the same as
 
 and is cached as JSON under --cache-dir (keyed by the setup, router, seed and period; clear it,
 or give --fresh, after a change to the code), so an interrupted run resumes.  Then it rewrites
-the block between the markers of docs/replicas.md: per setup, each router's median [min-max]
+each setup's block of docs/replicas.md (the others are kept): each router's median [min-max]
 over the seeds, the requests per replica, and the TokenFlow rule against least-outstanding on
 the targets (P99 TTFT <= 0.7x, QoE >= 1.0x, mean stall <= max(1 s, its) for bursts; for
 Poisson no metric worse by more than 5%).  A preset with prefix caching (fleet-h200-chat) runs
@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     ]
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
         records = pool.map(run_job, jobs, chunksize=1)
-    sections = []
     for setup in setups:
         runs = {
             r: sorted(
@@ -196,10 +195,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             for r in routers_of(setup, routers)
         }
-        sections += setup_section(setup, runs, args.report_period_s)
-        print("\n".join(setup_section(setup, runs, args.report_period_s)), flush=True)
-    write_marked_block(Path(args.markdown), BEGIN, END, sections)
+        section = setup_section(setup, runs, args.report_period_s)
+        print("\n".join(section), flush=True)
+        write_setup_block(Path(args.markdown), setup, section)
     return 0
+
+
+def write_setup_block(path: Path, setup: str, lines: list[str]) -> None:
+    """Rewrite `setup`'s own block of the tables at `path`, the other presets' kept (a preset
+    new to the page gets a block at the tables' end)."""
+    begin, end = f"<!-- fleet table {setup}: begin -->", f"<!-- fleet table {setup}: end -->"
+    text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
+    if begin not in text:
+        path.write_text(text.replace(END, f"{begin}\n{end}\n{END}", 1))
+    write_marked_block(path, begin, end, lines)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""Real replicas on Ray Serve: one burst per router, interleaved over rounds, measured by the
-same client as `tokenflow bench` (docs/replicas.md).
+"""Real replicas on Ray Serve: one workload (a burst, or conversations) per router, interleaved
+over rounds, measured by the same client as `tokenflow bench` (docs/replicas.md).
 
     make test-ray   # (once: the Ray venv)
     PYTHONPATH=. ~/.cache/tokenflow-bench/ray-venv/bin/python -m benchmarks.ray_replicas \\
-        [--rounds 2] [--routers ray-default,tokenflow] [--num-requests 24] ...
+        [--rounds 2] [--routers ray-default,tokenflow] [--workload burst|chat] ...
 
 Ray starts once; for every round, each router's application is deployed afresh (two replicas of
-the embedded model, one engine thread each), the burst is replayed through Serve's HTTP proxy,
+the embedded model, one engine thread each), the workload is replayed through Serve's HTTP proxy,
 and the requests each replica answered are read from the ingress (`/replicas`).
 """
 
@@ -28,6 +28,18 @@ from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import format_spread_table
 from tokenflow.replicas.launch import APP_NAME, build_application, start_serve
 
+# The workloads' `tokenflow bench` options: a burst of readers; conversations whose histories
+# outweigh their shared system prompt (16 sessions of 3-5 turns over 2 apps, messages of ~160
+# tokens, answers of 48 read at 8-16 tok/s, 2 s of thought between), sent with their session
+# as `prompt_cache_key`.
+WORKLOADS = {
+    "burst": "--workload burst --num-requests 24 --prompt-len 64:8 --output-len 96:16"
+    " --rates 4:0.5,8:0.5 --seed 0 --endpoint completions",
+    "chat": "--workload conversation --num-sessions 16 --request-rate 1 --turns 3:5"
+    " --num-apps 2 --system-len 256:32 --user-len 160:40 --output-len 48:8"
+    " --rates 8:0.5,16:0.5 --think-s 2 --seed 0 --endpoint chat",
+}
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -40,9 +52,7 @@ def one_run(args: argparse.Namespace, router: str, url: str, out: Path) -> tuple
     serve_argv = shlex.split(args.serve_args)
     application = build_application(args.replicas, router, serve_argv, args.report_period_s)
     serve.run(application, name=APP_NAME, route_prefix="/")
-    workload = ["--workload", "burst", "--num-requests", str(args.num_requests)]
-    workload += ["--prompt-len", args.prompt_len, "--output-len", args.output_len]
-    workload += ["--rates", args.rates, "--seed", "0", "--endpoint", "completions"]
+    workload = shlex.split(WORKLOADS[args.workload])
     code = bench_main(
         ["--url", url, *workload, "--name", router, "--no-progress", "--json", str(out)]
     )
@@ -60,10 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--routers", default="ray-default,tokenflow")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--num-requests", type=int, default=24)
-    parser.add_argument("--prompt-len", default="64:8")
-    parser.add_argument("--output-len", default="96:16")
-    parser.add_argument("--rates", default="4:0.5,8:0.5")
+    parser.add_argument("--workload", choices=WORKLOADS, default="burst")
     parser.add_argument("--report-period-s", type=float, default=0.5)
     parser.add_argument(
         "--serve-args", default="--num-threads 1 --device-kv-tokens 2048 --host-kv-tokens 8192"

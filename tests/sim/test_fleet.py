@@ -56,11 +56,16 @@ def test_presets():
         "fleet-h200-scaleout",
         "fleet-h200-rolling",
         "fleet-h200-chat",
+        "fleet-h200-chat-burst",
     }
-    chat = get_fleet_setup("fleet-h200-chat")
-    assert chat.prefix_caching and chat.workload.kind == "conversation"
-    replicas = fleet_replicas(chat, SimConfig())
-    assert len(replicas) == 8 and all(r.prefix_caching for r in replicas)
+    chat, chat_burst = get_fleet_setup("fleet-h200-chat"), get_fleet_setup("fleet-h200-chat-burst")
+    for setup in (chat, chat_burst):
+        assert setup.prefix_caching and setup.workload.kind == "conversation"
+        replicas = fleet_replicas(setup, SimConfig())
+        assert len(replicas) == 8 and all(r.prefix_caching for r in replicas)
+    assert chat.workload.conversation.session_arrivals == "poisson"
+    assert chat.workload.request_rate * 60 == chat.workload.conversation.num_sessions
+    assert chat_burst.workload.conversation.session_arrivals == "burst"
     assert not any(
         r.prefix_caching for r in fleet_replicas(get_fleet_setup("fleet-h200-burst"), SimConfig())
     )
