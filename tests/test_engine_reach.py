@@ -64,9 +64,9 @@ def test_the_scan_finds_the_reaches_it_forbids():
 kv = engine.engine.scheduler.kv.config
 llm = self.engine.engine
 report = load_report(llm.scheduler.view(llm.core.clock.now()))
-from tokenflow.core.routing import load_report
-import tokenflow.core.routing
-tokenflow.core.routing.load_report(view)
+from tokenflow.core.load_report import load_report
+import tokenflow.core.load_report
+tokenflow.core.load_report.load_report(view)
 stats = self.engine.stats()
 """
     found = reaches_inside(ast.parse(source))

@@ -8,8 +8,8 @@ Gammas and rates are powers of two so every load is exact: 1024 tok/s of Gamma, 
 import pytest
 
 from tests.core.helpers import FLAT_GAMMA_TPS, flat_report
+from tokenflow.core.load_report import RouteRequest
 from tokenflow.core.rebalance import MigrateMode, Movable, ReplicaLoad, StreamKind
-from tokenflow.core.routing import RouteRequest
 from tokenflow.replicas.board import STALE_PERIODS, MoveBoard
 
 GAMMA = FLAT_GAMMA_TPS

@@ -9,10 +9,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from tests.core.helpers import ManualClock, flat_report, make_core, make_request
+from tokenflow.core.load_report import LoadReport
 from tokenflow.core.migration import StreamExport
 from tokenflow.core.rebalance import MigrateMode, ReplicaLoad, StreamKind, movable_of
 from tokenflow.core.request import Consumption, RequestState, SamplingParams
-from tokenflow.core.routing import LoadReport
 from tokenflow.engine.readings import measure_replica_load
 from tokenflow.replicas.board import MoveBoard
 from tokenflow.replicas.rebalancer import Rebalancer

@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 import pytest
 
 from tokenflow.core.consumption import DEFAULT_READER_RATE_TPS
+from tokenflow.core.load_report import CapacityPoint, LoadReport
 from tokenflow.core.prefix_summary import PrefixSummary
 from tokenflow.core.request import Consumption
-from tokenflow.core.routing import CapacityPoint, LoadReport
 from tokenflow.replicas.deployments import served_default_rate
 from tokenflow.replicas.guards import parse_body
 from tokenflow.replicas.reports import (

@@ -6,9 +6,9 @@ from tokenflow.core.build import build_core
 from tokenflow.core.config import SchedulerConfig, TokenFlowConfig
 from tokenflow.core.engine_core import EngineCore
 from tokenflow.core.kv_manager import KVConfig
+from tokenflow.core.load_report import CapacityPoint, LoadReport
 from tokenflow.core.plan import SampledToken, StepPlan, StepResult
 from tokenflow.core.request import Consumption, Request, RequestState, SamplingParams
-from tokenflow.core.routing import CapacityPoint, LoadReport
 
 
 class ManualClock:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.core.helpers import FLAT_GAMMA_TPS, flat_report, make_core, make_request
+from tokenflow.core.load_report import RouteRequest, load_report
 from tokenflow.core.rebalance import (
     MigrateMode,
     Movable,
@@ -21,7 +22,6 @@ from tokenflow.core.rebalance import (
     stream_kind,
 )
 from tokenflow.core.request import RequestState
-from tokenflow.core.routing import RouteRequest, load_report
 
 GAMMA = FLAT_GAMMA_TPS
 RATE = 8.0

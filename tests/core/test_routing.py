@@ -9,18 +9,16 @@ from dataclasses import replace
 import pytest
 
 from tests.core.helpers import make_core, make_request
-from tokenflow.core.request import Consumption
-from tokenflow.core.routing import (
+from tokenflow.core.load_report import (
     CapacityPoint,
     LoadReport,
     RouteRequest,
-    TokenFlowRouter,
     load_report,
-    make_router,
-    parse_router_names,
     project,
     route_request,
 )
+from tokenflow.core.request import Consumption
+from tokenflow.core.routing import TokenFlowRouter, make_router, parse_router_names
 
 
 def _report(

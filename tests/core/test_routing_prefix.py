@@ -11,6 +11,7 @@ import pytest
 from tests.core.test_prefix_cache import compute, manager
 from tests.core.test_prefix_cache_scheduler import make_core
 from tests.core.test_routing import _report, _router
+from tokenflow.core.load_report import Projection, RouteRequest, load_report, project
 from tokenflow.core.prefix_cache import extend_chain
 from tokenflow.core.prefix_summary import (
     PrefixSummary,
@@ -19,13 +20,7 @@ from tokenflow.core.prefix_summary import (
     num_common_blocks,
 )
 from tokenflow.core.request import Request, SamplingParams
-from tokenflow.core.routing import (
-    Projection,
-    RouteRequest,
-    load_report,
-    project,
-    reader_loss_s,
-)
+from tokenflow.core.routing import reader_loss_s
 
 BS = 16
 

@@ -6,7 +6,7 @@ later gets only new arrivals, while requests already queued elsewhere wait behin
 filled their replica; a replica told to stop holds streams it can only finish or cut.  This rule
 moves them (`plan_moves`), on the same reports the router reads:
 
-- a source is a replica whose load (reading demand / Gamma, `routing.project`) exceeds 1, or
+- a source is a replica whose load (reading demand / Gamma, `load_report.project`) exceeds 1, or
   one that is leaving (draining, `ReplicaLoad.drain_left_s` before it must be empty); and a
   queued request that its replica has not started in a whole period (memory, or its policy's
   admission, holds it back even where the load reads <= 1) is offered too;
@@ -42,10 +42,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tokenflow.core.load_report import LoadReport, Projection, RouteRequest, load_report, project
 from tokenflow.core.migration import MOVE_LATENCY_S
 from tokenflow.core.policies.base import SchedulingView
 from tokenflow.core.request import Request, RequestState
-from tokenflow.core.routing import LoadReport, Projection, RouteRequest, load_report, project
 
 
 class StreamKind(enum.Enum):

@@ -30,10 +30,10 @@ from typing import TypeVar
 import anyio
 
 from tokenflow.core.engine_core import NOTHING_RAN_WAIT_S
+from tokenflow.core.load_report import LoadReport
 from tokenflow.core.migration import StreamExport
 from tokenflow.core.rebalance import ReplicaLoad
 from tokenflow.core.request import Consumption, Request, SamplingParams
-from tokenflow.core.routing import LoadReport
 from tokenflow.engine.build import ExecutorFactory, build_torch_executor
 from tokenflow.engine.client import (
     EngineDead,
@@ -205,7 +205,7 @@ class AsyncEngine:
         return future
 
     def load_report(self) -> LoadReport:
-        """This engine's load as the fleet's router reads it (core/routing.py), now.  It reads
+        """This engine's load as the fleet's router reads it (core/load_report.py), now.  It reads
         engine state: call it on the engine thread (in `after_step`), or before any request
         reached the engine."""
         return measure_load(self.engine.scheduler, self.engine.core.clock.now())

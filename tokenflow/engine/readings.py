@@ -1,5 +1,5 @@
 """What the layers above the engine read of it: what it serves with (`EngineDescription`, for
-the start-up log) and its load (`core/routing.py`'s report, `core/rebalance.py`'s replica load).
+the start-up log) and its load (`core/load_report.py`'s report, `core/rebalance.py`'s replica load).
 
 These are results and frozen records, never the scheduler: `AsyncEngine` takes the loads on its
 engine thread, the one thread that may read engine state, and hands them over.
@@ -11,8 +11,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenflow.core.load_report import LoadReport, load_report
 from tokenflow.core.rebalance import ReplicaLoad, replica_load
-from tokenflow.core.routing import LoadReport, load_report
 
 if TYPE_CHECKING:
     from tokenflow.core.scheduler import Scheduler

@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from tokenflow.core.load_report import RouteRequest
 from tokenflow.core.rebalance import MigrateMode, Move, ReplicaLoad, plan_moves
-from tokenflow.core.routing import RouteRequest
 
 # What may move unless the launcher is told otherwise: paused streams too.  At a join under slow
 # readers (`benchmarks/move_cost.py --modes`, docs/replicas.md) moving them halves the mean stall

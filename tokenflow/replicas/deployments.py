@@ -32,8 +32,8 @@ from ray.actor import ActorHandle
 
 from tokenflow.cli.engine_options import add_default_rate_argument
 from tokenflow.cli.server_options import add_server_options, server_config_from
+from tokenflow.core.load_report import LoadReport
 from tokenflow.core.request import is_reader_rate, reader_rate_error
-from tokenflow.core.routing import LoadReport
 from tokenflow.replicas.asgi import ResponseStart, stream_asgi
 from tokenflow.replicas.guards import health_problem
 from tokenflow.replicas.keys import replica_config

@@ -21,7 +21,7 @@ ingress replica (Serve runs one), each would hold the limits for what passes it.
 # No `from __future__ import annotations`, as in ingress.py (Ray pickles the ingress).
 from dataclasses import replace
 
-from tokenflow.core.routing import RouteRequest
+from tokenflow.core.load_report import RouteRequest
 from tokenflow.serving.config import ServerConfig
 from tokenflow.serving.tenants import Admission, KeyGate, Work
 

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields, replace
 
 from tokenflow.core.consumption import Resolved, reader_rate_of
+from tokenflow.core.load_report import CapacityPoint, LoadReport, RouteRequest, route_request
 from tokenflow.core.prefix_summary import PrefixSummary
-from tokenflow.core.routing import CapacityPoint, LoadReport, RouteRequest, route_request
 from tokenflow.serving.auth import bearer_token
 from tokenflow.serving.classes import ClassRules, Stated
 from tokenflow.serving.protocol import MAX_CHOICES, MAX_PROMPT_CACHE_KEY_CHARS

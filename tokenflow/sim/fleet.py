@@ -9,7 +9,7 @@ keeps them on one time line: the earliest of (the next round of reports, a repli
 leaving, a draining replica's deadline, a moved stream landing, the next arrival, the replica
 whose clock is furthest behind) happens first, so a request is routed at its arrival and joins
 its replica mid-step if that replica is busy.  Every `report_period_s` each replica's
-`LoadReport` (tokenflow/core/routing.py) is handed to the router, which decides on reports up
+`LoadReport` (tokenflow/core/load_report.py) is handed to the router, which decides on reports up
 to a period old plus what it routed since.
 
 Replicas may join and leave (`FleetConfig.changes`).  A leaving replica takes no new request
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from tokenflow.core.clock import SimClock
 from tokenflow.core.engine_core import EngineCore
+from tokenflow.core.load_report import LoadReport, RouteRequest, load_report
 from tokenflow.core.migration import MOVE_LATENCY_S, StreamExport
 from tokenflow.core.rebalance import (
     MigrateMode,
@@ -38,7 +39,7 @@ from tokenflow.core.rebalance import (
     replica_load,
 )
 from tokenflow.core.request import Request
-from tokenflow.core.routing import LoadReport, Router, RouteRequest, load_report, make_router
+from tokenflow.core.routing import Router, make_router
 from tokenflow.eval.metrics import MetricsConfig, summarize
 from tokenflow.eval.workload import WorkloadRequest
 from tokenflow.sim.arrivals import Arrivals
