@@ -35,7 +35,8 @@ def fleet_setups(seed: int = 0) -> dict[str, FleetSetup]:
     H200 workload of the paper (inputs 512, outputs 2048, readers at 15/20 tok/s) at 8x;
     fleet-h200-scaleout (a burst onto 4 H200s, 4 more joining at 60 s) and fleet-h200-rolling
     (8 H200s under Poisson load, restarted one at a time): replicas joining and leaving;
-    fleet-h200-chat and fleet-h200-chat-burst: conversations, prefix caching on (`_chat_setups`)."""
+    fleet-h200-chat and fleet-h200-chat-burst: conversations, prefix caching on (`_chat_setup`,
+    `_chat_burst_setup`)."""
 
     def spec(kind: str, n: int, rate: float) -> WorkloadSpec:
         lengths = {m: LengthDist(mean=m, std=m / 4, minimum=16, maximum=2 * m) for m in (512, 2048)}
@@ -72,77 +73,78 @@ def fleet_setups(seed: int = 0) -> dict[str, FleetSetup]:
             f"{_ROLLING_GAP_S:g} s apart",
             restarts_at_s=tuple(10.0 + _ROLLING_GAP_S * i for i in range(8)),
         ),
-        *_chat_setups(seed),
+        _chat_setup(seed),
+        _chat_burst_setup(seed),
     )
     return {p.name: p for p in presets}
 
 
-def _chat_setups(seed: int) -> tuple[FleetSetup, FleetSetup]:
-    """8 x H200 (Llama3-8B at the paper's memory split), prefix caching on, serving chat sessions
-    over 4 apps whose ~2,000-token system prompts every session of the app repeats; answers read
-    at the paper's rates, and a 10 s mean think time before the reader replies.  Each turn
-    resends the session's history, so a turn's replica decides both the prefill it repeats and
-    its readers' slack.
-
-    - fleet-h200-chat: sessions arriving as a Poisson stream (16/s for a minute) of 4-8 turns
-      whose messages paste text (~1,000 tokens: a document, code, a log) and whose answers are
-      ~256 tokens: the histories (up to ~12,000 tokens) outweigh the system prompt, and the
-      fleet is loaded but keeps them cached.  (At 20/s every router's P99 TTFT is ~15 s and
-      the histories are evicted: the routers tie.)
-    - fleet-h200-chat-burst: a burst of 1,200 sessions of 2-6 turns of 100-300-token messages
-      and ~512-token answers: the tail is the burst's first turns, which the fleet's prefill
-      rate bounds whatever the routing.  (A Poisson stream of these sessions at 40/s kept every
-      router under 0.2 s P99 TTFT.)"""
-    apps = {"num_apps": 4, "system_prompt": LengthDist(2000, 250, minimum=1500, maximum=2500)}
-    pasted = ConversationSpec(
+def _chat_setup(seed: int) -> FleetSetup:
+    """fleet-h200-chat: sessions arriving as a Poisson stream (16/s for a minute) of 4-8 turns
+    whose messages paste text (~1,000 tokens: a document, code, a log) and whose answers are
+    ~256 tokens (`_chat_workload`): the histories (up to ~12,000 tokens) outweigh the system
+    prompt, and the fleet is loaded but keeps them cached.  (At 20/s every router's P99 TTFT
+    is ~15 s and the histories are evicted: the routers tie.)"""
+    chat = ConversationSpec(
         num_sessions=_CHAT_SESSIONS_PER_S * 60,
         min_turns=4,
         max_turns=8,
         user_message=LengthDist(1000, 250, minimum=500, maximum=1500),
         think_mean_s=10.0,
         session_arrivals="poisson",
-        **apps,
+        **_CHAT_APPS,
     )
-    burst = ConversationSpec(
+    output = LengthDist(256, 64, minimum=16, maximum=512)
+    return FleetSetup(
+        "fleet-h200-chat",
+        ("h200",) * 8,
+        _chat_workload(chat, output, _CHAT_SESSIONS_PER_S, seed),
+        f"8 x H200, {_CHAT_SESSIONS_PER_S} chat sessions/s for a minute, 4 apps, 4-8 turns "
+        "of pasted text, prefix caching",
+        prefix_caching=True,
+    )
+
+
+def _chat_burst_setup(seed: int) -> FleetSetup:
+    """fleet-h200-chat-burst: a burst of 1,200 sessions of 2-6 turns of 100-300-token messages
+    and ~512-token answers (`_chat_workload`): the tail is the burst's first turns, which the
+    fleet's prefill rate bounds whatever the routing.  (A Poisson stream of these sessions at
+    40/s kept every router under 0.2 s P99 TTFT.)"""
+    chat = ConversationSpec(
         num_sessions=_CHAT_BURST_SESSIONS,
         min_turns=2,
         max_turns=6,
         user_message=LengthDist(200, 50, minimum=100, maximum=300),
         think_mean_s=10.0,
         session_arrivals="burst",
-        **apps,
+        **_CHAT_APPS,
     )
-    rates = RateMix.parse(PAPER_RATES)
+    output = LengthDist(512, 128, minimum=16, maximum=1024)
+    return FleetSetup(
+        "fleet-h200-chat-burst",
+        ("h200",) * 8,
+        _chat_workload(chat, output, 1.0, seed),  # (the rate is unused: the sessions burst)
+        f"8 x H200, a burst of {_CHAT_BURST_SESSIONS:,} chat sessions, 4 apps, 2-6 turns, "
+        "prefix caching",
+        prefix_caching=True,
+    )
 
-    def workload(chat: ConversationSpec, output: LengthDist, rate: float) -> WorkloadSpec:
-        return WorkloadSpec(
-            kind="conversation",
-            request_rate=rate,
-            output=output,
-            rates=rates,
-            seed=seed,
-            conversation=chat,
-        )
 
-    h200s = ("h200",) * 8
-    return (
-        FleetSetup(
-            "fleet-h200-chat",
-            h200s,
-            workload(pasted, LengthDist(256, 64, minimum=16, maximum=512), _CHAT_SESSIONS_PER_S),
-            f"8 x H200, {_CHAT_SESSIONS_PER_S} chat sessions/s for a minute, 4 apps, 4-8 turns "
-            "of pasted text, prefix caching",
-            prefix_caching=True,
-        ),
-        FleetSetup(
-            "fleet-h200-chat-burst",
-            h200s,
-            # (request_rate unused: the sessions arrive at once)
-            workload(burst, LengthDist(512, 128, minimum=16, maximum=1024), 1.0),
-            f"8 x H200, a burst of {_CHAT_BURST_SESSIONS:,} chat sessions, 4 apps, 2-6 turns, "
-            "prefix caching",
-            prefix_caching=True,
-        ),
+def _chat_workload(
+    chat: ConversationSpec, output: LengthDist, sessions_per_s: float, seed: int
+) -> WorkloadSpec:
+    """The chat presets' workload: 8 x H200 (Llama3-8B at the paper's memory split), prefix
+    caching on, serving `chat`'s sessions over 4 apps whose ~2,000-token system prompts every
+    session of the app repeats (`_CHAT_APPS`); answers of `output` read at the paper's rates,
+    a 10 s mean think time before the reader replies.  Each turn resends the session's history,
+    so a turn's replica decides both the prefill it repeats and its readers' slack."""
+    return WorkloadSpec(
+        kind="conversation",
+        request_rate=sessions_per_s,
+        output=output,
+        rates=RateMix.parse(PAPER_RATES),
+        seed=seed,
+        conversation=chat,
     )
 
 
@@ -151,6 +153,8 @@ _ROLLING_RATE = 40.0  # as fleet-h200-poisson-40: the fleet has room, a restart 
 _ROLLING_REQUESTS = 2400
 _ROLLING_GAP_S = 6.0
 _CHAT_SESSIONS_PER_S = 16  # 2 a replica; each turn a ~2,000-12,000-token prompt
+# The chat presets' apps: 4, each its ~2,000-token system prompt
+_CHAT_APPS = {"num_apps": 4, "system_prompt": LengthDist(2000, 250, minimum=1500, maximum=2500)}
 _CHAT_BURST_SESSIONS = 1200  # 150 a replica; each turn a ~2,500-token prompt, a ~512 answer
 
 
