@@ -225,3 +225,20 @@ def test_without_keys_tokenflow_decides_by_load_alone():
     plain = RouteRequest("r", 10.0, 660, 1160)
     assert _router("tokenflow", reports).choose(plain) == "b"
     assert project(reports["b"], [plain]).load < project(reports["a"], [plain]).load
+
+
+def test_tokenflow_does_not_queue_a_turn_behind_its_own_session_s_last_turn():
+    # the session's first turn went to "a" since a's last report, and "b" has reported since
+    # its own; "a" prices its prefill 5% dearer (two replicas' measures differ by noise)
+    reports = {"a": replace(_report(), prefill_token_s=1.05e-3), "b": _holding(())}
+    reports["b"] = replace(reports["b"], prefill_token_s=1e-3)
+    router = _router("tokenflow", reports)
+    first = RouteRequest("t0", math.inf, 504, 508, session_key="s")  # (a 500-token prompt)
+    router.record("a", first)
+    # its history resent: 520 tokens, a prefix "a" caches
+    second = RouteRequest("t1", math.inf, 524, 528, session_key="s")
+    assert router.choose(second) == "a"
+    # another session's prompt routed there since is queued ahead of it
+    router = _router("tokenflow", reports)
+    router.record("a", replace(first, session_key="other"))
+    assert router.choose(replace(second, session_key="other-2")) == "b"

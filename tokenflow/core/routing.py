@@ -183,12 +183,25 @@ class TokenFlowRouter(Router):
         projection = project(report, [*self.routed_since[replica_id], request])
         fits = projection.load <= 1.0 and projection.num_spare_blocks >= 0
         num_cached = self.num_cached_tokens(replica_id, request)
-        queued_tokens = report.waiting_prompt_tokens
-        queued_tokens += sum(
-            r.num_prompt_tokens * r.num_choices for r in self.routed_since[replica_id]
+        queued_tokens = report.waiting_prompt_tokens + self._routed_prompt_tokens(
+            replica_id, request
         )
         loss_s = reader_loss_s(report, projection, request, num_cached, queued_tokens)
         return (0.0 if fits else 1.0, loss_s, projection.load)
+
+    def _routed_prompt_tokens(self, replica_id: str, request: RouteRequest) -> int:
+        """Prompt tokens routed to the replica since its report, taken as queued there, but
+        for `request`'s own session's earlier turns: a conversation's next turn comes once its
+        client has its last answer, so that prompt is computed though no report says so yet.
+        (Counted, it would queue a turn behind its own history on the replica that caches
+        it, and a replica that reported sooner or priced its prefill a little cheaper would
+        win the turn without its prefix.)"""
+        session = request.session_key
+        return sum(
+            r.num_prompt_tokens * r.num_choices
+            for r in self.routed_since[replica_id]
+            if session is None or r.session_key != session
+        )
 
 
 def reader_loss_s(
@@ -202,7 +215,8 @@ def reader_loss_s(
     seconds: the wait for its first token plus its stalls.
 
     - its first token waits for the prompt tokens queued ahead of it there
-      (`queued_prompt_tokens`: its waiting requests' and those routed since its report) and for
+      (`queued_prompt_tokens`: its waiting requests' and those routed since its report, its
+      own session's earlier turns left out, `TokenFlowRouter._routed_prompt_tokens`) and for
       its own prompt less the prefix the replica caches (`num_cached_tokens`), each at the
       replica's `prefill_token_s`;
     - past Gamma (load L > 1) the replica's readers are served 1/L of their rates, so over the
