@@ -29,6 +29,7 @@ SERVE_ARGV += ["--max-num-seqs", "2", "--drain-timeout-s", "60", "--capacity-hea
 # 0.4x of it) takes the replica past its capacity, admitted within 1.5x (`--capacity-headroom`).
 SLOW_TOKENS, FAST_TOKENS = 192, 768
 SLOW_RATE = 2.0
+SLOW_ANSWERS = greedy_answers(SLOW_TOKENS)
 MAX_READERS = 96  # (a replica making 200 tok/s: far beyond this CPU's one thread)
 
 
@@ -102,8 +103,8 @@ class _Burst:
         if num_reading * SLOW_RATE >= 0.9 * gamma_tps > 0:
             return gamma_tps
         assert len(self.results) < MAX_READERS, f"{MAX_READERS} readers did not fill it"
-        answers = greedy_answers(SLOW_TOKENS)
-        results, _, threads = read_all(self.url, [answers[len(self.results) % 4]], SLOW_RATE)
+        answer = SLOW_ANSWERS[len(self.results) % len(SLOW_ANSWERS)]
+        results, _, threads = read_all(self.url, [answer], SLOW_RATE)
         self.results += results
         self.threads += threads
         return 0.0
