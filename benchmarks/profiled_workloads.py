@@ -4,7 +4,7 @@ the simulator on a profile of the real engine (`tokenflow simulate --profile`), 
 
     python -m benchmarks.profiled_workloads --profile PROFILE.json [--seeds 3]
         [--workloads burst-40,long-prompts-20] [--slowdown 1.5] [--json out.json]
-        [--markdown docs/results.md]
+        [--knob prefill_stall_s=0.25] [--markdown docs/results.md]
     python -m benchmarks.profiled_workloads --real [--rounds 2]
         [--workloads long-prompts-20,class-mix-40,readme-burst] [--serve-args '--num-threads 1']
         [--busy-loops 2] [--json out.json]
@@ -14,7 +14,8 @@ the seeds), then the targets (`tokenflow.eval.report.check_targets`, runs paired
 TokenFlow's stall minus FCFS's, its P99 TTFT over FCFS's, its QoE minus FCFS's and its raw
 throughput over FCFS's, each median [min, max] over the seeds with its verdict.  With
 `--markdown` both tables replace the block between this runner's markers in that file (not
-with `--slowdown`, which scales every step and copy of the profile: another machine's speed).
+with `--slowdown`, which scales every step and copy of the profile: another machine's speed,
+nor with `--knob`, which sets a TokenFlow knob of `POLICY_KNOBS` off `serve`'s default).
 A profile comes from `tokenflow profile --out PROFILE.json` (minutes; take it once); the one
 docs/results.md reports is docs/results/cpu-profile.json (the 2-core development VM).  Besides
 the suite's workloads both modes know `readme-burst`, the README's overload burst, and
@@ -48,6 +49,7 @@ from benchmarks.lib.rounds import run_rounds
 from benchmarks.paper_setups import ENGINE
 from benchmarks.paper_setups import PROFILED as MARKERS
 from tokenflow.calibrate.profile_file import load_profile
+from tokenflow.core.config import POLICY_KNOBS, with_knobs
 from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.fidelity import Workload
 from tokenflow.eval.local_server import local_server
@@ -83,6 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
             costs, speed_factor=costs.speed_factor * args.slowdown,
             prefill_speed_factor=costs.prefill_speed_factor * args.slowdown,
         ))  # fmt: skip
+    if args.knob:  # TokenFlow's knobs other than serve's defaults (FCFS has none)
+        profile = replace(profile, tokenflow=with_knobs(profile.tokenflow, dict(args.knob)))
     results: dict[str, dict[str, list[dict]]] = {}
     for name in args.workloads:
         workload = named_workload(name)
@@ -177,6 +181,14 @@ def run_real(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:
     return results
 
 
+def knob(text: str) -> tuple[str, float]:
+    """`NAME=VALUE`: a TokenFlow knob (`POLICY_KNOBS`, as `serve` spells it with underscores)."""
+    name, sep, value = text.partition("=")
+    if not sep or name not in POLICY_KNOBS:
+        raise argparse.ArgumentTypeError(f"want NAME=VALUE, NAME one of {sorted(POLICY_KNOBS)}")
+    return name, float(value)
+
+
 def absolute_table(results: dict[str, dict[str, list[dict]]]) -> list[str]:
     """Markdown: per workload, each policy's medians [min-max] of the readers' headline metrics."""
     titles = [f"{title} ({p})" for _, title, _ in ABSOLUTE for p in POLICIES]
@@ -249,11 +261,20 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="with --real: spinning processes started before the servers (a slower machine)",
     )
+    parser.add_argument(
+        "--knob",
+        type=knob,
+        action="append",
+        default=[],
+        help="simulated TokenFlow with this knob (NAME=VALUE, repeatable): prefill_stall_s=0.25",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.real == (args.profile is not None):
         parser.error("give either --profile PROFILE.json or --real")
+    if args.real and args.knob:
+        parser.error("--knob is for the simulator; the real servers take --serve-args")
     default = "long-prompts-20,class-mix-40,readme-burst" if args.real else None
     names = args.workloads or default or ",".join(w.name for w in SUITE)
     args.workloads = [w for w in names.split(",") if w]
@@ -266,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + overload_table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown and args.slowdown == 1.0 and not args.real:
+    if args.markdown and args.slowdown == 1.0 and not (args.real or args.knob):
         command = (
             f"python -m benchmarks.profiled_workloads --profile {args.profile} "
             f"--seeds {args.seeds} --markdown {args.markdown}"

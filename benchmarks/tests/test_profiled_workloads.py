@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from benchmarks.profiled_workloads import busy_loops, overload_table
+import argparse
+
+import pytest
+
+from benchmarks.profiled_workloads import busy_loops, knob, main, overload_table
 
 
 def _runs(stalls_s: list[float], qoes: list[float]) -> list[dict]:
@@ -28,3 +32,16 @@ def test_busy_loops_run_until_the_block_ends() -> None:
         assert len(loops) == 2
         assert all(loop.poll() is None for loop in loops)
     assert all(loop.poll() is not None for loop in loops)
+
+
+def test_a_knob_is_a_policy_knob_name_and_a_number() -> None:
+    assert knob("prefill_stall_s=0.25") == ("prefill_stall_s", 0.25)
+    for bad in ("prefill_stall_s", "no_such_knob=1", "=0.25"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):
+            knob(bad)
+
+
+def test_knobs_are_refused_for_real_servers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--real", "--knob", "prefill_stall_s=0.25"])
+    assert "--serve-args" in capsys.readouterr().err

@@ -74,19 +74,20 @@ def _steady_view(*running):
     return replace(empty_view(400), estimator=estimator, running=running, now_s=0.0)
 
 
-def test_the_stall_a_prefill_adds_is_what_its_hold_takes_beyond_the_readers_slack():
+def test_the_stall_a_prefill_adds_runs_to_the_end_of_its_step():
     # 900 prompt tokens: one step of 0.1 + 0.9 s.  A 4 tok/s reader with one token (0.25 s of
-    # slack) gets one token meanwhile (0.25 s more), where decodes alone would give it ten.
+    # slack) gets its next token at the end of that step, 0.75 s after it ran dry, where
+    # decodes alone would have given it one every 0.1 s.
     reader = _decoding("r", rate=4.0)
     assert prefill_hold_s(_steady_view(reader), 900) == pytest.approx(1.0)
-    assert prefill_added_stall_s(_steady_view(reader), 900) == pytest.approx(0.5)
-    # a reader faster than the decodes (20 tok/s, 0.05 s of slack) stalls 0.45 s without the
-    # prefill: only the other 0.45 s is the prefill's
+    assert prefill_added_stall_s(_steady_view(reader), 900) == pytest.approx(0.75)
+    # a reader faster than the decodes (20 tok/s, 0.05 s of slack) stalls without the prefill
+    # too, one token each 0.1 s; the prefill's step delays each of its tokens by its 0.9 s
     fast = _decoding("fast", rate=20.0)
-    assert prefill_added_stall_s(_steady_view(fast), 900) == pytest.approx(0.45)
+    assert prefill_added_stall_s(_steady_view(fast), 900) == pytest.approx(0.9)
     # the worst resident counts; buffers that outlast the hold, eager streams and prompts
     # still prefilling add nothing
-    assert prefill_added_stall_s(_steady_view(fast, reader), 900) == pytest.approx(0.5)
+    assert prefill_added_stall_s(_steady_view(fast, reader), 900) == pytest.approx(0.9)
     buffered = _decoding("buffered", rate=1.0, buffered_tokens=5)  # 5 s of reading
     eager = _decoding("eager", rate=math.inf, consumption=Consumption.EAGER)
     unstarted = make_request("unstarted", num_prompt=40)
@@ -94,7 +95,36 @@ def test_the_stall_a_prefill_adds_is_what_its_hold_takes_beyond_the_readers_slac
     assert prefill_added_stall_s(_steady_view(buffered, eager, unstarted), 900) == 0.0
     # ... though a prompt ahead lengthens the hold of the tokens behind it
     ahead = _steady_view(reader, unstarted)
-    assert prefill_added_stall_s(ahead, 900) == pytest.approx(0.54)
+    assert prefill_added_stall_s(ahead, 900) == pytest.approx(0.79)
+
+
+def test_a_prompt_already_prefilling_stalls_the_readers_without_the_newcomer():
+    # A 900-token prompt already admitted holds the 4 tok/s reader 0.75 s past its slack; a
+    # 10-token newcomer behind it adds only its own 0.01 s to that step.
+    reader = _decoding("r", rate=4.0)
+    ahead = make_request("ahead", num_prompt=900)
+    ahead.state = RequestState.RUNNING
+    assert prefill_added_stall_s(_steady_view(reader, ahead), 10) == pytest.approx(0.01)
+    assert prefill_added_stall_s(_steady_view(reader), 910) == pytest.approx(0.76)
+
+
+def test_a_reader_stalls_only_until_its_last_token():
+    # Three steps of a 300-token chunk (0.1 + 0.3 s each) for 900 prompt tokens.  A 4 tok/s
+    # reader with 0.25 s of slack and many tokens to come is late by 0.15 s for the first
+    # step's token and by 0.45 s for the third's; one with its last token to come waits for
+    # the first step's only.
+    estimator = StepTimeEstimator(0.1, 1e-3, per_seq_s=0.0)
+    for _ in range(4):
+        estimator.observe(1, 300, 0.4)  # recent prefill steps: 300 prompt tokens each
+    many = _decoding("many", rate=4.0, max_tokens=20)
+    last = _decoding("last", rate=4.0, max_tokens=2)
+
+    def added_s(reader: object) -> float:
+        view = replace(empty_view(400), estimator=estimator, running=(reader,), now_s=0.0)
+        return prefill_added_stall_s(view, 900)
+
+    assert added_s(many) == pytest.approx(0.45)
+    assert added_s(last) == pytest.approx(0.15)
 
 
 # -- admission ------------------------------------------------------------------------------------
@@ -104,7 +134,7 @@ def test_a_newcomer_waits_while_its_prefill_would_stall_a_resident_reader_too_lo
     reader = _decoding("r", rate=4.0)
     view = _steady_view(reader)
     resident = member("r", 0.0, 1, pinned=True)
-    newcomer = make_request("new", num_prompt=899, max_tokens=1)  # prefill stalls r 0.5 s
+    newcomer = make_request("new", num_prompt=899, max_tokens=1)  # prefill stalls r 0.75 s
 
     def admitted(limit_s: float) -> list[str]:
         admission = admit(
@@ -119,10 +149,33 @@ def test_a_newcomer_waits_while_its_prefill_would_stall_a_resident_reader_too_lo
         return [r.request_id for r in started]
 
     assert admitted(0.25) == [] and between_decisions(0.25) == []
-    assert admitted(0.6) == ["new"] and between_decisions(0.6) == ["new"]
+    assert admitted(0.8) == ["new"] and between_decisions(0.8) == ["new"]
     assert admitted(math.inf) == ["new"] and between_decisions(math.inf) == ["new"]
-    short = make_request("short", num_prompt=399, max_tokens=1)  # one token's time: no stall
+    short = make_request("short", num_prompt=149, max_tokens=1)  # within r's slack: no stall
     assert waiting_within_budget(replace(view, waiting=(short,)), 1e9, 10.0, _rate, True, 0.0)
+
+
+def test_a_newcomer_does_not_wait_for_readers_once_the_queued_prefills_outlast_their_reading():
+    # The 4 tok/s reader has 5 tokens to come (0.25 s of slack + 1.25 s of reading); a
+    # 899-token newcomer's prefill (0.9 s) would stall it 0.75 s.  Alone in the queue it waits
+    # for the reader's buffer; with a second such prompt behind it the queue's prefills (1.8 s)
+    # outlast the reading, the engine's prefill is the bottleneck, and a wait would only delay
+    # both prompts: it starts.
+    reader = _decoding("r", rate=4.0, max_tokens=6)
+    view = _steady_view(reader)
+    resident = member("r", 0.0, 1, pinned=True)
+    newcomer = make_request("new", num_prompt=899, max_tokens=1)
+    behind = make_request("behind", num_prompt=899, max_tokens=1, arrival=1.0)
+
+    def started(*waiting: object) -> tuple[list[str], list[str]]:
+        queued = replace(view, waiting=waiting)
+        admission = admit(queued, [resident], 100, 1e9, _rate, 10.0, 0.0, 0.1)
+        between = waiting_within_budget(queued, 1e9, 10.0, _rate, True, 0.1)
+        return [r.request_id for r in admission.requests], [r.request_id for r in between]
+
+    assert started(newcomer) == ([], [])
+    assert started(newcomer, behind)[0][:1] == ["new"]
+    assert started(newcomer, behind)[1][:1] == ["new"]
 
 
 def test_a_stream_is_paused_for_a_newcomer_only_if_its_buffer_outlasts_the_prefill():

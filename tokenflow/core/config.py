@@ -79,7 +79,7 @@ class TokenFlowConfig:
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     # A newcomer starts only while its prefill adds at most this stall to every resident reader
     # (`pricing.prefill_added_stall_s`): a prefill step stalls each reader with a shorter buffer
-    prefill_stall_s: float = 0.25
+    prefill_stall_s: float = 0.1
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
     # Admission's reserve for the residents' future tokens starts at this share of their
     # remaining output, or the scheduler's init_new_token_ratio if lower.  SGLang's 0.7 by

@@ -5,8 +5,9 @@ while the working set is below W_sched, its reader's rate fits in the capacity t
 leave, its prefill fits in this interval's prefill budget (so Gamma is measured as the batch
 fills, not guessed), its prefill stalls no resident reader longer than `prefill_stall_s`
 (beyond the paper: a prefill step stalls every reader with a shorter buffer, so a newcomer
-waits while the residents' buffers grow), and it finds free device blocks or blocks that safe
-pauses free.
+waits while the residents' buffers grow, unless the queued prompts' prefill outlasts the
+residents' reading: then a wait only idles the engine's bottleneck), and it finds free
+device blocks or blocks that safe pauses free.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tokenflow.core.policies.pricing import (
     outlasts,
     prefill_added_stall_s,
     prefill_hold_s,
+    prefill_outlasts_reading,
     prefill_price_s,
     unsynced_blocks,
 )
@@ -170,11 +172,16 @@ def admit(
 
 
 def stalls_residents(view: SchedulingView, num_new_tokens: int, prefill_stall_s: float) -> bool:
-    """Whether prefilling `num_new_tokens` more prompt tokens would stall some resident reader
-    longer than `prefill_stall_s` (`pricing.prefill_added_stall_s`)."""
+    """Whether newcomers whose prefill is `num_new_tokens` prompt tokens wait for the resident
+    readers: it would stall some of them longer than `prefill_stall_s`
+    (`pricing.prefill_added_stall_s`), unless the engine's prefill is the bottleneck
+    (`pricing.prefill_outlasts_reading`), where a wait delays every prompt queued as long and
+    the readers' buffers cannot cover the prefills to come."""
     if prefill_stall_s == math.inf:
         return False
-    return prefill_added_stall_s(view, num_new_tokens) > prefill_stall_s
+    if prefill_added_stall_s(view, num_new_tokens) <= prefill_stall_s:
+        return False
+    return not prefill_outlasts_reading(view)
 
 
 def waiting_within_budget(

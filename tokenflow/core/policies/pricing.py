@@ -81,16 +81,49 @@ def prefill_price_s(view: SchedulingView, num_tokens: int) -> float:
     return view.estimator.prefill_batch_time_s(num_tokens, view.config.max_prefill_tokens)
 
 
-def _prefill_hold(view: SchedulingView, num_new_tokens: int) -> tuple[float, int, float]:
-    """(hold, steps, decode step): `prefill_hold_s`, the steps it takes, and the residents'
-    decode time in each."""
+@dataclass(frozen=True)
+class _Arrivals:
+    """When a resident decoding through prefill steps gets its next tokens: one at the end of
+    each of `num_steps` steps of `step_s` (decodes and a chunk), then one each `decode_s`."""
+
+    num_steps: int
+    step_s: float
+    decode_s: float
+
+    @property
+    def hold_s(self) -> float:
+        return self.num_steps * self.step_s
+
+    def at(self, k: int) -> float:
+        """When the k-th token (k >= 1) arrives."""
+        if k <= self.num_steps:
+            return k * self.step_s
+        return self.hold_s + (k - self.num_steps) * self.decode_s
+
+    def stall_s(self, slack_s: float, r: Request) -> float:
+        """The stall reader `r`, `slack_s` from running dry, suffers until its last token: its
+        k-th token is late by at(k) - slack - (k - 1) / r, largest at a breakpoint (the first,
+        the last step's, the last it needs) since at(k) is piecewise linear."""
+        needed = max(r.num_remaining_output_tokens, 1)
+        ks = {1, min(self.num_steps, needed), needed}
+        late_s = max(self.at(k) - slack_s - (k - 1) / r.rate_tps for k in ks if k >= 1)
+        return late_s if late_s > 0.0 else 0.0
+
+
+def _arrivals(view: SchedulingView, num_new_tokens: int) -> _Arrivals:
+    """Token arrivals while the residents' prompt tokens still to compute and `num_new_tokens`
+    more are prefilled: steps of the recent prefill chunk (at most max_prefill_tokens), each
+    with the residents' decodes."""
     est = view.estimator
     ahead = sum(r.num_tokens - r.num_computed_tokens for r in view.running if r.is_prefilling)
     chunk = max(1, int(min(est.prefill_step_tokens or math.inf, view.config.max_prefill_tokens)))
     tokens = ahead + num_new_tokens
-    num_steps = -(-tokens // chunk)
     decode_s = est.decode_time_s(len(view.running) or 1)
-    return num_steps * decode_s + est.prefill_batch_time_s(tokens, chunk), num_steps, decode_s
+    if tokens <= 0:
+        return _Arrivals(0, decode_s, decode_s)
+    num_steps = -(-tokens // chunk)
+    hold_s = num_steps * decode_s + est.prefill_batch_time_s(tokens, chunk)
+    return _Arrivals(num_steps, hold_s / num_steps, decode_s)
 
 
 def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
@@ -100,30 +133,49 @@ def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
     chunks every prompt; pricing the tokens as one prefill would miss those steps.)"""
     if num_new_tokens <= 0:
         return 0.0
-    return _prefill_hold(view, num_new_tokens)[0]
+    return _arrivals(view, num_new_tokens).hold_s
 
 
 def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
     """The longest stall that prefilling `num_new_tokens` more prompt tokens adds to a started
-    resident reader.  Through the hold (`prefill_hold_s`) the reader gets one token a step,
-    where decode steps alone would have given it hold / decode step tokens; it runs dry when
-    the hold outlasts its slack plus the reading those tokens hold.  What the prefill adds is
-    the difference (a reader faster than the decodes stalls either way).  0 when none is
+    resident reader: its stall until its last token with them (`_Arrivals.stall_s`) less its
+    stall with only the prompts already prefilling (a reader faster than the decodes, or one
+    an earlier prefill stalls, stalls either way; only the difference counts).  0 when none is
     exposed."""
     if num_new_tokens <= 0:
         return 0.0
-    hold_s, num_steps, decode_s = _prefill_hold(view, num_new_tokens)
-    decodes = hold_s / decode_s
+    with_new, without = _arrivals(view, num_new_tokens), _arrivals(view, 0)
     now_s, worst_s = view.now_s, 0.0
     for r in view.running:
         if not (r.is_reader and r.output_token_ids):
             continue
-        uncovered_s = hold_s - r.slack_s(now_s)
-        with_prefill_s = uncovered_s - num_steps / r.rate_tps
-        without_s = uncovered_s - decodes / r.rate_tps
-        added_s = max(with_prefill_s, 0.0) - max(without_s, 0.0)
+        slack_s = r.slack_s(now_s)
+        added_s = with_new.stall_s(slack_s, r) - without.stall_s(slack_s, r)
         worst_s = max(worst_s, added_s)
     return worst_s
+
+
+def prefill_outlasts_reading(view: SchedulingView) -> bool:
+    """Whether the waiting prompts take longer to prefill (`prefill_price_s` each) than any
+    started resident reader has left to read (its remaining output at its rate, after its
+    buffer).  Then the engine's prefill is its bottleneck: a newcomer held for the readers
+    idles it and delays every prompt queued behind as long, while the prefills still to come
+    would outlast the readers' buffers anyway."""
+    now_s = view.now_s
+    reading_s = max(
+        (
+            r.num_remaining_output_tokens / r.rate_tps + max(r.slack_s(now_s), 0.0)
+            for r in view.running
+            if r.is_reader and r.output_token_ids
+        ),
+        default=0.0,
+    )
+    queued_s = 0.0
+    for request in view.waiting:
+        queued_s += prefill_price_s(view, view.start_tokens(request))
+        if queued_s > reading_s:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
