@@ -78,7 +78,8 @@ class TokenFlowConfig:
     capacity_window_s: float = 1.0  # admission uses the lower median Gamma of this window
     max_stall_s: float = 1.0  # a stream stalled this long goes on the device before all others
     # A newcomer starts only while its prefill adds at most this stall to every resident reader
-    # (`pricing.prefill_added_stall_s`): a prefill step stalls each reader with a shorter buffer
+    # (`pricing.prefill_added_stall_s`): a prefill step stalls each reader with a shorter buffer;
+    # unless the queued prefills outlast the residents' reading (`admission.stalls_residents`)
     prefill_stall_s: float = 0.1
     write_through: bool = True  # copy KV to the host continuously (ablation: False)
     # Admission's reserve for the residents' future tokens starts at this share of their
