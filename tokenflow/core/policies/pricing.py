@@ -136,6 +136,11 @@ def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
     return _arrivals(view, num_new_tokens).hold_s
 
 
+def _exposed_readers(view: SchedulingView) -> list[Request]:
+    """The residents a prefill step can stall: started readers on the device."""
+    return [r for r in view.running if r.is_reader and r.output_token_ids]
+
+
 def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
     """The longest stall that prefilling `num_new_tokens` more prompt tokens adds to a started
     resident reader: its stall until its last token with them (`_Arrivals.stall_s`) less its
@@ -146,9 +151,7 @@ def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
         return 0.0
     with_new, without = _arrivals(view, num_new_tokens), _arrivals(view, 0)
     now_s, worst_s = view.now_s, 0.0
-    for r in view.running:
-        if not (r.is_reader and r.output_token_ids):
-            continue
+    for r in _exposed_readers(view):
         slack_s = r.slack_s(now_s)
         added_s = with_new.stall_s(slack_s, r) - without.stall_s(slack_s, r)
         worst_s = max(worst_s, added_s)
@@ -165,8 +168,7 @@ def prefill_outlasts_reading(view: SchedulingView) -> bool:
     reading_s = max(
         (
             r.num_remaining_output_tokens / r.rate_tps + max(r.slack_s(now_s), 0.0)
-            for r in view.running
-            if r.is_reader and r.output_token_ids
+            for r in _exposed_readers(view)
         ),
         default=0.0,
     )
