@@ -1,7 +1,8 @@
 """An engine slower than its readers, on hand-built states: readers faster than their slot's
 share of Gamma are demand it cannot meet (not schedulable), Gamma is trusted only as far as
-batches were timed (a prior admits a burst in steps), and past Gamma the decision serves the
-earliest readers it can keep fed and says why the others wait."""
+batches were timed (a prior admits a burst in steps), and past Gamma the decision serves every
+started stream while they fit the feasible batch, else the earliest readers it can keep fed,
+and says why the others wait."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tests.core.helpers import make_core, make_request
 from tests.core.tokenflow_states import OPTIMISTIC
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.core.policies.base import Policy, WaitReason
-from tokenflow.core.policies.capacity import measure_capacity, served_set
+from tokenflow.core.policies.capacity import degraded_served, measure_capacity, served_set
 from tokenflow.core.policies.tokenflow import Decision, TokenFlowPolicy
 from tokenflow.core.request import RequestState
 
@@ -81,6 +82,41 @@ def test_past_gamma_the_earliest_readers_the_engine_can_feed_are_served_and_the_
     faster = make_request("fast", num_prompt=8, max_tokens=40, rate=9.0)  # alone only: B = 1
     assert served_set(view, capacity, [faster, *burst]) == [faster]
     assert served_set(view, capacity, [*burst[:4], faster, *burst[4:]]) == burst[:5]
+
+
+def test_overloaded_within_the_feasible_batch_every_started_stream_is_served():
+    """Past Gamma the readers all stall some; within the feasible batch none is left out (the
+    batch of all makes the most tokens/s), past it the served set is: a spread would rotate
+    streams over the link."""
+    core, clock, _ = make_core("tokenflow", num_device_blocks=64, block_size=4)
+    timed_slow_engine(core)
+    eight, twelve = readers(8, rate=3.0), readers(12, rate=3.0)
+    view = core.scheduler.view(clock.t)
+    for r in twelve:
+        core.add_request(r)
+    capacity = measure_capacity(core.scheduler.view(clock.t))
+    assert capacity.batch == 9 and capacity.demand_tps(eight) > capacity.gamma_tps
+    assert served_set(view, capacity, eight) == eight[:5]  # (what the served set would keep)
+    assert degraded_served(view, capacity, eight) == eight
+    assert degraded_served(view, capacity, twelve) == served_set(view, capacity, twelve)
+    assert len(served_set(view, capacity, twelve)) == 5
+
+
+def test_an_overloaded_decision_pauses_no_started_reader_that_fits_the_batch():
+    """Eight readers of 3 tok/s started, then the engine slows to feed each about 2 tok/s: the
+    decision finds it overloaded, and leaves every one on the device, none unserved."""
+    core, clock, _ = make_core("fcfs", num_device_blocks=128, block_size=4)
+    burst = readers(8, rate=3.0)
+    for r in burst:
+        core.add_request(r)
+    while not all(r.output_token_ids for r in burst):
+        core.step()
+    for _ in range(2):  # (the estimator's whole window: the slow engine's steps)
+        timed_slow_engine(core)
+    policy = TokenFlowPolicy(TokenFlowConfig())
+    decision = policy.decide(core.scheduler.view(clock.t))
+    assert decision.is_overloaded
+    assert not decision.unserved and not decision.preemptions
 
 
 def test_each_stream_off_the_device_says_why_it_waits():

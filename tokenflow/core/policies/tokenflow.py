@@ -60,10 +60,10 @@ from tokenflow.core.policies.base import (
 from tokenflow.core.policies.capacity import (
     Capacity,
     CapacityFloor,
+    degraded_served,
     measure_capacity,
     paced_batch,
     request_demand_tps,
-    served_set,
 )
 from tokenflow.core.policies.pricing import (
     Member,
@@ -257,13 +257,14 @@ class TokenFlowPolicy(Policy):
         demand_tps: float,
     ) -> frozenset[str]:
         """The started streams the decision serves: all of them while their demand fits
-        `queue_headroom` x Gamma (at most Gamma by default); past it, the served set
-        (`capacity.served_set`) in arrival order, so the readers served keep reading and the
-        stalls fall on the fewest, the latest arrivals, not on all."""
+        `queue_headroom` x Gamma (at most Gamma by default); past it, those
+        `capacity.degraded_served` picks in arrival order: the served set, so the readers
+        served keep reading and the stalls fall on the fewest, the latest arrivals, unless
+        spreading the engine over all stalls less reading."""
         if demand_tps <= max(self.config.queue_headroom, 1.0) * capacity.gamma_tps:
             return frozenset(r.request_id for r in started)
         in_order = sorted(started, key=lambda r: r.sort_key)
-        return frozenset(r.request_id for r in served_set(view, capacity, in_order))
+        return frozenset(r.request_id for r in degraded_served(view, capacity, in_order))
 
     def growth_tokens(self, view: SchedulingView) -> int:
         """Tokens a running stream gains in one interval at the current step time."""
