@@ -239,7 +239,7 @@ class TokenFlowPolicy(Policy):
             num_readers = sum(1 for r in started if r.is_reader)
             logger.warning(
                 "overloaded: streams ask %.1f tok/s of the %.1f the engine makes; serving %d of "
-                "%d started streams (%d readers), the rest wait",
+                "%d started streams (%d readers), new requests wait",
                 demand_tps, gamma_tps, num_served, len(started), num_readers,
             )  # fmt: skip
         elif self._logged_overload and demand_tps <= _OVERLOAD_OVER * gamma_tps:
