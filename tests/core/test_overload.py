@@ -102,48 +102,21 @@ def test_overloaded_within_the_feasible_batch_every_started_stream_is_served():
     assert len(served_set(view, capacity, twelve)) == 5
 
 
-def started_then_slowed(rate: float):
-    """Eight readers of `rate` started on a fast engine that then slows to the slow engine
-    (the estimator's whole window its steps): the core and the readers."""
-    core, _, _ = make_core("fcfs", num_device_blocks=128, block_size=4)
-    burst = readers(8, rate=rate)
+def test_an_overloaded_decision_pauses_no_started_reader_that_fits_the_batch():
+    """Eight readers of 3 tok/s started, then the engine slows to feed each about 2 tok/s: the
+    decision finds it overloaded, and leaves every one on the device, none unserved."""
+    core, clock, _ = make_core("fcfs", num_device_blocks=128, block_size=4)
+    burst = readers(8, rate=3.0)
     for r in burst:
         core.add_request(r)
     while not all(r.output_token_ids for r in burst):
         core.step()
-    for _ in range(2):
+    for _ in range(2):  # (the estimator's whole window: the slow engine's steps)
         timed_slow_engine(core)
-    return core, burst
-
-
-def test_an_overloaded_decision_pauses_no_started_reader_that_fits_the_batch():
-    """Eight readers of 3 tok/s on an engine that feeds each about 2 tok/s: the decision finds
-    it overloaded, and leaves every one on the device, none unserved."""
-    core, _ = started_then_slowed(rate=3.0)
     policy = TokenFlowPolicy(TokenFlowConfig())
-    decision = policy.decide(core.scheduler.view(core.clock.now()))
+    decision = policy.decide(core.scheduler.view(clock.t))
     assert decision.is_overloaded
     assert not decision.unserved and not decision.preemptions
-
-
-def test_overload_lasts_until_demand_falls_to_nine_tenths_of_gamma():
-    """A demand hovering at a noisy Gamma does not flip the decision between overloaded and
-    not: once over Gamma it stays overloaded (admitting nobody) until demand is 0.9 Gamma."""
-    core, burst = started_then_slowed(rate=3.0)
-    policy = TokenFlowPolicy(TokenFlowConfig())
-    view = core.scheduler.view(core.clock.now())
-    gamma_tps = measure_capacity(view).gamma_tps
-    late = make_request("late", num_prompt=8, max_tokens=40, rate=0.1)
-    core.add_request(late)
-    states = []
-    for share in (1.2, 0.95, 0.85, 0.95):  # demand / Gamma
-        for r in burst:
-            r.rate_tps = share * gamma_tps / len(burst)
-        decision = policy.decide(core.scheduler.view(core.clock.now()))
-        states.append(decision.is_overloaded)
-        if decision.is_overloaded:
-            assert late.request_id not in decision.start_requests
-    assert states == [True, True, False, False]
 
 
 def test_each_stream_off_the_device_says_why_it_waits():
@@ -169,10 +142,7 @@ def test_overload_is_logged_once_on_entering_and_once_on_leaving(caplog):
     most 0.9 Gamma."""
     policy = TokenFlowPolicy(TokenFlowConfig())
     caplog.set_level("INFO", logger="tokenflow.core.policies.tokenflow")
-    states = [
-        policy._overloaded(demand_tps, 100.0, num_served=3, started=[])
-        for demand_tps in (90.0, 101.0, 99.0, 102.0, 95.0, 101.0, 89.0, 80.0, 101.0)
-    ]
-    assert states == [False, True, True, True, True, True, False, False, True]
+    for demand_tps in (90.0, 101.0, 99.0, 102.0, 95.0, 101.0, 89.0, 80.0, 101.0):
+        policy._note_overload(demand_tps, 100.0, num_served=3, started=[])
     lines = [r.getMessage().split(":")[0] for r in caplog.records]
     assert lines == ["overloaded", "overload over", "overloaded"]

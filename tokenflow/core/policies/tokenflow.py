@@ -16,8 +16,6 @@ rates fit the engine's capacity (the lower median of recent Gammas, `capacity.Ca
 also between decisions, so a burst that wants more tokens/s than the engine makes waits in
 arrival order instead of joining and stalling everyone; unless the whole queue fits in
 `queue_headroom` x Gamma (off by default): then it all joins, the deficit spread as stalls.
-Once the started streams ask more than Gamma the engine counts as overloaded until they ask at
-most 0.9 of it (a noisy Gamma must not flip the decision every interval).
 
 Eager and batch requests (`Consumption`) read at an infinite rate: their buffer is always
 empty, so they are never paused for it, rank as readers about to run dry, ask one stream's share
@@ -81,7 +79,7 @@ from tokenflow.core.request import PreemptMode, Request, RequestState
 
 _OFF_DEVICE = (RequestState.WAITING, RequestState.PREEMPTED)
 logger = logging.getLogger(__name__)
-_OVERLOAD_OVER = 0.9  # overload is over once demand is this share of Gamma or less
+_OVERLOAD_OVER = 0.9  # overload is logged as over once demand is this share of Gamma or less
 
 
 @dataclass(frozen=True)
@@ -133,7 +131,7 @@ class TokenFlowPolicy(Policy):
         self._capacity_floor = CapacityFloor(config.capacity_window_s)  # recent Gammas
         self.num_decisions = 0
         self.num_degraded_decisions = 0
-        self._is_overloaded = False  # the engine's overload state (`_overloaded`)
+        self._logged_overload = False  # the overload state the log last said (`_note_overload`)
 
     def init_new_token_ratio(self, config: SchedulerConfig) -> float:
         """A smaller reserve than SGLang's (`TokenFlowConfig.init_new_token_ratio`): a
@@ -193,9 +191,10 @@ class TokenFlowPolicy(Policy):
         started_requests = (*view.running, *view.preempted)
         capacity = measure_capacity(view)
         demand_tps = capacity.demand_tps(started_requests)
-        served = self._served(view, capacity, started_requests, demand_tps)
-        degraded = self._overloaded(demand_tps, capacity.gamma_tps, len(served), started_requests)
+        degraded = demand_tps > capacity.gamma_tps
         self.num_degraded_decisions += int(degraded)
+        served = self._served(view, capacity, started_requests, demand_tps)
+        self._note_overload(demand_tps, capacity.gamma_tps, len(served), started_requests)
         started = [member(cfg, view, r, growth, prices) for r in started_requests]
         admitted = self._admission(view, last, capacity, demand_tps, degraded, started)
         newcomers = [member(cfg, view, r, growth, prices) for r in admitted.requests]
@@ -229,29 +228,26 @@ class TokenFlowPolicy(Policy):
             - {r.request_id for r in served_requests},
         )
 
-    def _overloaded(
+    def _note_overload(
         self, demand_tps: float, gamma_tps: float, num_served: int, started: Sequence[Request]
-    ) -> bool:
-        """Whether the engine is overloaded: its started streams ask more than Gamma, and once
-        they have, until they ask at most `_OVERLOAD_OVER` of it.  Gamma measured on a busy
-        machine swings by a third within seconds; a demand hovering at it would flip the
-        decision every interval between sharing an engine it cannot feed and pacing and pausing
-        as though it could.  One log line as the engine enters overload, one as it leaves."""
-        if not self._is_overloaded and demand_tps > gamma_tps:
-            self._is_overloaded = True
+    ) -> None:
+        """One log line as the engine enters overload (its started streams ask more than
+        Gamma), one as it leaves it: once they ask at most `_OVERLOAD_OVER` of Gamma, so a
+        demand hovering at Gamma logs once, not every decision."""
+        if not self._logged_overload and demand_tps > gamma_tps:
+            self._logged_overload = True
             num_readers = sum(1 for r in started if r.is_reader)
             logger.warning(
                 "overloaded: streams ask %.1f tok/s of the %.1f the engine makes; serving %d of "
                 "%d started streams (%d readers), new requests wait",
                 demand_tps, gamma_tps, num_served, len(started), num_readers,
             )  # fmt: skip
-        elif self._is_overloaded and demand_tps <= _OVERLOAD_OVER * gamma_tps:
-            self._is_overloaded = False
+        elif self._logged_overload and demand_tps <= _OVERLOAD_OVER * gamma_tps:
+            self._logged_overload = False
             logger.info(
                 "overload over: streams ask %.1f tok/s of the %.1f the engine makes",
                 demand_tps, gamma_tps,
             )  # fmt: skip
-        return self._is_overloaded
 
     def _served(
         self,
