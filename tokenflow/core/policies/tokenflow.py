@@ -257,10 +257,10 @@ class TokenFlowPolicy(Policy):
         demand_tps: float,
     ) -> frozenset[str]:
         """The started streams the decision serves: all of them while their demand fits
-        `queue_headroom` x Gamma (at most Gamma by default); past it, those
-        `capacity.degraded_served` picks in arrival order: the served set, so the readers
-        served keep reading and the stalls fall on the fewest, the latest arrivals, unless
-        spreading the engine over all stalls less reading."""
+        `queue_headroom` x Gamma (at most Gamma by default); past it, `capacity.degraded_served`
+        in arrival order: still all of them while they fit the feasible batch (sharing it
+        stalls the least reading), else the served set, so the readers served keep reading and
+        the stalls fall on the fewest, the latest arrivals."""
         if demand_tps <= max(self.config.queue_headroom, 1.0) * capacity.gamma_tps:
             return frozenset(r.request_id for r in started)
         in_order = sorted(started, key=lambda r: r.sort_key)
