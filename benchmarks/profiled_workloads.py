@@ -156,7 +156,10 @@ def run_real_once(workload: Workload, policy: str, extra_serve_args: Sequence[st
         run = asyncio.run(run_workload(requests, config, name=policy))
     if run.num_failed:
         raise SystemExit(f"{workload.name} {policy}: {run.num_failed} requests failed")
-    return suite_score(run.traces)
+    score = suite_score(run.traces)
+    # A client sees no pause, only a gap between tokens: the fresh server counted them all.
+    score["num_preemptions"] = run.server_counts.get("preemptions", 0)
+    return score
 
 
 def run_real(args: argparse.Namespace) -> dict[str, dict[str, list[dict]]]:

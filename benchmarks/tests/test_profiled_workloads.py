@@ -1,12 +1,17 @@
-"""The profiled suite runner's overload verdicts and its spinning processes."""
+"""The profiled suite runner's overload verdicts, its spinning processes, its knobs and what
+a real run reports."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import pytest
 
+from benchmarks import profiled_workloads
 from benchmarks.profiled_workloads import busy_loops, knob, main, overload_table
+from tokenflow.eval.client import BenchRun
+from tokenflow.sim.suite import suite_workload
 
 
 def _runs(stalls_s: list[float], qoes: list[float]) -> list[dict]:
@@ -45,3 +50,20 @@ def test_knobs_are_refused_for_real_servers(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         main(["--real", "--knob", "prefill_stall_s=0.25"])
     assert "--serve-args" in capsys.readouterr().err
+
+
+def test_a_real_run_reports_the_preemptions_its_server_counted(monkeypatch) -> None:
+    """A client sees no pause, so the real run's preemptions are the server's count."""
+
+    @contextlib.contextmanager
+    def server(policy, serve_args):
+        yield "http://127.0.0.1:1"
+
+    async def workload(requests, config, name):
+        return BenchRun(name, (), 0, (), 1.0, server_counts={"preemptions": 7})
+
+    monkeypatch.setattr(profiled_workloads, "local_server", server)
+    monkeypatch.setattr(profiled_workloads, "run_workload", workload)
+    monkeypatch.setattr(profiled_workloads, "suite_score", lambda traces: {"num_preemptions": 0})
+    run = profiled_workloads.run_real_once(suite_workload("burst-40"), "tokenflow")
+    assert run["num_preemptions"] == 7
