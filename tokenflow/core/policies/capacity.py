@@ -128,11 +128,9 @@ def degraded_served(
     running dry, and a reader fed a share f of its rate stalls 1 - f of its time while one
     left out stalls all of it (the summed stall share falls with every token generated).
     Andes' QoE agrees: a reader fed at f for its whole stream scores about 1 / (2 - f), at
-    least 0.5; one that waits its reading time and then reads at pace, 1/3.  On a CPU the
-    served set's smaller batch made 0.80-0.83x the tokens/s, and the README's 20 readers
-    stalled 3.9-5.4 s more than FCFS's (docs/results.md).  Past the feasible batch a spread
-    would rotate streams over the link; the served set keeps the ones served fed and pauses
-    the rest."""
+    least 0.5; one that waits its reading time and then reads at pace, 1/3 (docs/design.md
+    has what the served set lost on a CPU).  Past the feasible batch a spread would rotate
+    streams over the link; the served set keeps the ones served fed and pauses the rest."""
     if len(requests) <= capacity.batch:
         return list(requests)
     return served_set(view, capacity, requests)
