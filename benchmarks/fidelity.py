@@ -110,7 +110,7 @@ def real_run(
         use = cpu_use(before, read_cpu_times())
         summary = summarize(run.traces).to_dict()
         # The server is fresh, so what it counted during the run is all it ever counted.
-        summary["num_preemptions"] = run.server_counts.get("preemptions", 0)
+        summary["num_preemptions"] = run.num_preemptions
     return {
         "workload": workload.name,
         "policy": policy,

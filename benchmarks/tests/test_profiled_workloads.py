@@ -60,7 +60,14 @@ def test_a_real_run_reports_the_preemptions_its_server_counted(monkeypatch) -> N
         yield "http://127.0.0.1:1"
 
     async def workload(requests, config, name):
-        return BenchRun(name, (), 0, (), 1.0, server_counts={"preemptions": 7})
+        return BenchRun(
+            name=name,
+            traces=(),
+            num_failed=0,
+            errors=(),
+            duration_s=1.0,
+            server_counts={"preemptions": 7},
+        )
 
     monkeypatch.setattr(profiled_workloads, "local_server", server)
     monkeypatch.setattr(profiled_workloads, "run_workload", workload)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,13 +15,14 @@ from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import serve_in_thread, wait_until
 from tokenflow.cli.bench import BenchTarget, benchmark, report_runs
 from tokenflow.eval.client import (
+    BenchRun,
     ClientConfig,
     endpoint_url,
     request_body,
     run_workload,
     synthetic_prompt,
 )
-from tokenflow.eval.metrics import summarize
+from tokenflow.eval.metrics import RequestTrace, summarize
 from tokenflow.eval.report import report_records
 from tokenflow.eval.workload import WorkloadRequest
 from tokenflow.serving.app import KEEPALIVE, build_app
@@ -244,3 +246,15 @@ async def _run_against_no_metrics():  # type: ignore[no-untyped-def]
 
     with serve_in_thread(without_metrics) as url:
         return await run_workload(burst(1), config(url))
+
+
+def test_a_runs_preemptions_are_the_servers_count_else_its_traces():
+    """A client sees a pause only as a gap: the server's count wins where it has one."""
+    traces = tuple(
+        RequestTrace(f"r{i}", 0.0, 4.0, 8, (0.5, 0.75), num_preemptions=1) for i in range(2)
+    )
+    run = BenchRun(
+        name="x", traces=traces, num_failed=0, errors=(), duration_s=1.0, server_counts={}
+    )
+    assert run.num_preemptions == 2
+    assert replace(run, server_counts={"preemptions": 5}).num_preemptions == 5

@@ -129,8 +129,7 @@ def report_runs(
     title: str = "",
 ) -> dict[str, Summary]:
     """Print the table (and failures to stderr); write the JSON and PNG if asked.  Preemptions
-    are the server's own count when its /metrics has one (`BenchRun.server_counts`): a client
-    sees a pause only as a gap."""
+    are the server's own count when its /metrics has one (`BenchRun.num_preemptions`)."""
     config = metrics_config if metrics_config is not None else MetricsConfig()
     out = out if out is not None else sys.stdout
     summaries = {name: _summary(run, config) for name, run in runs.items()}
@@ -155,10 +154,7 @@ def report_runs(
 
 
 def _summary(run: BenchRun, config: MetricsConfig) -> Summary:
-    summary = summarize(run.traces, config)
-    if "preemptions" not in run.server_counts:
-        return summary
-    return replace(summary, num_preemptions=run.server_counts["preemptions"])
+    return replace(summarize(run.traces, config), num_preemptions=run.num_preemptions)
 
 
 def _counts_text(counts: Mapping[str, int]) -> str:

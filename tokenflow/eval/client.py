@@ -110,6 +110,13 @@ class BenchRun:
     server_counts: Mapping[str, int] = field(default_factory=dict)
     model: str | None = None  # the model asked for (None: omitted, the server's default)
 
+    @property
+    def num_preemptions(self) -> int:
+        """Streams the server took off the device during the run: its own count where its
+        /metrics has one (a client sees a pause only as a gap between tokens), else the
+        traces' count."""
+        return self.server_counts.get("preemptions", sum(t.num_preemptions for t in self.traces))
+
 
 def _v1_base(url: str) -> str:
     """`url` without an endpoint path, ending in /v1."""
