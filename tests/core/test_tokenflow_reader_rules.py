@@ -81,13 +81,10 @@ def test_the_stall_a_prefill_adds_runs_to_the_end_of_its_step():
     reader = _decoding("r", rate=4.0)
     assert prefill_hold_s(_steady_view(reader), 900) == pytest.approx(1.0)
     assert prefill_added_stall_s(_steady_view(reader), 900) == pytest.approx(0.75)
-    # a reader faster than the decodes (20 tok/s, 0.05 s of slack) stalls without the prefill
-    # too, one token each 0.1 s; the prefill's step delays each of its tokens by its 0.9 s
-    fast = _decoding("fast", rate=20.0)
-    assert prefill_added_stall_s(_steady_view(fast), 900) == pytest.approx(0.9)
     # the worst resident counts; buffers that outlast the hold, eager streams and prompts
     # still prefilling add nothing
-    assert prefill_added_stall_s(_steady_view(fast, reader), 900) == pytest.approx(0.9)
+    slower = _decoding("slower", rate=2.0)  # 0.5 s of slack: 0.5 s later
+    assert prefill_added_stall_s(_steady_view(slower, reader), 900) == pytest.approx(0.75)
     buffered = _decoding("buffered", rate=1.0, buffered_tokens=5)  # 5 s of reading
     eager = _decoding("eager", rate=math.inf, consumption=Consumption.EAGER)
     unstarted = make_request("unstarted", num_prompt=40)
@@ -96,6 +93,25 @@ def test_the_stall_a_prefill_adds_runs_to_the_end_of_its_step():
     # ... though a prompt ahead lengthens the hold of the tokens behind it
     ahead = _steady_view(reader, unstarted)
     assert prefill_added_stall_s(ahead, 900) == pytest.approx(0.79)
+
+
+def test_a_reader_the_decodes_feed_no_faster_than_it_reads_is_not_exposed_to_a_prefill():
+    # Decodes of 0.1 s feed a 20 tok/s reader (and one of exactly 10 tok/s) no faster than it
+    # reads: a prefill's step delays its tokens, but newcomers held for it would grow no buffer
+    # of its, only wait until it finishes.  A 9 tok/s reader's buffer grows: it is exposed.
+    for rate in (20.0, 10.0):
+        assert prefill_added_stall_s(_steady_view(_decoding("fast", rate=rate)), 900) == 0.0
+    assert prefill_added_stall_s(_steady_view(_decoding("r", rate=9.0)), 900) > 0.1
+    reader = _decoding("r", rate=4.0)
+    fast = _decoding("fast", rate=20.0)
+    assert prefill_added_stall_s(_steady_view(fast, reader), 900) == pytest.approx(0.75)
+    # so a newcomer is not held for it: without the rule the queue waits for it to finish
+    newcomer = make_request("new", num_prompt=899, max_tokens=1)
+    view = replace(_steady_view(fast), waiting=(newcomer,))
+    resident = member("fast", 0.0, 1, pinned=True)
+    admission = admit(view, [resident], 100, 1e9, _rate, 10.0, 0.0, 0.1)
+    assert [r.request_id for r in admission.requests] == ["new"]
+    assert waiting_within_budget(view, 1e9, 10.0, _rate, True, 0.1) == [newcomer]
 
 
 def test_a_prompt_already_prefilling_stalls_the_readers_without_the_newcomer():
@@ -293,6 +309,28 @@ def test_a_reader_no_pace_that_meets_the_demand_feeds_does_not_set_the_pace():
     # 40 tok/s: at the 3 streams that make it a step is 0.07 s, too slow for 16 tok/s
     assert paced_batch(view, readers, 40.0) == 46
     assert paced_batch(view, readers[2:], 0.0) == 2  # alone, it sets the pace: 0.06 <= 1 / 16
+
+
+def test_the_decided_pace_counts_the_demand_of_the_newcomers_it_admits():
+    # A step of about 0.04 + 0.01 x batch s.  Alone, the started 10 tok/s reader sets the pace
+    # at about 6 streams; the eight 8 tok/s newcomers admitted beside it ask 74 tok/s in all,
+    # which takes about 12: the pace of one reader would keep them out of the batch admission
+    # made them room in.
+    core, clock, _ = make_core("tokenflow", num_device_blocks=400, block_size=4)
+    for batch in range(1, 33):
+        for _ in range(4):
+            core.scheduler.estimator.observe(batch, 0, 0.04 + 0.01 * batch)
+    fast = make_request("fast", num_prompt=4, max_tokens=40, rate=10.0)
+    core.add_request(fast)
+    core.step()
+    assert fast.output_token_ids
+    for i in range(8):
+        core.add_request(make_request(f"n{i}", num_prompt=4, max_tokens=40, rate=8.0))
+    view = core.scheduler.view(clock.t)
+    assert paced_batch(view, [fast], 10.0) < 9
+    decision = core.scheduler.policy.decide(view)
+    assert len(decision.starts) == 8
+    assert decision.max_batch == paced_batch(view, [fast], 74.0) >= 9
 
 
 def test_between_decisions_starts_stop_at_the_decided_batch():

@@ -5,7 +5,8 @@ while the working set is below W_sched, its reader's rate fits in the capacity t
 leave, its prefill fits in this interval's prefill budget (so Gamma is measured as the batch
 fills, not guessed), its prefill stalls no resident reader longer than `prefill_stall_s`
 (beyond the paper: a prefill step stalls every reader with a shorter buffer, so a newcomer
-waits while the residents' buffers grow, unless the queued prompts' prefill outlasts the
+waits while the residents' buffers grow (not for a reader the decodes feed no faster than
+it reads: its buffer cannot), unless the queued prompts' prefill outlasts the
 residents' reading: then a wait only idles the engine's bottleneck), and it finds free
 device blocks or blocks that safe pauses free.
 """

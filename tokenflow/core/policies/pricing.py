@@ -146,12 +146,15 @@ def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
     resident reader: its stall until its last token with them (`_Arrivals.stall_s`) less its
     stall with only the prompts already prefilling (a reader faster than the decodes, or one
     an earlier prefill stalls, stalls either way; only the difference counts).  0 when none is
-    exposed."""
+    exposed.  A reader the decodes feed no faster than it reads is not exposed: newcomers held
+    for it would grow no buffer of its, only wait until it finishes (docs/design.md)."""
     if num_new_tokens <= 0:
         return 0.0
     with_new, without = _arrivals(view, num_new_tokens), _arrivals(view, 0)
     now_s, worst_s = view.now_s, 0.0
     for r in _exposed_readers(view):
+        if r.rate_tps * without.decode_s >= 1.0:
+            continue
         slack_s = r.slack_s(now_s)
         added_s = with_new.stall_s(slack_s, r) - without.stall_s(slack_s, r)
         worst_s = max(worst_s, added_s)

@@ -201,7 +201,8 @@ class TokenFlowPolicy(Policy):
         hold_s = prefill_hold_s(view, sum(map(view.start_tokens, admitted.requests)))
         kept = _kept(started, served, hold_s)
         served_requests = [m.request for m in kept]
-        max_batch = paced_batch(view, served_requests, capacity.demand_tps(served_requests))
+        paced = [*served_requests, *admitted.requests]
+        max_batch = paced_batch(view, paced, capacity.demand_tps(paced))
         selected = select(
             [*kept, *newcomers],
             view.kv.config.num_device_blocks,
