@@ -143,11 +143,11 @@ def _exposed_readers(view: SchedulingView) -> list[Request]:
 
 def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
     """The longest stall that prefilling `num_new_tokens` more prompt tokens adds to a started
-    resident reader: its stall until its last token with them (`_Arrivals.stall_s`) less its
-    stall with only the prompts already prefilling (a reader faster than the decodes, or one
-    an earlier prefill stalls, stalls either way; only the difference counts).  0 when none is
-    exposed.  A reader the decodes feed no faster than it reads is not exposed: newcomers held
-    for it would grow no buffer of its, only wait until it finishes (docs/design.md)."""
+    resident reader the decodes feed faster than it reads: its stall until its last token with
+    them (`_Arrivals.stall_s`) less its stall with only the prompts already prefilling (one an
+    earlier prefill stalls, stalls either way; only the difference counts).  0 when none is
+    exposed.  A reader fed no faster than it reads is left out: newcomers held for it would
+    grow no buffer of its, only wait until it finishes (docs/design.md)."""
     if num_new_tokens <= 0:
         return 0.0
     with_new, without = _arrivals(view, num_new_tokens), _arrivals(view, 0)
