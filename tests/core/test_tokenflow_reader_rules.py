@@ -192,6 +192,13 @@ def test_a_newcomer_does_not_wait_for_readers_once_the_queued_prefills_outlast_t
     assert started(newcomer) == ([], [])
     assert started(newcomer, behind)[0][:1] == ["new"]
     assert started(newcomer, behind)[1][:1] == ["new"]
+    # A 20 tok/s reader with 50 s of reading left is fed no faster than it reads: the limit
+    # does not wait for it, so its reading does not keep the queue from counting as the
+    # bottleneck either.
+    fast = _decoding("fast", rate=20.0, max_tokens=1001)
+    view = _steady_view(reader, fast)
+    assert started(newcomer, behind)[0][:1] == ["new"]
+    assert started(newcomer, behind)[1][:1] == ["new"]
 
 
 def test_a_stream_is_paused_for_a_newcomer_only_if_its_buffer_outlasts_the_prefill():

@@ -137,24 +137,27 @@ def prefill_hold_s(view: SchedulingView, num_new_tokens: int) -> float:
 
 
 def _exposed_readers(view: SchedulingView) -> list[Request]:
-    """The residents a prefill step can stall: started readers on the device."""
-    return [r for r in view.running if r.is_reader and r.output_token_ids]
+    """The residents a prefill step can stall: started readers on the device that the decodes
+    feed faster than they read.  A reader fed no faster than it reads grows no buffer while
+    newcomers wait; holding them for it would only wait until it finishes (docs/design.md)."""
+    decode_s = view.estimator.decode_time_s(len(view.running) or 1)
+    return [
+        r
+        for r in view.running
+        if r.is_reader and r.output_token_ids and r.rate_tps * decode_s < 1.0
+    ]
 
 
 def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
-    """The longest stall that prefilling `num_new_tokens` more prompt tokens adds to a started
-    resident reader the decodes feed faster than it reads: its stall until its last token with
-    them (`_Arrivals.stall_s`) less its stall with only the prompts already prefilling (one an
-    earlier prefill stalls, stalls either way; only the difference counts).  0 when none is
-    exposed.  A reader fed no faster than it reads is left out: newcomers held for it would
-    grow no buffer of its, only wait until it finishes (docs/design.md)."""
+    """The longest stall that prefilling `num_new_tokens` more prompt tokens adds to an exposed
+    reader (`_exposed_readers`): its stall until its last token with them (`_Arrivals.stall_s`)
+    less its stall with only the prompts already prefilling (one an earlier prefill stalls,
+    stalls either way; only the difference counts).  0 when none is exposed."""
     if num_new_tokens <= 0:
         return 0.0
     with_new, without = _arrivals(view, num_new_tokens), _arrivals(view, 0)
     now_s, worst_s = view.now_s, 0.0
     for r in _exposed_readers(view):
-        if r.rate_tps * without.decode_s >= 1.0:
-            continue
         slack_s = r.slack_s(now_s)
         added_s = with_new.stall_s(slack_s, r) - without.stall_s(slack_s, r)
         worst_s = max(worst_s, added_s)
@@ -163,8 +166,8 @@ def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
 
 def prefill_outlasts_reading(view: SchedulingView) -> bool:
     """Whether the waiting prompts take longer to prefill (`prefill_price_s` each) than any
-    started resident reader has left to read (its remaining output at its rate, after its
-    buffer).  Then the engine's prefill is its bottleneck: a newcomer held for the readers
+    exposed reader (`_exposed_readers`) has left to read (its remaining output at its rate,
+    after its buffer).  Then the engine's prefill is its bottleneck: a newcomer held for the readers
     idles it and delays every prompt queued behind as long, while the prefills still to come
     would outlast the readers' buffers anyway."""
     now_s = view.now_s
