@@ -29,3 +29,31 @@ def test_the_probe_server_gets_the_engine_flags_that_were_given():
     assert engine_flags(served) == ["--model", "m.gguf", "--weights", "dense", "--num-threads", "1"]
     assert engine_flags(EngineArgs()) == []
     assert engine_flags(EngineArgs(kernel_cache=False)) == ["--no-kernel-cache"]
+
+
+def test_the_profiled_engine_and_its_probe_server_have_no_prefix_cache(tiny_model_dir):
+    # The probe sends the same prompts burst after burst.  With the serve default's prefix
+    # cache a repeat finds its prompt's full blocks cached, and the lone request's prefill,
+    # which prices every prefill step, looks almost free.
+    from tokenflow.calibrate.probe import in_process_burst
+    from tokenflow.calibrate.sweep import SweepSpec
+    from tokenflow.cli.profile import profiled_engine_args
+    from tokenflow.engine.llm_engine import LLMEngine
+
+    served = EngineArgs(model=tiny_model_dir, device_kv_tokens=1024)
+    profiled = profiled_engine_args(served, SweepSpec())
+    assert served.enable_prefix_caching and not profiled.enable_prefix_caching
+    assert profiled.device_kv_tokens > served.device_kv_tokens  # the sweep's largest point
+    assert "--no-enable-prefix-caching" in engine_flags(profiled)
+
+    def cached_tokens(args: EngineArgs) -> int:
+        engine = LLMEngine(args)
+        try:
+            for _ in range(2):
+                in_process_burst(engine, 1, 64)
+            return engine.stats().prefix_cache_hits_total
+        finally:
+            engine.close()
+
+    assert cached_tokens(served) > 0  # what the profile would have timed
+    assert cached_tokens(profiled) == 0

@@ -105,20 +105,15 @@ def take_profile(
 
     started = read_cpu_times()
     begin_s = time.perf_counter()
-    block_size = served.block_size
-    need = sweep_device_blocks(spec, block_size) * block_size
-    widened = served
-    if served.device_kv_fraction is None:
-        widened = replace(served, device_kv_tokens=max(served.device_kv_tokens, need))
-    widened = replace(widened, host_kv_tokens=max(served.host_kv_tokens, 128 * block_size))
-    engine = LLMEngine(widened, build_executor=executor_factory(widened.executor))
+    profiled = profiled_engine_args(served, spec)
+    engine = LLMEngine(profiled, build_executor=executor_factory(profiled.executor))
     total = spec.num_steps + _BURST_REQUESTS + _BURST_OUTPUT_TOKENS + 8
     with tqdm(total=total, desc="profile", unit="step", disable=not progress) as bar:
         server_s, per_chunk_s = measure_server_overhead(engine, bar.update)
         kv = engine.scheduler.kv.config
         tiers = (kv.block_size, kv.num_device_blocks, kv.num_host_blocks)
         samples = run_sweep(engine.executor, time.perf_counter, spec, tiers, lambda: bar.update(1))
-    points = serving_probe(engine, served) if probe else ()
+    points = serving_probe(engine, profiled) if probe else ()
     engine.close()
     threshold = served.serial_below_tokens if engine.device.type == "cpu" else 0
     fitted = replace(
@@ -143,6 +138,19 @@ def take_profile(
     }
     profile = _assemble(engine, served, machine, costs, residuals(costs, samples), samples)
     return replace(profile, probe=tuple(points))
+
+
+def profiled_engine_args(served: EngineArgs, spec: SweepSpec) -> EngineArgs:
+    """The engine a profile measures: `served`, its tiers widened to the sweep's largest point,
+    and no prefix cache.  The profile times prefills; the probe sends the same prompts again
+    and again, and a cached prefix would make every repeat after the first look almost free
+    (its prefill factor came out 0.17-0.32).  The simulator charges a cache itself."""
+    block_size = served.block_size
+    need = sweep_device_blocks(spec, block_size) * block_size
+    widened = replace(served, enable_prefix_caching=False)
+    if served.device_kv_fraction is None:
+        widened = replace(widened, device_kv_tokens=max(served.device_kv_tokens, need))
+    return replace(widened, host_kv_tokens=max(served.host_kv_tokens, 128 * block_size))
 
 
 def serving_probe(engine: LLMEngine, served: EngineArgs) -> list[ProbePoint]:
@@ -173,6 +181,8 @@ def engine_flags(served: EngineArgs) -> list[str]:
         flags.append("--llama-cpp-repack")
     if not served.kernel_cache:
         flags.append("--no-kernel-cache")
+    if not served.enable_prefix_caching:
+        flags.append("--no-enable-prefix-caching")
     return flags
 
 
