@@ -110,6 +110,11 @@ class _Arrivals:
         return late_s if late_s > 0.0 else 0.0
 
 
+def decode_step_s(view: SchedulingView) -> float:
+    """The predicted decode step over the streams on the device now (one at least)."""
+    return view.estimator.decode_time_s(len(view.running) or 1)
+
+
 def _arrivals(view: SchedulingView, num_new_tokens: int) -> _Arrivals:
     """Token arrivals while the residents' prompt tokens still to compute and `num_new_tokens`
     more are prefilled: steps of the recent prefill chunk (at most max_prefill_tokens), each
@@ -118,7 +123,7 @@ def _arrivals(view: SchedulingView, num_new_tokens: int) -> _Arrivals:
     ahead = sum(r.num_tokens - r.num_computed_tokens for r in view.running if r.is_prefilling)
     chunk = max(1, int(min(est.prefill_step_tokens or math.inf, view.config.max_prefill_tokens)))
     tokens = ahead + num_new_tokens
-    decode_s = est.decode_time_s(len(view.running) or 1)
+    decode_s = decode_step_s(view)
     if tokens <= 0:
         return _Arrivals(0, decode_s, decode_s)
     num_steps = -(-tokens // chunk)
@@ -140,7 +145,7 @@ def _exposed_readers(view: SchedulingView) -> list[Request]:
     """The residents a prefill step can stall: started readers on the device that the decodes
     feed faster than they read.  A reader fed no faster than it reads grows no buffer while
     newcomers wait; holding them for it would only wait until it finishes (docs/design.md)."""
-    decode_s = view.estimator.decode_time_s(len(view.running) or 1)
+    decode_s = decode_step_s(view)
     return [
         r
         for r in view.running
@@ -167,9 +172,9 @@ def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
 def prefill_outlasts_reading(view: SchedulingView) -> bool:
     """Whether the waiting prompts take longer to prefill (`prefill_price_s` each) than any
     exposed reader (`_exposed_readers`) has left to read (its remaining output at its rate,
-    after its buffer).  Then the engine's prefill is its bottleneck: a newcomer held for the readers
-    idles it and delays every prompt queued behind as long, while the prefills still to come
-    would outlast the readers' buffers anyway."""
+    after its buffer).  Then the engine's prefill is its bottleneck: a newcomer held for the
+    readers idles it and delays every prompt queued behind as long, while the prefills still to
+    come would outlast the readers' buffers anyway."""
     now_s = view.now_s
     reading_s = max(
         (

@@ -68,6 +68,7 @@ from tokenflow.core.policies.capacity import (
 from tokenflow.core.policies.pricing import (
     Member,
     Prices,
+    decode_step_s,
     is_pausable,
     member,
     outlasts,
@@ -269,9 +270,7 @@ class TokenFlowPolicy(Policy):
 
     def growth_tokens(self, view: SchedulingView) -> int:
         """Tokens a running stream gains in one interval at the current step time."""
-        return int(
-            self.config.schedule_interval_s / view.estimator.decode_time_s(len(view.running) or 1)
-        )
+        return int(self.config.schedule_interval_s / decode_step_s(view))
 
     # -- admission and the overload rule ---------------------------------------------------------
     def _admission(
