@@ -1,4 +1,5 @@
-"""The executor's step semantics: copies overlap the forward, results per sampling chunk."""
+"""The executor's step semantics: copies done when the step is (on CPU before the forward, on
+CUDA beside it), results per sampling chunk."""
 
 from __future__ import annotations
 
@@ -57,26 +58,35 @@ def test_tokens_come_in_plan_order_when_rows_run_decodes_first(tiny_checkpoints)
     assert [s.request_id for s in result.sampled] == ["p1", "d1", "p3", "d2"]
 
 
-def test_copies_run_on_the_worker_while_the_forward_runs(tiny_checkpoints, monkeypatch):
+def test_cpu_copies_run_on_the_step_thread_before_the_forward(tiny_checkpoints, monkeypatch):
+    """On CPU a concurrent copy takes a core from the forward's threads: the copies run first,
+    on the calling thread, and are done when the step is."""
     executor = _executor(tiny_checkpoints)
     [expected] = greedy_generate(executor, [PROMPT_B], [[6, 7]], num_new=3)
-    seen = []
-    original = executor.kv_cache.apply_copies
+    events = []
+    copy, forward = executor.kv_cache.apply_copies, executor.model.forward
 
-    def recording(device_to_host, host_to_device):
-        seen.append((threading.current_thread(), len(device_to_host), len(host_to_device)))
-        original(device_to_host, host_to_device)
+    def recording_copy(device_to_host, host_to_device):
+        events.append(
+            ("copy", threading.current_thread(), len(device_to_host), len(host_to_device))
+        )
+        copy(device_to_host, host_to_device)
 
-    monkeypatch.setattr(executor.kv_cache, "apply_copies", recording)
+    def recording_forward(*args, **kwargs):
+        events.append(("forward", threading.current_thread()))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(executor.kv_cache, "apply_copies", recording_copy)
     greedy_generate(executor, [PROMPT_A], [[0, 1]], num_new=1)  # fills device blocks 0, 1
+    monkeypatch.setattr(executor.model, "forward", recording_forward)
     copies = [BlockCopy("a", CopyKind.WRITE_THROUGH, 0, 5), BlockCopy("a", CopyKind.EVICT, 1, 6)]
     loads = [BlockCopy("z", CopyKind.LOAD, 0, 9)]
     result = executor.execute(
         plan([chunk("b", PROMPT_B, 0, [6, 7], 0, True, GREEDY_NO_EOS)], copies, loads)
     )
     assert result.sampled[0].token_id == expected[0]  # the forward is unaffected by copies
-    assert seen and seen[0][0] is not threading.current_thread()
-    assert seen[0][1:] == (2, 1)
+    here = threading.current_thread()
+    assert events == [("copy", here, 2, 1), ("forward", here)]
     torch.testing.assert_close(
         executor.kv_cache.host_kv[:, :, 5:7], executor.kv_cache.device_kv[:, :, 0:2]
     )

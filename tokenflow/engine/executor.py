@@ -1,10 +1,13 @@
 """The real executor: one `StepPlan` in, one `StepResult` out (see tokenflow.core.plan).
 
-A step overlaps its tier copies with its forward pass.  The copies run on a worker thread (on
-CUDA, on a dedicated copy stream that first waits for the KV writes of earlier steps); the
-forward runs on the calling thread.  The plan guarantees that no copy touches a block the
+On CUDA a step overlaps its tier copies with its forward pass: the copies run on a worker
+thread, on a dedicated copy stream that first waits for the KV writes of earlier steps, while
+the forward runs on the calling thread.  The plan guarantees that no copy touches a block the
 forward writes, and the worker is joined (and the copy stream synchronised) before `execute`
-returns, so every copy of a plan is complete when its result is.
+returns, so every copy of a plan is complete when its result is.  On CPU the copies run first,
+on the calling thread: both tiers are the same memory and the forward's threads take every
+core, so a concurrent copy only takes one from them (on a 2-core host it slowed long-prompt
+prefill steps by about 15%, where running them first costs well under 1%; docs/design.md).
 
 Failure isolation: when sampling a batch raises, the rows are sampled one by one and only the
 rows that still fail are given up, as is a row whose token its grammar refuses: they get a
@@ -71,8 +74,11 @@ class ModelExecutor:
         self.grammars = grammars  # structured outputs' matchers (None: not supported)
         self.token_counts = TokenCounts(config.vocab_size, self.device)  # for penalties
         self.prompt_logprobs = PromptLogprobs()
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         is_cuda = self.device.type == "cuda"
+        # On CUDA only, the copies' worker and stream (copies overlap the forward there)
+        self._copier = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy") if is_cuda else None
+        )
         self._copy_stream = torch.cuda.Stream(self.device) if is_cuda else None
         self.block_tables = BlockTables()  # every request's device table, from the plans' deltas
         # On CPU decode attention reads the paged KV in place (a compiled kernel); on CUDA, and
@@ -140,11 +146,13 @@ class ModelExecutor:
                 self.model(inputs.input_ids, inputs.positions, attn, layers)
 
     def close(self) -> None:
-        """Stop the copy worker (the executor is unusable afterwards)."""
-        self._copier.shutdown(wait=True)
+        """Stop the copy worker, if any (the executor is unusable afterwards)."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run the plan's copies and forward pass concurrently; sample; return the tokens."""
+        """Run the plan's copies (concurrently with the forward on CUDA, before it on CPU) and
+        forward pass; sample; return the tokens."""
         self.token_counts.release(plan.released_request_ids)
         self.prompt_logprobs.release(plan.released_request_ids)
         if self.grammars is not None:
@@ -160,20 +168,20 @@ class ModelExecutor:
         return StepResult(sampled=sampled, failed_rows=failed_rows)
 
     def _start_copies(self, plan: StepPlan) -> Future[None] | None:
+        """The plan's copies: done here on CPU (None), else started on the copy worker."""
         if not (plan.device_to_host or plan.host_to_device):
             return None
-        ready = None
-        if self._copy_stream is not None:
-            # Copies may read blocks that earlier forwards wrote on the compute stream.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        if self._copier is None:  # CPU
+            with torch.inference_mode():
+                self.kv_cache.apply_copies(plan.device_to_host, plan.host_to_device)
+            return None
+        # Copies may read blocks that earlier forwards wrote on the compute stream.
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
         return self._copier.submit(self._run_copies, plan, ready)
 
-    def _run_copies(self, plan: StepPlan, ready: torch.cuda.Event | None) -> None:
+    def _run_copies(self, plan: StepPlan, ready: torch.cuda.Event) -> None:
         with torch.inference_mode():
-            if self._copy_stream is None:
-                self.kv_cache.apply_copies(plan.device_to_host, plan.host_to_device)
-                return
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(ready)
                 self.kv_cache.apply_copies(plan.device_to_host, plan.host_to_device)
