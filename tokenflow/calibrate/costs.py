@@ -12,7 +12,8 @@ Fits are least squares weighted by 1/t (they minimise relative residuals, so a 1
 counts as much as a 500 ms one), with every coefficient kept >= 0 (a coefficient that comes
 out negative is fixed at 0 and the rest refitted).  Copies: per direction, a fixed latency per
 step that copies at all plus a cost per block; the real CPU executor runs a step's copies on
-one worker thread, device -> host then host -> device, beside the forward pass.
+its own thread, device -> host then host -> device, before the forward pass (the simulator
+charges them beside it: tokenflow/sim/executor.py).
 """
 
 from __future__ import annotations
