@@ -6,8 +6,8 @@ the forward runs on the calling thread.  The plan guarantees that no copy touche
 forward writes, and the worker is joined (and the copy stream synchronised) before `execute`
 returns, so every copy of a plan is complete when its result is.  On CPU the copies run first,
 on the calling thread: both tiers are the same memory and the forward's threads take every
-core, so a concurrent copy only takes one from them (on a 2-core host it slowed long-prompt
-prefill steps by about 15%, where running them first costs well under 1%; docs/design.md).
+core, so a concurrent copy only takes one from them (what each costs: docs/design.md, "The KV
+tiers").
 
 Failure isolation: when sampling a batch raises, the rows are sampled one by one and only the
 rows that still fail are given up, as is a row whose token its grammar refuses: they get a

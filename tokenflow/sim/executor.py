@@ -8,8 +8,8 @@ Timing of one step (plan.py's contract: copies and the forward pass run concurre
   GPU each block is its pieces, a per-operation latency plus bytes over the effective PCIe
   bandwidth; PCIe is full duplex, so the two directions overlap each other), beside the
   compute: duration = max(compute, copies).  (The real CPU executor copies before its forward
-  pass, at memory speed: about 0.1 ms per copying step plus 0.07 ms a 368 KB block, under
-  0.5% of the CPU suite's steps; charging them beside the compute errs by that much.)
+  pass, at memory speed; charging them beside the compute errs by their share of a step,
+  docs/design.md, "The KV tiers".)
 - With `blocking_evictions=True` (write-back: the "without write-through" ablation) the step
   that preempts waits for its eviction copies before it computes:
   duration = evict + max(compute, the other copies).
