@@ -201,6 +201,28 @@ def test_a_newcomer_does_not_wait_for_readers_once_the_queued_prefills_outlast_t
     assert started(newcomer, behind)[1][:1] == ["new"]
 
 
+def test_the_queued_prefills_are_timed_as_the_engine_runs_them_in_chunks():
+    # Recent prefill steps took 300 prompt tokens in 0.4 s beside one decode (0.1 s).  The 4 tok/s
+    # reader has 1.5 s of reading left (0.25 s of slack, 5 tokens).  The queue's 1,200 tokens
+    # priced as one batch take 1.2 s, shorter than that reading; the engine runs them as four
+    # 300-token steps, each with the decode: 1.6 s, longer.  The prefill is the bottleneck, and
+    # the newcomer starts instead of waiting for the reader's buffer (priced as one batch, it
+    # waited, and the queue behind it waited as long).
+    estimator = StepTimeEstimator(0.1, 1e-3, per_seq_s=0.0)
+    for _ in range(4):
+        estimator.observe(1, 300, 0.4)
+    reader = _decoding("r", rate=4.0, max_tokens=6)
+    view = replace(empty_view(400), estimator=estimator, running=(reader,), now_s=0.0)
+    newcomer = make_request("new", num_prompt=1199, max_tokens=1)
+    queued = replace(view, waiting=(newcomer,))
+    assert prefill_price_s(queued, 1200) < 1.5 < prefill_hold_s(queued, 1200)
+    assert prefill_added_stall_s(queued, 1200) > 0.1  # (so the limit alone would hold it)
+    resident = member("r", 0.0, 1, pinned=True)
+    admission = admit(queued, [resident], 100, 1e9, _rate, 10.0, 0.0, 0.1)
+    assert [r.request_id for r in admission.requests] == ["new"]
+    assert waiting_within_budget(queued, 1e9, 10.0, _rate, True, 0.1) == [newcomer]
+
+
 def test_a_stream_is_paused_for_a_newcomer_only_if_its_buffer_outlasts_the_prefill():
     newcomer = make_request("new", num_prompt=40, max_tokens=1)  # 10 blocks
     view, members = full_view(20, 100, {"big": (12, 0)})

@@ -170,11 +170,13 @@ def prefill_added_stall_s(view: SchedulingView, num_new_tokens: int) -> float:
 
 
 def prefill_outlasts_reading(view: SchedulingView) -> bool:
-    """Whether the waiting prompts take longer to prefill (`prefill_price_s` each) than any
-    exposed reader (`_exposed_readers`) has left to read (its remaining output at its rate,
-    after its buffer).  Then the engine's prefill is its bottleneck: a newcomer held for the
-    readers idles it and delays every prompt queued behind as long, while the prefills still to
-    come would outlast the readers' buffers anyway."""
+    """Whether the waiting prompts take longer to prefill than any exposed reader
+    (`_exposed_readers`) has left to read (its remaining output at its rate, after its buffer):
+    timed as the engine runs them (`prefill_hold_s`: chunks of the recent step, each with the
+    residents' decodes, behind the prompts already prefilling), not as one batch's compute.
+    Then the engine's prefill is its bottleneck: a newcomer held for the readers idles it and
+    delays every prompt queued behind as long, while the prefills still to come would outlast
+    the readers' buffers anyway."""
     now_s = view.now_s
     reading_s = max(
         (
@@ -183,12 +185,8 @@ def prefill_outlasts_reading(view: SchedulingView) -> bool:
         ),
         default=0.0,
     )
-    queued_s = 0.0
-    for request in view.waiting:
-        queued_s += prefill_price_s(view, view.start_tokens(request))
-        if queued_s > reading_s:
-            return True
-    return False
+    queued_tokens = sum(view.start_tokens(r) for r in view.waiting)
+    return prefill_hold_s(view, queued_tokens) > reading_s
 
 
 @dataclass(frozen=True)
