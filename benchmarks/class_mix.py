@@ -20,7 +20,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.lib.rounds import interleaved
+from benchmarks.lib.rounds import count_arg, interleaved
 from tokenflow.eval.client import ClientConfig, run_workload
 from tokenflow.eval.local_server import local_server
 from tokenflow.eval.metrics import summarize_by_class
@@ -84,7 +84,7 @@ def report(runs: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=count_arg, default=2)
     parser.add_argument("--num-requests", type=int, default=20)
     parser.add_argument("--prompt-len", default="96:0")
     parser.add_argument("--output-len", default="160:0")

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchmarks.lib.rounds import interleaved  # noqa: E402
+from benchmarks.lib.rounds import count_arg, interleaved  # noqa: E402
 from tokenflow.core.plan import ScheduledChunk, StepPlan  # noqa: E402
 from tokenflow.core.request import SamplingParams  # noqa: E402
 from tokenflow.engine import ModelExecutor  # noqa: E402
@@ -370,7 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
     parser.add_argument("--paths", action="store_true", help="default vs each explicit path")
-    parser.add_argument("--rounds", type=int, default=2, help="--paths: A B .. B A rounds")
+    parser.add_argument("--rounds", type=count_arg, default=2, help="--paths: A B .. B A rounds")
     parser.add_argument(
         "--path-names",
         type=lambda s: s.split(","),
@@ -388,8 +388,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--prefill-len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved decode runs")
-    parser.add_argument("--prefill-repeats", type=int, default=5, help="interleaved prefill runs")
+    parser.add_argument("--repeats", type=count_arg, default=5, help="interleaved decode runs")
+    parser.add_argument(
+        "--prefill-repeats", type=count_arg, default=5, help="interleaved prefill runs"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--weights", default="auto", choices=["auto", "int4", "dense"])

@@ -49,7 +49,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.lib.fidelity_doc import write_doc, write_plot
-from benchmarks.lib.rounds import round_order
+from benchmarks.lib.rounds import count_arg, round_order
 from tokenflow.calibrate.costs import fit_compute, point_medians
 from tokenflow.calibrate.machine import cpu_use, read_cpu_times
 from tokenflow.calibrate.profile_file import Profile, PromptTokens, load_profile, pool_profiles
@@ -366,7 +366,7 @@ def run_tuned(args: argparse.Namespace) -> int:
 # -- arguments -----------------------------------------------------------------------------------
 def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--rounds", type=int, default=2)
+    add("--rounds", type=count_arg, default=2)
     add("--out-dir", default="fidelity-run")
     add("--only", nargs="*", default=[], help="workload names (default: all)")
     add(
@@ -391,7 +391,7 @@ def add_tuned_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[w.name for w in WORKLOADS],
     )
     add("--objective", choices=sorted(OBJECTIVE_KEY), default="qoe")
-    add("--rounds", type=int, default=2)
+    add("--rounds", type=count_arg, default=2)
     add("--budget", type=int, default=40)
     add("--profile", default=None, help="an existing profile (default: take one)")
     add("--out-dir", default="tuned-run")  # fmt: skip

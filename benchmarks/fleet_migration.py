@@ -25,6 +25,7 @@ import multiprocessing
 import statistics
 from pathlib import Path
 
+from benchmarks.lib.rounds import count_arg
 from tokenflow.core.rebalance import MigrateMode
 from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import aggregate, format_spread_table, write_marked_block
@@ -121,7 +122,7 @@ def rolling_verdict(runs: dict[str, list[dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=count_arg, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache/tokenflow-bench/migrate"))
     parser.add_argument("--fresh", action="store_true", help="ignore the cache")

@@ -27,6 +27,7 @@ import multiprocessing
 from pathlib import Path
 from statistics import median
 
+from benchmarks.lib.rounds import count_arg
 from tokenflow.core.routing import ROUTER_NAMES
 from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import aggregate, format_spread_table, write_marked_block
@@ -163,7 +164,7 @@ def setup_section(setup: str, runs: dict[str, list[dict]], period_s: float) -> l
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=count_arg, default=3)
     # (the presets whose replicas join or leave are benchmarks.fleet_migration's)
     steady = [n for n, s in fleet_setups().items() if not (s.joins_at_s or s.restarts_at_s)]
     parser.add_argument("--setups", default=",".join(steady))

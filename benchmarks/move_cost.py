@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx
 
 import tokenflow.replicas  # noqa: F401 - before anything imports Ray: it sets Ray's local mode
+from benchmarks.lib.rounds import count_arg
 from tokenflow.calibrate.profile_file import load_profile
 from tokenflow.cli.workload import add_workload_arguments, workload_spec_from_args
 from tokenflow.core.migration import MOVE_LATENCY_S
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", action="store_true", help="run queued against paused moves on Ray Serve first"
     )
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=count_arg, default=3)
     parser.add_argument("--json", default=str(ROOT / "docs" / "results" / "move-cost.json"))
     parser.add_argument("--modes-json", default=str(ROOT / "docs" / "results" / "join-modes.json"))
     parser.add_argument("--profile", default=str(ROOT / "docs" / "results" / "cpu-profile.json"))

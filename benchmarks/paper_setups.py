@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.lib.rounds import count_arg
 from tokenflow.core.config import TokenFlowConfig
 from tokenflow.eval.plots import plot_spread
 from tokenflow.eval.report import (
@@ -387,7 +388,7 @@ def _write_markdown(
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3, help="workload seeds 0 .. N-1")
+    parser.add_argument("--seeds", type=count_arg, default=3, help="workload seeds 0 .. N-1")
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--no-ablations", action="store_true")

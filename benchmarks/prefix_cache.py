@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 
 import httpx
 
+from benchmarks.lib.rounds import count_arg
 from tokenflow.eval.local_server import free_port, running_server, serve_command
 
 SYSTEM = (
@@ -190,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sim", action="store_true", help="the simulator's h200-chat instead")
     parser.add_argument("--seeds", default="0,1,2", help="--sim: workload seeds")
     parser.add_argument("--host-gib", default="16,64,512", help="--sim: host tier sizes")
-    parser.add_argument("--rounds", type=int, default=1, help="A B B A rounds")
+    parser.add_argument("--rounds", type=count_arg, default=1, help="A B B A rounds")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=56, help="of the system text (~2k tok)")
     parser.add_argument("--serve-args", default="", help="more `tokenflow serve` options")

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.lib.rounds import run_rounds
+from benchmarks.lib.rounds import count_arg, run_rounds
 from benchmarks.paper_setups import ENGINE
 from benchmarks.paper_setups import PROFILED as MARKERS
 from tokenflow.calibrate.profile_file import load_profile
@@ -130,8 +130,14 @@ README_WORKLOADS = {w.name: w for w in (README_BURST, README_READERS)}
 
 
 def named_workload(name: str) -> Workload:
-    """A workload of the suite, or one of the README's bursts."""
-    return README_WORKLOADS[name] if name in README_WORKLOADS else suite_workload(name)
+    """A workload of the suite, or one of the README's bursts (ValueError naming them all for
+    any other name)."""
+    if name in README_WORKLOADS:
+        return README_WORKLOADS[name]
+    if name not in {w.name for w in SUITE}:
+        known = [w.name for w in SUITE] + list(README_WORKLOADS)
+        raise ValueError(f"unknown workload {name!r}; choose from {known}")
+    return suite_workload(name)
 
 
 @contextmanager
@@ -241,11 +247,11 @@ def write_markdown(path: Path, command: str, absolute: list[str], targets: str) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, default=None, help="a `tokenflow profile` file")
-    parser.add_argument("--seeds", type=int, default=3, help="workload seeds 0 .. N-1")
+    parser.add_argument("--seeds", type=count_arg, default=3, help="workload seeds 0 .. N-1")
     parser.add_argument(
         "--real", action="store_true", help="the real engine, rounds A B B A, not a profile"
     )
-    parser.add_argument("--rounds", type=int, default=2, help="with --real: rounds of A B")
+    parser.add_argument("--rounds", type=count_arg, default=2, help="with --real: rounds of A B")
     parser.add_argument("--workloads", default=None, help="comma-separated (default: the suite)")
     parser.add_argument(
         "--slowdown", type=float, default=1.0, help="scale the profile's step and copy times"
@@ -280,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     names = args.workloads or default or ",".join(w.name for w in SUITE)
     args.workloads = [w for w in names.split(",") if w]
     for name in args.workloads:
-        named_workload(name)  # an unknown name fails here, before any run
+        try:
+            named_workload(name)  # an unknown name fails here, before any run
+        except ValueError as error:
+            parser.error(str(error))
     results = run_real(args) if args.real else run(args)
     absolute, targets = absolute_table(results), targets_table(results)
     print("\n".join(absolute) + "\n\n" + targets)

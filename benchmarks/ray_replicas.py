@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 from ray import serve
 
-from benchmarks.lib.rounds import run_rounds
+from benchmarks.lib.rounds import count_arg, run_rounds
 from tokenflow.cli.bench import main as bench_main
 from tokenflow.eval.metrics import Summary
 from tokenflow.eval.report import format_spread_table
@@ -67,7 +67,7 @@ def one_run(args: argparse.Namespace, router: str, url: str, out: Path) -> tuple
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=count_arg, default=2)
     parser.add_argument("--routers", default="ray-default,tokenflow")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--workload", choices=WORKLOADS, default="burst")

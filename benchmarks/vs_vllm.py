@@ -49,7 +49,7 @@ from pathlib import Path
 from benchmarks.lib.headline import format_ratios, ratio_spreads
 from benchmarks.lib.llama_server import add_llama_server_arguments, run_llama_server
 from benchmarks.lib.raw_decode import DecodeError, best_rows, format_rows, measure, row_records
-from benchmarks.lib.rounds import round_order, run_rounds
+from benchmarks.lib.rounds import count_arg, round_order, run_rounds
 from tokenflow.cli.bench import client_config_from_args, report_runs
 from tokenflow.cli.workload import add_workload_arguments, workload_from_args
 from tokenflow.eval.client import BenchRun, ClientConfig, run_workload
@@ -297,13 +297,6 @@ def _variant(text: str) -> tuple[str, str]:
     return name, options
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_setup_arguments(parser: argparse.ArgumentParser, log_dir: str) -> None:
     add = parser.add_argument
     add(
@@ -346,7 +339,7 @@ def add_raw_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tokens per stream: max_tokens = min_tokens = N, ignore_eos (default 128)",
     )
-    add("--repeats", type=_positive, default=1, help="rounds per concurrency; the fastest counts")
+    add("--repeats", type=count_arg, default=1, help="rounds per concurrency; the fastest counts")
     add(
         "--vllm-dtypes",
         type=lambda t: t.split(","),
@@ -396,7 +389,7 @@ def add_burst_common_arguments(parser: argparse.ArgumentParser, port: int) -> No
     add("--max-model-len", type=int, default=512)
     add("--port", type=int, default=port)
     add("--omp-bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND (default %(default)s)")
-    add("--repeats", type=_positive, default=1, help="rounds, every server once per round")
+    add("--repeats", type=count_arg, default=1, help="rounds, every server once per round")
     add("--json", default=None, help="write every round's summaries to this JSON file")
 
 
@@ -430,7 +423,7 @@ def add_in_vllm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_bench_client_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=_positive, default=2)
+    parser.add_argument("--rounds", type=count_arg, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=18130)
     parser.add_argument("--json", type=Path, default=None)

@@ -9,11 +9,24 @@ over rounds.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+def count_arg(text: str) -> int:
+    """An argparse type for a count of rounds, repeats or seeds: an integer of at least 1 (a
+    run of none measures nothing), refused with the option's error otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def round_order(items: Sequence[Item], round_index: int) -> list[Item]:

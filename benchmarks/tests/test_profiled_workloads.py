@@ -74,3 +74,23 @@ def test_a_real_run_reports_the_preemptions_its_server_counted(monkeypatch) -> N
     monkeypatch.setattr(profiled_workloads, "suite_score", lambda traces: {"num_preemptions": 0})
     run = profiled_workloads.run_real_once(suite_workload("burst-40"), "tokenflow")
     assert run["num_preemptions"] == 7
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--real", "--rounds", "0"], "--rounds: must be >= 1, got 0"),
+        (["--profile", "p.json", "--seeds", "two"], "--seeds: expected an integer >= 1"),
+        (["--profile", "p.json", "--workloads", "nope"], "unknown workload 'nope'"),
+    ],
+)
+def test_bad_counts_and_names_are_refused_before_any_run(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2  # argparse's usage error, not a traceback
+    error = capsys.readouterr().err
+    assert message in error
+    if "workload" in message:
+        assert "readme-readers" in error  # every name `named_workload` knows is offered

@@ -1,10 +1,13 @@
-"""The A B B A rounds helper: the order of the runs, and results keyed in the given order."""
+"""The A B B A rounds helper: the order of the runs, results keyed in the given order, and the
+count option every runner takes."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from benchmarks.lib.rounds import interleaved, round_order, run_rounds
+from benchmarks.lib.rounds import count_arg, interleaved, round_order, run_rounds
 
 
 def test_round_order_reverses_every_other_round() -> None:
@@ -60,3 +63,10 @@ def test_no_rounds_is_an_error(num_rounds: int) -> None:
 def test_a_repeated_item_is_an_error() -> None:
     with pytest.raises(ValueError, match="repeats one"):
         run_rounds(["A", "A"], 1, lambda index, item: item)
+
+
+def test_a_count_is_an_integer_of_at_least_one() -> None:
+    assert count_arg("3") == 3
+    for bad in ("0", "-2", "2.5", "two"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            count_arg(bad)
