@@ -61,7 +61,7 @@ from tokenflow.eval.report import (
     paired_ratios,
 )
 from tokenflow.eval.workload import LengthDist, RateMix, WorkloadSpec, generate
-from tokenflow.sim.suite import SUITE, run_suite_workload, suite_score, suite_workload
+from tokenflow.sim.suite import SUITE, run_suite_workload, suite_score
 
 POLICIES = ("fcfs", "tokenflow")
 HEADING = """## TokenFlow against FCFS on the profiled CPU engine
@@ -126,18 +126,15 @@ def _readme_burst(name: str, n: int, prompt: str, output: str, device_kv_tokens:
 # first burst: 20 readers on `make serve`'s defaults (an 8192-token device tier).
 README_BURST = _readme_burst("readme-burst", 16, "128:0", "192:0", 1664)
 README_READERS = _readme_burst("readme-readers", 20, "64:16", "200:40", 8192)
-README_WORKLOADS = {w.name: w for w in (README_BURST, README_READERS)}
+NAMED_WORKLOADS = {w.name: w for w in (*SUITE, README_BURST, README_READERS)}
 
 
 def named_workload(name: str) -> Workload:
     """A workload of the suite, or one of the README's bursts (ValueError naming them all for
     any other name)."""
-    if name in README_WORKLOADS:
-        return README_WORKLOADS[name]
-    if name not in {w.name for w in SUITE}:
-        known = [w.name for w in SUITE] + list(README_WORKLOADS)
-        raise ValueError(f"unknown workload {name!r}; choose from {known}")
-    return suite_workload(name)
+    if name not in NAMED_WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {list(NAMED_WORKLOADS)}")
+    return NAMED_WORKLOADS[name]
 
 
 @contextmanager
@@ -244,7 +241,8 @@ def write_markdown(path: Path, command: str, absolute: list[str], targets: str) 
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked before any run: `args.workloads` a list of known names."""
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, default=None, help="a `tokenflow profile` file")
     parser.add_argument("--seeds", type=count_arg, default=3, help="workload seeds 0 .. N-1")
@@ -287,9 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     args.workloads = [w for w in names.split(",") if w]
     for name in args.workloads:
         try:
-            named_workload(name)  # an unknown name fails here, before any run
+            named_workload(name)
         except ValueError as error:
             parser.error(str(error))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     results = run_real(args) if args.real else run(args)
     absolute, targets = absolute_table(results), targets_table(results)
     print("\n".join(absolute) + "\n\n" + targets)
